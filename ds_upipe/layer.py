@@ -1,0 +1,123 @@
+"""``UPipeDistributedAttention``: DeepSpeed-Ulysses' DistributedAttention with head-chunk pipelining."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.sequence.layer import DistributedAttention, apply_rotary_pos_emb
+from torch import Tensor
+
+from .kernels import AttentionKernel
+from .pipeline import PipelineContext, PlanIndices, UPipeAttentionFunction
+from .schedule import StagePlan, build_plan
+from .validation import check_inputs, gather_shapes
+
+
+class UPipeDistributedAttention(DistributedAttention):
+    """Drop-in for ``deepspeed.sequence.layer.DistributedAttention`` that runs heads in stages.
+
+    Arguments are DistributedAttention's, plus ``head_chunk_size`` (U): query heads per stage across
+    the sequence-parallel group.  None means U = C (the group size, least memory); U = H is plain
+    Ulysses in one stage.  Key and value may have fewer heads than query (GQA/MQA), including fewer
+    than C (then KV replicas are sent and their gradients summed back).
+
+    ``local_attention`` is either an ``AttentionKernel`` (forward returns the lse, backward needs no
+    recompute) or any callable with DistributedAttention's contract ``f(q, k, v, *args, **kwargs)``
+    on [b, S, h, d] (batch_dim_idx=0) or [S, b, h, d] (batch_dim_idx=1) tensors; such a callable is
+    recomputed per stage in backward.
+
+    Overlapping communication with a side stream (``sp_stream``) is not implemented: the argument is
+    accepted for signature compatibility and stages run on the current stream.
+    """
+
+    def __init__(
+        self,
+        local_attention: AttentionKernel | Callable[..., Tensor],
+        sequence_process_group: dist.ProcessGroup | None,
+        scatter_idx: int = 2,
+        gather_idx: int = 0,
+        sp_stream: Any = None,
+        num_kv_heads: int | None = None,
+        *,
+        head_chunk_size: int | None = None,
+        validate_inputs: bool = True,
+    ) -> None:
+        # DeepSpeed's overlap handles belong to its own forward; UPipe runs its own loop.
+        super().__init__(local_attention, sequence_process_group, scatter_idx, gather_idx, None, num_kv_heads)
+        if head_chunk_size is not None and (
+            isinstance(head_chunk_size, bool) or not isinstance(head_chunk_size, int) or head_chunk_size < 1
+        ):
+            raise ValueError(f"head_chunk_size must be a positive int or None, got {head_chunk_size!r}")
+        self.head_chunk_size = head_chunk_size
+        self.validate_inputs = validate_inputs
+        self.requested_sp_stream = sp_stream
+        #: number of stages this module has run (forward + backward)
+        self.stage_runs = [0]
+        self._indices: dict[tuple[StagePlan, torch.device], PlanIndices] = {}
+
+    @property
+    def group_size(self) -> int:
+        return dist.get_world_size(self.spg) if dist.is_initialized() else 1
+
+    def plan_for(self, num_heads: int, num_kv_heads: int) -> StagePlan:
+        return build_plan(num_heads, num_kv_heads, self.group_size, self.head_chunk_size)
+
+    def _indices_for(self, plan: StagePlan, device: torch.device) -> PlanIndices:
+        key = (plan, device)
+        if key not in self._indices:
+            self._indices[key] = PlanIndices.build(plan, device)
+        return self._indices[key]
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        batch_dim_idx: int,
+        rotary_pos_emb: tuple[Tensor, Tensor] | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Tensor:
+        if self.validate_inputs:
+            shapes = gather_shapes(query, key, value, batch_dim_idx, self.spg)
+            num_heads, num_kv_heads, _ = check_inputs(shapes, self.scatter_idx, self.head_chunk_size)
+        else:
+            num_heads, num_kv_heads = query.shape[2], key.shape[2]
+        plan = self.plan_for(num_heads, num_kv_heads)
+        if rotary_pos_emb is not None:
+            query, key = self._apply_local_rotary(query, key, batch_dim_idx, rotary_pos_emb)
+        pctx = PipelineContext(
+            plan=plan,
+            indices=self._indices_for(plan, query.device),
+            group=self.spg,
+            attention=self.local_attn,
+            batch_dim_idx=batch_dim_idx,
+            call_args=args,
+            call_kwargs=kwargs,
+            stage_counter=self.stage_runs,
+        )
+        return UPipeAttentionFunction.apply(query, key, value, pctx)
+
+    def _apply_local_rotary(
+        self, query: Tensor, key: Tensor, batch_dim_idx: int, rotary_pos_emb: tuple[Tensor, Tensor]
+    ) -> tuple[Tensor, Tensor]:
+        """RoPE is position-wise, so it commutes with the all-to-all: apply this rank's slice of the
+        full-sequence frequencies to the local shard (DeepSpeed applies them after gathering)."""
+        seq_dim = 1 - batch_dim_idx  # sequence dim of the gathered layout
+        rank = dist.get_rank(self.spg) if dist.is_initialized() else 0
+        local_len = query.shape[seq_dim]
+        sliced = []
+        for freqs in rotary_pos_emb:
+            freqs = freqs.permute(1, 0, 2, 3)  # the same permute DeepSpeed applies
+            if freqs.shape[seq_dim] != 1:
+                if freqs.shape[seq_dim] != local_len * self.group_size:
+                    raise ValueError(
+                        f"rotary_pos_emb covers {freqs.shape[seq_dim]} positions; expected the full sequence "
+                        f"{local_len * self.group_size} (or 1 to broadcast)"
+                    )
+                freqs = freqs.narrow(seq_dim, rank * local_len, local_len)
+            sliced.append(freqs)
+        return apply_rotary_pos_emb(query, *sliced), apply_rotary_pos_emb(key, *sliced)

@@ -1,0 +1,249 @@
+"""The UPipe stage loop as one autograd Function.
+
+Forward runs the stage plan: per round, gather the round's KV heads once; per stage, gather u query
+heads per rank over the full sequence, attend, send the output back and write it at the heads' own
+indices.  Only sequence-sharded tensors are saved (the inputs, the output, per-stage lse), so no
+gathered full-sequence tensor outlives its stage.  Backward replays each stage's all-to-alls,
+accumulates dK/dV of a round in float32 and sends them back once per round.
+
+Where the stage inputs come from is abstracted by ``StageSource``: plain local q/k/v tensors here,
+per-stage projections of the layer input in hf_patches' fused mode.  The loop itself never changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .comm import heads_to_sequence, sequence_to_heads
+from .kernels import AttentionKernel
+from .schedule import StagePlan
+
+
+#: process-wide count of UPipe stages run (forward + backward), so a launch can prove UPipe ran
+STAGE_RUNS: list[int] = [0]
+
+
+class StageSource(Protocol):
+    """Supplies a stage's local heads ([b, s, n, d] views of this rank's sequence shard) and takes
+    their gradients back.  ``heads`` is a 1-D index tensor of global head indices (may repeat)."""
+
+    def query(self, heads: Tensor) -> Tensor: ...
+
+    def key_value(self, heads: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def add_query_grad(self, heads: Tensor, grad: Tensor) -> None: ...
+
+    def add_key_value_grad(self, heads: Tensor, grad_key: Tensor, grad_value: Tensor) -> None: ...
+
+
+class LocalTensorSource:
+    """Stage inputs taken from already computed local q, k, v ([b, s, h, d] views)."""
+
+    def __init__(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        self.q, self.k, self.v = query, key, value
+        self.grad_q: Tensor | None = None
+        self.grad_k: Tensor | None = None
+        self.grad_v: Tensor | None = None
+
+    def query(self, heads: Tensor) -> Tensor:
+        return self.q.index_select(2, heads)
+
+    def key_value(self, heads: Tensor) -> tuple[Tensor, Tensor]:
+        return self.k.index_select(2, heads), self.v.index_select(2, heads)
+
+    def add_query_grad(self, heads: Tensor, grad: Tensor) -> None:
+        if self.grad_q is None:
+            self.grad_q = torch.zeros(self.q.shape, dtype=self.q.dtype, device=self.q.device)
+        self.grad_q.index_add_(2, heads, grad)
+
+    def add_key_value_grad(self, heads: Tensor, grad_key: Tensor, grad_value: Tensor) -> None:
+        if self.grad_k is None:
+            self.grad_k = torch.zeros(self.k.shape, dtype=self.k.dtype, device=self.k.device)
+            self.grad_v = torch.zeros(self.v.shape, dtype=self.v.dtype, device=self.v.device)
+        # index_add, not copy: with fewer KV heads than ranks one local head has several replicas.
+        self.grad_k.index_add_(2, heads, grad_key.to(self.k.dtype))
+        self.grad_v.index_add_(2, heads, grad_value.to(self.v.dtype))
+
+
+@dataclass
+class PlanIndices:
+    """The plan's head lists as device index tensors, concatenated over destination ranks."""
+
+    kv: list[Tensor]  # per round
+    query: list[list[Tensor]]  # per round, per stage
+
+    @staticmethod
+    def build(plan: StagePlan, device: torch.device) -> PlanIndices:
+        def flat(per_rank: tuple[tuple[int, ...], ...]) -> Tensor:
+            return torch.tensor([h for heads in per_rank for h in heads], dtype=torch.long, device=device)
+
+        return PlanIndices(
+            kv=[flat(r.kv_heads) for r in plan.rounds],
+            query=[[flat(s.query_heads) for s in r.stages] for r in plan.rounds],
+        )
+
+
+@dataclass
+class PipelineContext:
+    """Everything the stage loop needs besides the tensors."""
+
+    plan: StagePlan
+    indices: PlanIndices
+    group: dist.ProcessGroup | None
+    attention: AttentionKernel | Callable[..., Tensor]
+    #: for a generic callable: its layout ([b, S, h, d] when 0, [S, b, h, d] when 1) and extra args
+    batch_dim_idx: int = 0
+    call_args: tuple[Any, ...] = ()
+    call_kwargs: dict[str, Any] | None = None
+    #: per-owner count of stage runs (forward and backward); read by tests and launch checks
+    stage_counter: list[int] | None = None
+
+    @property
+    def uses_kernel(self) -> bool:
+        return isinstance(self.attention, AttentionKernel)
+
+    def gather(self, local_heads: Tensor) -> Tensor:
+        return heads_to_sequence(local_heads, self.plan.group_size, self.group)
+
+    def scatter(self, full_heads: Tensor) -> Tensor:
+        return sequence_to_heads(full_heads, self.plan.group_size, self.group)
+
+    def count_stage(self) -> None:
+        STAGE_RUNS[0] += 1
+        if self.stage_counter is not None:
+            self.stage_counter[0] += 1
+
+    # -- generic callables get DeepSpeed's layout and are differentiated by autograd -------------
+    def _to_callable_layout(self, t: Tensor) -> Tensor:
+        t = t.transpose(1, 2)  # [b, S, n, d]
+        return (t.transpose(0, 1) if self.batch_dim_idx == 1 else t).contiguous()
+
+    def _from_callable_layout(self, t: Tensor) -> Tensor:
+        t = t.transpose(0, 1) if self.batch_dim_idx == 1 else t
+        return t.transpose(1, 2)  # [b, n, S, d]
+
+    def call_generic(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = self.attention(
+            self._to_callable_layout(q),
+            self._to_callable_layout(k),
+            self._to_callable_layout(v),
+            *self.call_args,
+            **(self.call_kwargs or {}),
+        )
+        return self._from_callable_layout(out)
+
+
+def pipeline_forward(ctx: PipelineContext, source: StageSource, out: Tensor) -> list[Tensor]:
+    """Run all stages, writing into ``out`` ([b, s, H, d] view); returns per-stage lse (kernel mode)."""
+    lses: list[Tensor] = []
+    for round_idx, kv_idx in enumerate(ctx.indices.kv):
+        key, value = source.key_value(kv_idx)
+        k_full, v_full = ctx.gather(key), ctx.gather(value)
+        del key, value
+        for q_idx in ctx.indices.query[round_idx]:
+            q_full = ctx.gather(source.query(q_idx))
+            if ctx.uses_kernel:
+                o_full, lse = ctx.attention.forward(q_full, k_full, v_full)
+                lses.append(lse)
+            else:
+                o_full = ctx.call_generic(q_full, k_full, v_full)
+            del q_full
+            out.index_copy_(2, q_idx, ctx.scatter(o_full).to(out.dtype))
+            del o_full
+            ctx.count_stage()
+        del k_full, v_full
+    return lses
+
+
+def pipeline_backward(
+    ctx: PipelineContext, source: StageSource, out: Tensor, grad_out: Tensor, lses: list[Tensor]
+) -> None:
+    """Replay every stage and hand q/k/v gradients (local layout) to ``source``."""
+    stage_number = 0
+    for round_idx, kv_idx in enumerate(ctx.indices.kv):
+        key, value = source.key_value(kv_idx)
+        k_full, v_full = ctx.gather(key), ctx.gather(value)
+        del key, value
+        # float32 accumulation across the stages that share these KV heads
+        grad_k_acc = torch.zeros(k_full.shape, dtype=torch.float32, device=k_full.device)
+        grad_v_acc = torch.zeros(v_full.shape, dtype=torch.float32, device=v_full.device)
+        if grad_k_acc.dtype != k_full.dtype and k_full.dtype == torch.float64:
+            grad_k_acc, grad_v_acc = grad_k_acc.double(), grad_v_acc.double()
+        for q_idx in ctx.indices.query[round_idx]:
+            q_full = ctx.gather(source.query(q_idx))
+            dout_full = ctx.gather(grad_out.index_select(2, q_idx))
+            if ctx.uses_kernel:
+                o_full = ctx.gather(out.index_select(2, q_idx))
+                dq, dk, dv = ctx.attention.backward(dout_full, q_full, k_full, v_full, o_full, lses[stage_number])
+                del o_full
+            else:
+                dq, dk, dv = _generic_backward(ctx, q_full, k_full, v_full, dout_full)
+            del q_full, dout_full
+            source.add_query_grad(q_idx, ctx.scatter(dq.to(grad_out.dtype)))
+            del dq
+            grad_k_acc += dk
+            grad_v_acc += dv
+            del dk, dv
+            stage_number += 1
+            ctx.count_stage()
+        del k_full, v_full
+        source.add_key_value_grad(
+            kv_idx, ctx.scatter(grad_k_acc.to(grad_out.dtype)), ctx.scatter(grad_v_acc.to(grad_out.dtype))
+        )
+        del grad_k_acc, grad_v_acc
+
+
+def _generic_backward(
+    ctx: PipelineContext, q: Tensor, k: Tensor, v: Tensor, dout: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Recompute one stage of a generic callable under autograd and differentiate it."""
+    with torch.enable_grad():
+        q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+        out = ctx.call_generic(q, k, v)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+
+def _as_bshd(t: Tensor, batch_dim_idx: int) -> Tensor:
+    """View a [b, s, h, d] or [s, b, h, d] tensor as [b, s, h, d]."""
+    return t.transpose(0, 1) if batch_dim_idx == 1 else t
+
+
+class UPipeAttentionFunction(torch.autograd.Function):
+    """Autograd node for the unfused pipeline: inputs are local q, k, v in DeepSpeed's layout."""
+
+    @staticmethod
+    def forward(fctx, query: Tensor, key: Tensor, value: Tensor, pctx: PipelineContext) -> Tensor:
+        b_dim = pctx.batch_dim_idx
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        source = LocalTensorSource(_as_bshd(query, b_dim), _as_bshd(key, b_dim), _as_bshd(value, b_dim))
+        with torch.no_grad():
+            lses = pipeline_forward(pctx, source, _as_bshd(out, b_dim))
+        fctx.pctx = pctx
+        fctx.num_lse = len(lses)
+        fctx.save_for_backward(query, key, value, out, *lses)
+        return out
+
+    @staticmethod
+    def backward(fctx, grad_out: Tensor):
+        query, key, value, out, *lses = fctx.saved_tensors
+        pctx: PipelineContext = fctx.pctx
+        b_dim = pctx.batch_dim_idx
+        source = LocalTensorSource(_as_bshd(query, b_dim), _as_bshd(key, b_dim), _as_bshd(value, b_dim))
+        with torch.no_grad():
+            pipeline_backward(pctx, source, _as_bshd(out, b_dim), _as_bshd(grad_out, b_dim), lses)
+
+        def to_layout(g: Tensor | None) -> Tensor | None:
+            return None if g is None else _as_bshd(g, b_dim)  # the transpose is its own inverse
+
+        return (
+            to_layout(source.grad_q),
+            to_layout(source.grad_k),
+            to_layout(source.grad_v),
+            None,
+        )

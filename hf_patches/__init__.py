@@ -1,0 +1,1 @@
+"""HuggingFace Llama-family attention patches for UPipe."""

@@ -1,0 +1,113 @@
+"""Rank-side bodies of the core tests (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ds_upipe import MathKernel, TorchSDPAKernel, UPipeDistributedAttention
+
+HEAD_CONFIGS = {  # name -> (H, Hkv) for C in {2, 4}
+    "mha": (16, 16),
+    "gqa4": (16, 4),
+    "mqa": (16, 1),
+    "kv_lt_c": (16, 2),  # Hkv < C at C=4 (at C=2 it is plain GQA 8:1)
+}
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def reference_attention(q, k, v, causal):
+    """Single-process full-sequence attention in float64 ([b, S, h, d]), autograd by torch."""
+    g = q.shape[2] // k.shape[2]
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    kh, vh = kh.repeat_interleave(g, dim=1), vh.repeat_interleave(g, dim=1)
+    return F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal).transpose(1, 2)
+
+
+def make_inputs(seed, batch, seq, heads, kv_heads, head_dim, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    shape_q, shape_kv = (batch, seq, heads, head_dim), (batch, seq, kv_heads, head_dim)
+    q, k, v, dout = (
+        torch.randn(s, generator=gen, dtype=torch.float64) for s in (shape_q, shape_kv, shape_kv, shape_q)
+    )
+    return [t.to(dtype).to(torch.float64) for t in (q, k, v, dout)]  # values representable in dtype
+
+
+def relative_error(got, want):
+    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def local_shard(t, rank, world, batch_dim_idx):
+    """Rank's sequence shard of a [b, S, h, d] tensor, in the requested layout, as a leaf."""
+    s = t.shape[1] // world
+    shard = t[:, rank * s : (rank + 1) * s]
+    return (shard.transpose(0, 1) if batch_dim_idx == 1 else shard).contiguous()
+
+
+def run_case(rank, world, layout, heads, kv_heads, u, batch, causal, dtype, attention, seed=0, seq_per_rank=6):
+    head_dim = 8
+    q, k, v, dout = make_inputs(seed, batch, seq_per_rank * world, heads, kv_heads, head_dim, dtype)
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref_out = reference_attention(*full, causal)
+    ref_out.backward(dout)
+    locals_ = [local_shard(t, rank, world, layout).to(dtype).requires_grad_(True) for t in (q, k, v)]
+    attn = UPipeDistributedAttention(attention, dist.group.WORLD, head_chunk_size=u)
+    out = attn(*locals_, layout)
+    out.backward(local_shard(dout, rank, world, layout).to(dtype))
+    errors = {"out": relative_error(out, local_shard(ref_out.detach(), rank, world, layout))}
+    for name, loc, ref in zip("qkv", locals_, full):
+        errors[f"d{name}"] = relative_error(loc.grad, local_shard(ref.grad, rank, world, layout))
+    return errors
+
+
+def kernel_matrix(rank, world):
+    """The issue's matrix for the SDPA kernel in three dtypes; returns failures (empty = pass)."""
+    failures, count = [], 0
+    for (name, (h, hkv)), layout, u_factor, batch, causal, dtype in itertools.product(
+        HEAD_CONFIGS.items(), (0, 1), (1, 2, None), (1, 2), (True, False), TOLERANCE
+    ):
+        u = h if u_factor is None else u_factor * world
+        errs = run_case(rank, world, layout, h, hkv, u, batch, causal, dtype, TorchSDPAKernel(causal=causal))
+        count += 1
+        worst = max(errs.values())
+        if worst > TOLERANCE[dtype]:
+            failures.append((name, layout, u, batch, causal, str(dtype), errs))
+    return failures, count
+
+
+def other_attention_matrix(rank, world):
+    """Math reference kernel and a generic (recomputed) callable, float64."""
+
+    def generic(q, k, v, *args, causal=True, **kwargs):  # DistributedAttention's contract, [b, S, h, d]
+        return reference_attention(q, k, v, causal)
+
+    failures, count = [], 0
+    for (name, (h, hkv)), layout, u_factor, causal in itertools.product(
+        HEAD_CONFIGS.items(), (0, 1), (1, 2, None), (True, False)
+    ):
+        u = h if u_factor is None else u_factor * world
+        for label, attention in (("math", MathKernel(causal=causal)), ("generic", _Generic(causal))):
+            errs = run_case(rank, world, layout, h, hkv, u, 2, causal, torch.float64, attention)
+            count += 1
+            if max(errs.values()) > 1e-10:
+                failures.append((label, name, layout, u, causal, errs))
+    return failures, count
+
+
+class _Generic:
+    """A plain callable (not an AttentionKernel) in DistributedAttention's layout for batch_dim_idx=0/1."""
+
+    def __init__(self, causal):
+        self.causal = causal
+
+    def __call__(self, q, k, v, *args, **kwargs):
+        # UPipe passes the layout it was called with; detect [S, b, ...] by the batch_dim kwarg-free rule:
+        # tests call with batch sizes 2 and S >= 12, so a leading dim of 2 means [b, S, h, d].
+        seq_first = q.shape[0] != 2
+        if seq_first:
+            q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        out = reference_attention(q, k, v, self.causal)
+        return out.transpose(0, 1) if seq_first else out

@@ -1,0 +1,21 @@
+"""UPipeDistributedAttention equals single-process attention (forward and dq/dk/dv)."""
+
+import pytest
+
+from tests import core_cases
+from tests.dist_harness import run_ranks
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sdpa_kernel_matrix(world):
+    results = run_ranks(core_cases.kernel_matrix, world)
+    for rank, (failures, count) in enumerate(results):
+        assert count == 4 * 2 * 3 * 2 * 2 * 3
+        assert not failures, f"rank {rank}: {failures[:5]}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_math_kernel_and_generic_callable(world):
+    for rank, (failures, count) in enumerate(run_ranks(core_cases.other_attention_matrix, world)):
+        assert count == 4 * 2 * 3 * 2 * 2
+        assert not failures, f"rank {rank}: {failures[:5]}"
