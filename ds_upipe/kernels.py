@@ -83,9 +83,7 @@ class TorchSDPAKernel(AttentionKernel):
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         scale = self.scale_for(q.shape[-1])
         if q.device.type == "cpu":
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, self.causal, scale=scale
-            )
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, self.causal, scale=scale)
         if q.dtype in (torch.float16, torch.bfloat16):
             k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
             out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
@@ -194,8 +192,17 @@ class FlashAttnKernel(AttentionKernel):
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         res = self._fa._flash_attn_forward(
-            qb, kb, vb, 0.0, self.scale_for(q.shape[-1]), causal=self.causal,
-            window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
+            qb,
+            kb,
+            vb,
+            0.0,
+            self.scale_for(q.shape[-1]),
+            causal=self.causal,
+            window_size_left=-1,
+            window_size_right=-1,
+            softcap=0.0,
+            alibi_slopes=None,
+            return_softmax=False,
         )
         out, lse = res[0], res[1]
         return out.transpose(1, 2), lse
@@ -206,8 +213,23 @@ class FlashAttnKernel(AttentionKernel):
         qb, kb, vb, ob, db = (t.transpose(1, 2).contiguous() for t in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb)
         self._fa._flash_attn_backward(
-            db, qb, kb, vb, ob, lse, dq, dk, dv, 0.0, self.scale_for(q.shape[-1]), self.causal,
-            -1, -1, 0.0, None, False,
+            db,
+            qb,
+            kb,
+            vb,
+            ob,
+            lse,
+            dq,
+            dk,
+            dv,
+            0.0,
+            self.scale_for(q.shape[-1]),
+            self.causal,
+            -1,
+            -1,
+            0.0,
+            None,
+            False,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 

@@ -24,7 +24,6 @@ from .comm import heads_to_sequence, sequence_to_heads
 from .kernels import AttentionKernel
 from .schedule import StagePlan
 
-
 #: process-wide count of UPipe stages run (forward + backward), so a launch can prove UPipe ran
 STAGE_RUNS: list[int] = [0]
 

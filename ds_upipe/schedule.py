@@ -117,9 +117,7 @@ def valid_head_chunk_sizes(num_heads: int, num_kv_heads: int, group_size: int) -
     ]
 
 
-def resolve_head_chunk_size(
-    num_heads: int, num_kv_heads: int, group_size: int, head_chunk_size: int | None
-) -> int:
+def resolve_head_chunk_size(num_heads: int, num_kv_heads: int, group_size: int, head_chunk_size: int | None) -> int:
     """None means U = C (most memory saved). Anything invalid raises with the list of valid values."""
     check_head_counts(num_heads, num_kv_heads, group_size)
     if head_chunk_size is None:

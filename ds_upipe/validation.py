@@ -40,7 +40,9 @@ def check_inputs(shapes: list[list[int]], scatter_idx: int, head_chunk_size: int
     """Validate all ranks' shapes; returns (num_heads, num_kv_heads, resolved head_chunk_size)."""
     group_size = len(shapes)
     if scatter_idx != 2:
-        raise ValueError(f"scatter_idx={scatter_idx} is not supported: heads must be dim 2 ([b, s, h, d] or [s, b, h, d])")
+        raise ValueError(
+            f"scatter_idx={scatter_idx} is not supported: heads must be dim 2 ([b, s, h, d] or [s, b, h, d])"
+        )
     for rank, row in enumerate(shapes):
         batch_dim_idx = row[0]
         if batch_dim_idx not in (0, 1):
@@ -54,9 +56,7 @@ def check_inputs(shapes: list[list[int]], scatter_idx: int, head_chunk_size: int
         if k[1:] != v[1:]:
             raise ValueError(f"key shape {k[1:]} and value shape {v[1:]} differ on rank {rank}")
         if q[1:3] != k[1:3] or q[4] != k[4]:
-            raise ValueError(
-                f"query {q[1:]} and key {k[1:]} must agree on batch, sequence and head_dim (rank {rank})"
-            )
+            raise ValueError(f"query {q[1:]} and key {k[1:]} must agree on batch, sequence and head_dim (rank {rank})")
     if any(row[0] != shapes[0][0] for row in shapes):
         raise ValueError(f"batch_dim_idx differs across ranks: {[row[0] for row in shapes]}")
     # positions in a row: [batch_dim_idx, q ndim, q d0, q d1, ...]; layout 0 = [b, s, ...], 1 = [s, b, ...]

@@ -30,9 +30,7 @@ def reference_attention(q, k, v, causal):
 def make_inputs(seed, batch, seq, heads, kv_heads, head_dim, dtype):
     gen = torch.Generator().manual_seed(seed)
     shape_q, shape_kv = (batch, seq, heads, head_dim), (batch, seq, kv_heads, head_dim)
-    q, k, v, dout = (
-        torch.randn(s, generator=gen, dtype=torch.float64) for s in (shape_q, shape_kv, shape_kv, shape_q)
-    )
+    q, k, v, dout = (torch.randn(s, generator=gen, dtype=torch.float64) for s in (shape_q, shape_kv, shape_kv, shape_q))
     return [t.to(dtype).to(torch.float64) for t in (q, k, v, dout)]  # values representable in dtype
 
 

@@ -82,4 +82,3 @@ def run_ranks(
     if errors or missing:
         raise AssertionError("\n".join(errors) + (f"\nranks with no result: {missing}" if missing else ""))
     return [out[r][1] for r in range(world_size)]
-
