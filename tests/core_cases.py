@@ -109,3 +109,99 @@ class _Generic:
             q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         out = reference_attention(q, k, v, self.causal)
         return out.transpose(0, 1) if seq_first else out
+
+
+def deepspeed_parity(rank, world):
+    """Same inputs through DeepSpeed's DistributedAttention and UPipe (float64): max abs differences."""
+    from deepspeed.sequence.layer import DistributedAttention
+
+    diffs = []
+    for (name, (h, hkv)), layout, u_factor, causal in itertools.product(
+        (("mha", (16, 16)), ("gqa4", (16, 4))), (0, 1), (1, 2, None), (True, False)
+    ):
+        if hkv < world:
+            continue  # DeepSpeed itself refuses fewer KV heads than ranks
+        kernel = TorchSDPAKernel(causal=causal)
+        q, k, v, dout = make_inputs(1, 2, 6 * world, h, hkv, 8, torch.float64)
+        grads = []
+        for module in (
+            DistributedAttention(_LayoutAdapter(kernel, layout), dist.group.WORLD),
+            UPipeDistributedAttention(
+                _LayoutAdapter(kernel, layout), dist.group.WORLD, head_chunk_size=None if u_factor is None else u_factor * world
+            ),
+            UPipeDistributedAttention(kernel, dist.group.WORLD, head_chunk_size=h if u_factor is None else u_factor * world),
+        ):
+            inputs = [local_shard(t, rank, world, layout).requires_grad_(True) for t in (q, k, v)]
+            out = module(*inputs, layout)
+            out.backward(local_shard(dout, rank, world, layout))
+            grads.append([out.detach(), *(t.grad for t in inputs)])
+        for other in grads[1:]:
+            diffs.append(max((a - b).abs().max().item() for a, b in zip(grads[0], other)))
+    return diffs
+
+
+class _LayoutAdapter:
+    """An AttentionKernel's DistributedAttention callable for a given layout (DeepSpeed hands the
+    local attention [b, S, h, d] for batch_dim_idx=0 and [S, b, h, d] for 1)."""
+
+    def __init__(self, kernel, layout):
+        self.kernel, self.layout = kernel, layout
+
+    def __call__(self, q, k, v, *args, **kwargs):
+        if self.layout == 1:
+            return self.kernel(*(t.transpose(0, 1) for t in (q, k, v))).transpose(0, 1)
+        return self.kernel(q, k, v)
+
+
+def bad_input_errors(rank, world):
+    """Each bad input must raise ValueError on every rank with the same message, and leave no rank
+    blocked (a barrier follows every case)."""
+
+    def attempt(make, layout=0, u=None):
+        try:
+            attn = UPipeDistributedAttention(TorchSDPAKernel(), dist.group.WORLD, head_chunk_size=u)
+            q, k, v = make()
+            attn(q, k, v, layout).sum().backward()
+            result = "no error"
+        except ValueError as err:
+            result = str(err)
+        dist.barrier()
+        return result
+
+    def tensors(seq=6, heads=16, kv=4, batch=2, kv_seq=None, layout_dims=None):
+        shape_q = layout_dims or (batch, seq, heads, 8)
+        shape_k = (batch, kv_seq or seq, kv, 8) if layout_dims is None else (*layout_dims[:2], kv, 8)
+        return lambda: tuple(torch.randn(s, requires_grad=True) for s in (shape_q, shape_k, shape_k))
+
+    return {
+        "u_not_multiple_of_c": attempt(tensors(), u=world + 1),
+        "u_not_dividing_h": attempt(tensors(heads=12, kv=12), u=8),
+        "u_splits_kv_group": attempt(tensors(heads=48, kv=8), u=16),
+        "heads_not_divisible": attempt(tensors(heads=world + 1, kv=1)),
+        "kv_incompatible": attempt(tensors(heads=24, kv=6)),
+        "uneven_shards": attempt(tensors(seq=6 + rank)),
+        "batch_dim_idx": attempt(tensors(), layout=2),
+        "key_query_mismatch": attempt(tensors(kv_seq=5)),
+        "constructor_bad_u": attempt(tensors(), u=0),
+        "ok_after_errors": attempt(tensors()),
+    }
+
+
+def memory_by_head_chunk(rank, world, seq_per_rank=64, batch=1, heads=32, kv_heads=8, head_dim=64):
+    """Intermediate peak (bytes) of DeepSpeed's DistributedAttention and UPipe at each valid U, float32."""
+    from deepspeed.sequence.layer import DistributedAttention
+
+    from ds_upipe.memory import measure_attention
+    from ds_upipe.schedule import valid_head_chunk_sizes
+
+    kernel = TorchSDPAKernel(causal=True)
+    gen = torch.Generator().manual_seed(rank)
+    shape_q, shape_kv = (batch, seq_per_rank, heads, head_dim), (batch, seq_per_rank, kv_heads, head_dim)
+    q, k, v, dout = (torch.randn(s, generator=gen) for s in (shape_q, shape_kv, shape_kv, shape_q))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    results = {"deepspeed": measure_attention(DistributedAttention(kernel, dist.group.WORLD), q, k, v, dout, 0)}
+    for u in valid_head_chunk_sizes(heads, kv_heads, world):
+        attn = UPipeDistributedAttention(kernel, dist.group.WORLD, head_chunk_size=u)
+        results[u] = measure_attention(attn, q, k, v, dout, 0)
+    return {key: (m.intermediate_bytes, m.peak_bytes, m.seconds) for key, m in results.items()}

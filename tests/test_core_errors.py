@@ -1,0 +1,39 @@
+"""Bad inputs are refused with the documented ValueError, identically on every rank, without hangs."""
+
+import pytest
+
+from ds_upipe import build_plan, valid_head_chunk_sizes
+from tests import core_cases
+from tests.dist_harness import run_ranks
+
+EXPECTED = {
+    "u_not_multiple_of_c": "multiple of the sequence-parallel size",
+    "u_not_dividing_h": "must divide num_heads=12",
+    "u_splits_kv_group": "whole fraction of a KV group",
+    "heads_not_divisible": "not divisible by the sequence-parallel size",
+    "kv_incompatible": "one must divide the other",
+    "uneven_shards": "sequence shard lengths differ across ranks",
+    "batch_dim_idx": "batch_dim_idx=2",
+    "key_query_mismatch": "must agree on batch, sequence and head_dim",
+    "constructor_bad_u": "head_chunk_size must be a positive int or None, got 0",
+    "ok_after_errors": "no error",
+}
+
+
+def test_errors_on_every_rank():
+    results = run_ranks(core_cases.bad_input_errors, 4, timeout=300)
+    for case, fragment in EXPECTED.items():
+        messages = {r[case] for r in results}
+        assert len(messages) == 1, f"{case}: ranks disagree: {messages}"
+        message = messages.pop()
+        assert fragment in message, f"{case}: {message!r}"
+    # invalid head_chunk_size errors list the valid values
+    assert "Valid values: [4, 8, 12, 24, 48]" in results[0]["u_splits_kv_group"]
+
+
+def test_plain_errors_without_processes():
+    with pytest.raises(ValueError, match=r"invalid head_chunk_size=6 .* Valid values: \[2, 4, 8, 16\]"):
+        build_plan(16, 4, 2, 6)
+    assert valid_head_chunk_sizes(24, 4, 2) == [2, 4, 6, 12, 24]
+    with pytest.raises(ValueError, match="whole fraction of a KV group or whole KV groups"):
+        build_plan(24, 4, 2, 8)
