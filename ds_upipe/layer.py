@@ -29,8 +29,12 @@ class UPipeDistributedAttention(DistributedAttention):
     on [b, S, h, d] (batch_dim_idx=0) or [S, b, h, d] (batch_dim_idx=1) tensors; such a callable is
     recomputed per stage in backward.
 
-    Overlapping communication with a side stream (``sp_stream``) is not implemented: the argument is
-    accepted for signature compatibility and stages run on the current stream.
+    ``overlap_comm=True`` issues the next stage's input all-to-alls asynchronously before the current
+    stage computes (two stages' input buffers alive instead of one).  DeepSpeed's ``sp_stream`` is
+    accepted for signature compatibility; the asynchronous collectives use the backend's own stream.
+
+    ``validate_inputs`` exchanges every rank's shapes once per forward (one tiny all_gather) so a bad
+    input raises the same ValueError on all ranks instead of hanging some of them.
     """
 
     def __init__(
@@ -43,6 +47,7 @@ class UPipeDistributedAttention(DistributedAttention):
         num_kv_heads: int | None = None,
         *,
         head_chunk_size: int | None = None,
+        overlap_comm: bool = False,
         validate_inputs: bool = True,
     ) -> None:
         # DeepSpeed's overlap handles belong to its own forward; UPipe runs its own loop.
@@ -52,6 +57,7 @@ class UPipeDistributedAttention(DistributedAttention):
         ):
             raise ValueError(f"head_chunk_size must be a positive int or None, got {head_chunk_size!r}")
         self.head_chunk_size = head_chunk_size
+        self.overlap_comm = overlap_comm
         self.validate_inputs = validate_inputs
         self.requested_sp_stream = sp_stream
         #: number of stages this module has run (forward + backward)
@@ -98,6 +104,7 @@ class UPipeDistributedAttention(DistributedAttention):
             call_args=args,
             call_kwargs=kwargs,
             stage_counter=self.stage_runs,
+            overlap_comm=self.overlap_comm,
         )
         return UPipeAttentionFunction.apply(query, key, value, pctx)
 

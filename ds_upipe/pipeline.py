@@ -12,7 +12,7 @@ per-stage projections of the layer input in hf_patches' fused mode.  The loop it
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm import heads_to_sequence, sequence_to_heads
+from .comm import PendingExchange, heads_to_sequence, sequence_to_heads, start_heads_to_sequence
 from .kernels import AttentionKernel
 from .schedule import StagePlan
 
@@ -102,6 +102,9 @@ class PipelineContext:
     call_kwargs: dict[str, Any] | None = None
     #: per-owner count of stage runs (forward and backward); read by tests and launch checks
     stage_counter: list[int] | None = None
+    #: issue the next stage's input all-to-alls before computing the current stage (two stages'
+    #: input buffers alive instead of one)
+    overlap_comm: bool = False
 
     @property
     def uses_kernel(self) -> bool:
@@ -109,6 +112,24 @@ class PipelineContext:
 
     def gather(self, local_heads: Tensor) -> Tensor:
         return heads_to_sequence(local_heads, self.plan.group_size, self.group)
+
+    def start_gather(self, local_heads: Tensor) -> PendingExchange:
+        return start_heads_to_sequence(local_heads, self.plan.group_size, self.group, async_op=self.overlap_comm)
+
+    def prefetched(
+        self, items: Sequence[Tensor], start: Callable[[Tensor], tuple[PendingExchange, ...]]
+    ) -> Iterator[tuple[Tensor, tuple[Tensor, ...]]]:
+        """Yield (item, gathered inputs) per stage; with overlap_comm the next stage's exchanges are
+        issued before the current stage is handed out, otherwise after it is done."""
+        pending = start(items[0]) if items else ()
+        for i, item in enumerate(items):
+            gathered = tuple(p.wait() for p in pending)
+            has_next = i + 1 < len(items)
+            pending = start(items[i + 1]) if self.overlap_comm and has_next else ()
+            yield item, gathered
+            del gathered
+            if not self.overlap_comm and has_next:
+                pending = start(items[i + 1])
 
     def scatter(self, full_heads: Tensor) -> Tensor:
         return sequence_to_heads(full_heads, self.plan.group_size, self.group)
@@ -145,8 +166,8 @@ def pipeline_forward(ctx: PipelineContext, source: StageSource, out: Tensor) -> 
         key, value = source.key_value(kv_idx)
         k_full, v_full = ctx.gather(key), ctx.gather(value)
         del key, value
-        for q_idx in ctx.indices.query[round_idx]:
-            q_full = ctx.gather(source.query(q_idx))
+        stages = ctx.indices.query[round_idx]
+        for q_idx, (q_full,) in ctx.prefetched(stages, lambda idx: (ctx.start_gather(source.query(idx)),)):
             if ctx.uses_kernel:
                 o_full, lse = ctx.attention.forward(q_full, k_full, v_full)
                 lses.append(lse)
@@ -169,17 +190,20 @@ def pipeline_backward(
         key, value = source.key_value(kv_idx)
         k_full, v_full = ctx.gather(key), ctx.gather(value)
         del key, value
-        # float32 accumulation across the stages that share these KV heads
-        grad_k_acc = torch.zeros(k_full.shape, dtype=torch.float32, device=k_full.device)
-        grad_v_acc = torch.zeros(v_full.shape, dtype=torch.float32, device=v_full.device)
-        if grad_k_acc.dtype != k_full.dtype and k_full.dtype == torch.float64:
-            grad_k_acc, grad_v_acc = grad_k_acc.double(), grad_v_acc.double()
-        for q_idx in ctx.indices.query[round_idx]:
-            q_full = ctx.gather(source.query(q_idx))
-            dout_full = ctx.gather(grad_out.index_select(2, q_idx))
+        # accumulate in (at least) float32 across the stages that share these KV heads
+        acc_dtype = torch.float64 if k_full.dtype == torch.float64 else torch.float32
+        grad_k_acc = torch.zeros(k_full.shape, dtype=acc_dtype, device=k_full.device)
+        grad_v_acc = torch.zeros(v_full.shape, dtype=acc_dtype, device=v_full.device)
+
+        def start_stage(idx: Tensor) -> tuple[PendingExchange, ...]:
+            exchanges = [ctx.start_gather(source.query(idx)), ctx.start_gather(grad_out.index_select(2, idx))]
+            if ctx.uses_kernel:  # lse-based backward needs the stage output; a recompute does not
+                exchanges.append(ctx.start_gather(out.index_select(2, idx)))
+            return tuple(exchanges)
+
+        for q_idx, (q_full, dout_full, *o_full) in ctx.prefetched(ctx.indices.query[round_idx], start_stage):
             if ctx.uses_kernel:
-                o_full = ctx.gather(out.index_select(2, q_idx))
-                dq, dk, dv = ctx.attention.backward(dout_full, q_full, k_full, v_full, o_full, lses[stage_number])
+                dq, dk, dv = ctx.attention.backward(dout_full, q_full, k_full, v_full, o_full[0], lses[stage_number])
                 del o_full
             else:
                 dq, dk, dv = _generic_backward(ctx, q_full, k_full, v_full, dout_full)

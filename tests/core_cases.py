@@ -45,14 +45,16 @@ def local_shard(t, rank, world, batch_dim_idx):
     return (shard.transpose(0, 1) if batch_dim_idx == 1 else shard).contiguous()
 
 
-def run_case(rank, world, layout, heads, kv_heads, u, batch, causal, dtype, attention, seed=0, seq_per_rank=6):
+def run_case(
+    rank, world, layout, heads, kv_heads, u, batch, causal, dtype, attention, seed=0, seq_per_rank=6, overlap=False
+):
     head_dim = 8
     q, k, v, dout = make_inputs(seed, batch, seq_per_rank * world, heads, kv_heads, head_dim, dtype)
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref_out = reference_attention(*full, causal)
     ref_out.backward(dout)
     locals_ = [local_shard(t, rank, world, layout).to(dtype).requires_grad_(True) for t in (q, k, v)]
-    attn = UPipeDistributedAttention(attention, dist.group.WORLD, head_chunk_size=u)
+    attn = UPipeDistributedAttention(attention, dist.group.WORLD, head_chunk_size=u, overlap_comm=overlap)
     out = attn(*locals_, layout)
     out.backward(local_shard(dout, rank, world, layout).to(dtype))
     errors = {"out": relative_error(out, local_shard(ref_out.detach(), rank, world, layout))}
@@ -62,17 +64,19 @@ def run_case(rank, world, layout, heads, kv_heads, u, batch, causal, dtype, atte
 
 
 def kernel_matrix(rank, world):
-    """The issue's matrix for the SDPA kernel in three dtypes; returns failures (empty = pass)."""
+    """The issue's matrix for the SDPA kernel in three dtypes (float64 also with overlapped
+    communication); returns failures (empty = pass) and the number of cases run."""
     failures, count = [], 0
     for (name, (h, hkv)), layout, u_factor, batch, causal, dtype in itertools.product(
         HEAD_CONFIGS.items(), (0, 1), (1, 2, None), (1, 2), (True, False), TOLERANCE
     ):
         u = h if u_factor is None else u_factor * world
-        errs = run_case(rank, world, layout, h, hkv, u, batch, causal, dtype, TorchSDPAKernel(causal=causal))
-        count += 1
-        worst = max(errs.values())
-        if worst > TOLERANCE[dtype]:
-            failures.append((name, layout, u, batch, causal, str(dtype), errs))
+        for overlap in (False, True) if dtype == torch.float64 else (False,):
+            kernel = TorchSDPAKernel(causal=causal)
+            errs = run_case(rank, world, layout, h, hkv, u, batch, causal, dtype, kernel, overlap=overlap)
+            count += 1
+            if max(errs.values()) > TOLERANCE[dtype]:
+                failures.append((name, layout, u, batch, causal, str(dtype), overlap, errs))
     return failures, count
 
 
@@ -88,7 +92,7 @@ def other_attention_matrix(rank, world):
     ):
         u = h if u_factor is None else u_factor * world
         for label, attention in (("math", MathKernel(causal=causal)), ("generic", _Generic(causal))):
-            errs = run_case(rank, world, layout, h, hkv, u, 2, causal, torch.float64, attention)
+            errs = run_case(rank, world, layout, h, hkv, u, 2, causal, torch.float64, attention, overlap=causal)
             count += 1
             if max(errs.values()) > 1e-10:
                 failures.append((label, name, layout, u, causal, errs))
@@ -116,8 +120,8 @@ def deepspeed_parity(rank, world):
     from deepspeed.sequence.layer import DistributedAttention
 
     diffs = []
-    for (name, (h, hkv)), layout, u_factor, causal in itertools.product(
-        (("mha", (16, 16)), ("gqa4", (16, 4))), (0, 1), (1, 2, None), (True, False)
+    for (h, hkv), layout, u_factor, causal in itertools.product(
+        ((16, 16), (16, 4)), (0, 1), (1, 2, None), (True, False)
     ):
         if hkv < world:
             continue  # DeepSpeed itself refuses fewer KV heads than ranks
@@ -127,9 +131,13 @@ def deepspeed_parity(rank, world):
         for module in (
             DistributedAttention(_LayoutAdapter(kernel, layout), dist.group.WORLD),
             UPipeDistributedAttention(
-                _LayoutAdapter(kernel, layout), dist.group.WORLD, head_chunk_size=None if u_factor is None else u_factor * world
+                _LayoutAdapter(kernel, layout),
+                dist.group.WORLD,
+                head_chunk_size=None if u_factor is None else u_factor * world,
             ),
-            UPipeDistributedAttention(kernel, dist.group.WORLD, head_chunk_size=h if u_factor is None else u_factor * world),
+            UPipeDistributedAttention(
+                kernel, dist.group.WORLD, head_chunk_size=h if u_factor is None else u_factor * world
+            ),
         ):
             inputs = [local_shard(t, rank, world, layout).requires_grad_(True) for t in (q, k, v)]
             out = module(*inputs, layout)
