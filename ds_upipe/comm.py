@@ -25,8 +25,10 @@ class PendingExchange:
     """An all-to-all in flight; ``wait()`` returns its result in the requested layout."""
 
     def __init__(self, send: Tensor, recv: Tensor, work: dist.Work | None, finish: Callable[[Tensor], Tensor]) -> None:
-        # the send buffer must outlive an asynchronous exchange, so the handle owns it
-        self._send, self._recv, self._work, self._finish = send, recv, work, finish
+        # the send buffer must outlive an asynchronous exchange, so the handle owns it; a finished
+        # (synchronous) exchange does not need it any more
+        self._send = send if work is not None else None
+        self._recv, self._work, self._finish = recv, work, finish
 
     def wait(self) -> Tensor:
         if self._work is not None:

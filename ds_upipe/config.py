@@ -33,6 +33,7 @@ ALLOWED: dict[str, str] = {
     "memory_budget_gib": "null or a number > 0 (GiB per rank for one layer's attention stage buffers)",
     "seq_length": "null or an int > 0 (the global sequence length, in tokens)",
     "offload_checkpoints": "true or false",
+    "overlap_comm": "true or false",
 }
 
 
@@ -43,11 +44,12 @@ class UPipeConfig(BaseModel):
 
     enabled: StrictBool = True
     head_chunk_size: StrictInt | Literal["auto"] | None = None
-    fused_projections: StrictBool = False
+    fused_projections: StrictBool = True
     kernel: Literal["sdpa", "math", "flash_attn"] = "sdpa"
     memory_budget_gib: StrictFloat | StrictInt | None = None
     seq_length: StrictInt | None = None
     offload_checkpoints: StrictBool = False
+    overlap_comm: StrictBool = False
 
     @model_validator(mode="after")
     def _check_values(self) -> UPipeConfig:

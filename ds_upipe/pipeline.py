@@ -123,11 +123,11 @@ class PipelineContext:
         issued before the current stage is handed out, otherwise after it is done."""
         pending = start(items[0]) if items else ()
         for i, item in enumerate(items):
-            gathered = tuple(p.wait() for p in pending)
+            gathered = [tuple(p.wait() for p in pending)]
             has_next = i + 1 < len(items)
             pending = start(items[i + 1]) if self.overlap_comm and has_next else ()
-            yield item, gathered
-            del gathered
+            # pop: this frame keeps no reference, so the consumer's `del` frees the stage's buffers
+            yield item, gathered.pop()
             if not self.overlap_comm and has_next:
                 pending = start(items[i + 1])
 
@@ -182,9 +182,18 @@ def pipeline_forward(ctx: PipelineContext, source: StageSource, out: Tensor) -> 
 
 
 def pipeline_backward(
-    ctx: PipelineContext, source: StageSource, out: Tensor, grad_out: Tensor, lses: list[Tensor]
+    ctx: PipelineContext,
+    source: StageSource,
+    out: Tensor,
+    grad_out: Tensor | Callable[[Tensor], Tensor],
+    lses: list[Tensor],
 ) -> None:
-    """Replay every stage and hand q/k/v gradients (local layout) to ``source``."""
+    """Replay every stage and hand q/k/v gradients (local layout) to ``source``.
+
+    ``grad_out`` is the output gradient ([b, s, H, d] view) or a function returning the gradient of
+    the given heads ([b, s, n, d]): a caller that fuses the output projection computes each stage's
+    slice on demand instead of materializing the full gradient."""
+    dtype = out.dtype
     stage_number = 0
     for round_idx, kv_idx in enumerate(ctx.indices.kv):
         key, value = source.key_value(kv_idx)
@@ -196,7 +205,10 @@ def pipeline_backward(
         grad_v_acc = torch.zeros(v_full.shape, dtype=acc_dtype, device=v_full.device)
 
         def start_stage(idx: Tensor) -> tuple[PendingExchange, ...]:
-            exchanges = [ctx.start_gather(source.query(idx)), ctx.start_gather(grad_out.index_select(2, idx))]
+            exchanges = [
+                ctx.start_gather(source.query(idx)),
+                ctx.start_gather(grad_out(idx) if callable(grad_out) else grad_out.index_select(2, idx)),
+            ]
             if ctx.uses_kernel:  # lse-based backward needs the stage output; a recompute does not
                 exchanges.append(ctx.start_gather(out.index_select(2, idx)))
             return tuple(exchanges)
@@ -208,17 +220,17 @@ def pipeline_backward(
             else:
                 dq, dk, dv = _generic_backward(ctx, q_full, k_full, v_full, dout_full)
             del q_full, dout_full
-            source.add_query_grad(q_idx, ctx.scatter(dq.to(grad_out.dtype)))
-            del dq
             grad_k_acc += dk
             grad_v_acc += dv
             del dk, dv
+            dq_local = ctx.scatter(dq.to(dtype))
+            del dq  # free the stage's buffers before the source turns dq into its own gradients
+            source.add_query_grad(q_idx, dq_local)
+            del dq_local
             stage_number += 1
             ctx.count_stage()
         del k_full, v_full
-        source.add_key_value_grad(
-            kv_idx, ctx.scatter(grad_k_acc.to(grad_out.dtype)), ctx.scatter(grad_v_acc.to(grad_out.dtype))
-        )
+        source.add_key_value_grad(kv_idx, ctx.scatter(grad_k_acc.to(dtype)), ctx.scatter(grad_v_acc.to(dtype)))
         del grad_k_acc, grad_v_acc
 
 

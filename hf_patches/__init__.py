@@ -1,1 +1,28 @@
-"""HuggingFace Llama-family attention patches for UPipe."""
+"""HuggingFace Llama-family attention patches for UPipe.
+
+``apply_upipe`` patches a Llama/Mistral/Qwen2/Qwen3 model in place; ``shard_batch`` /
+``sequence_parallel_dataloader`` give each sequence-parallel rank its shard of the inputs, and
+``sequence_parallel_loss`` turns per-shard logits into the loss of the whole sequence.
+See docs/hf_patches.md.
+"""
+
+from .attention import ATTN_IMPLEMENTATION
+from .data import IGNORE_INDEX, gather_sequence, pad_batch, sequence_parallel_dataloader, shard_batch, shift_labels
+from .loss import sequence_parallel_loss
+from .patch import apply_upipe, supported_model_classes, upipe_state
+from .state import UPipeState
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "IGNORE_INDEX",
+    "UPipeState",
+    "apply_upipe",
+    "gather_sequence",
+    "pad_batch",
+    "sequence_parallel_dataloader",
+    "sequence_parallel_loss",
+    "shard_batch",
+    "shift_labels",
+    "supported_model_classes",
+    "upipe_state",
+]

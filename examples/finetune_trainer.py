@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""Fine-tune a Llama-family model with the HF Trainer, DeepSpeed ZeRO-3 and UPipe sequence parallelism.
+
+    torchrun --nproc_per_node 2 examples/finetune_trainer.py \
+        --deepspeed examples/ds_config_upipe.json --sp_size 2
+
+The ds_config's ``"upipe"`` block turns UPipe on (``examples/ds_config_alst.json``, with
+``"upipe": {"enabled": false}``, runs DeepSpeed ALST's Ulysses instead); the sequence-parallel size is
+the usual ``ParallelismConfig(sp_backend="deepspeed", sp_size=N)``; the one line of ds_upipe code is
+``hf_integration.enable()``.  ``--sp_size 1`` trains without sequence parallelism.
+
+By default the model is a tiny Llama built from a config and the data are random tokens (nothing is
+downloaded); ``--model PATH`` fine-tunes a local HF checkpoint instead.  Runs on CPU (float32, gloo)
+and on GPU (bf16) without changes.  ``--metrics_out`` writes the per-step training losses, the eval
+loss and how many UPipe stages ran (rank 0) as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+CPU = not torch.cuda.is_available()
+if CPU:
+    os.environ.setdefault(
+        "DS_ACCELERATOR", "cpu"
+    )  # DeepSpeed's CPU accelerator (gloo); must precede `import deepspeed`
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--deepspeed", default="examples/ds_config_upipe.json", help="ds_config JSON with the upipe block")
+    p.add_argument("--sp_size", type=int, default=2, help="sequence-parallel size (1: no sequence parallelism)")
+    p.add_argument("--model", default=None, help="local HF checkpoint (default: a tiny Llama built from a config)")
+    p.add_argument("--seq_len", type=int, default=64, help="tokens per sequence (a multiple of sp_size)")
+    p.add_argument("--train_samples", type=int, default=12)
+    p.add_argument("--eval_samples", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output_dir", default="/tmp/ds_upipe_trainer")
+    p.add_argument("--metrics_out", default=None, help="JSON file for losses and UPipe stage counts (rank 0)")
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    return p.parse_args()
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """Random token sequences; labels = input_ids (the model shifts them), global position_ids."""
+
+    def __init__(self, num_samples: int, seq_len: int, vocab_size: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab_size, (num_samples, seq_len), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.ids[i]
+        return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(len(ids))}
+
+
+def build_model(opts: argparse.Namespace) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(opts.seed)
+    if opts.model:
+        return AutoModelForCausalLM.from_pretrained(opts.model, attn_implementation="sdpa", dtype=torch.float32)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=opts.seq_len,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config)
+
+
+def main() -> None:
+    opts = parse_args()
+    from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from ds_upipe import hf_integration
+    from ds_upipe.pipeline import STAGE_RUNS
+
+    hf_integration.enable()  # the one line: UPipe (or ALST) from the ds_config's "upipe" block
+
+    parallelism = None
+    if opts.sp_size > 1:
+        # ALST needs the attention implementation it wraps; UPipe replaces attention and ignores it
+        sp_handler = DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")
+        parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=opts.sp_size, sp_handler=sp_handler)
+    args = TrainingArguments(
+        output_dir=opts.output_dir,
+        deepspeed=opts.deepspeed,
+        parallelism_config=parallelism,
+        use_cpu=CPU,
+        bf16=not CPU,
+        per_device_train_batch_size=1,
+        per_device_eval_batch_size=1,
+        max_steps=opts.steps,
+        learning_rate=opts.lr,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=opts.seed,
+        disable_tqdm=True,
+    )
+    model = build_model(opts)
+    vocab = model.config.vocab_size
+    train = RandomTokens(opts.train_samples, opts.seq_len, vocab, seed=opts.seed + 1)
+    evaluation = RandomTokens(opts.eval_samples, opts.seq_len, vocab, seed=opts.seed + 2)
+
+    losses: list[float] = []
+    grad_norms: list[float] = []
+
+    class RecordLoss(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+                grad_norms.append(float(logs["grad_norm"]))
+
+    # what the model sees in evaluation: the local sequence length of each eval batch
+    eval_lengths: list[int] = []
+    model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: None if module.training else eval_lengths.append(kwargs["input_ids"].shape[1]),
+        with_kwargs=True,
+    )
+
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation, callbacks=[RecordLoss()])
+    start = time.perf_counter()
+    trainer.train()
+    train_stages = STAGE_RUNS[0]
+    metrics = trainer.evaluate()
+    wall = time.perf_counter() - start
+
+    from hf_patches import upipe_state
+
+    state = upipe_state(model)
+    stage_runs = [train_stages, STAGE_RUNS[0] - train_stages]
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, stage_runs)
+    result = {
+        "world_size": torch.distributed.get_world_size(),
+        "sp_size": opts.sp_size,
+        "ds_config": opts.deepspeed,
+        "train_losses": losses,
+        "grad_norms": grad_norms,
+        "eval_loss": metrics["eval_loss"],
+        "stage_runs_train": [s[0] for s in gathered],
+        "stage_runs_eval": [s[1] for s in gathered],
+        "upipe": None if state is None else {"fused": state.fused, "head_chunk_size": state.head_chunk_size},
+        "eval_local_seq_lens": sorted(set(eval_lengths)),
+        "wall_s": wall,
+    }
+    if torch.distributed.get_rank() == 0:
+        print(json.dumps(result))
+        if opts.metrics_out:
+            with open(opts.metrics_out, "w", encoding="utf-8") as f:
+                json.dump(result, f, indent=1)
+    trainer.end()  # destroys the process group (avoids aborts at exit after collectives in autograd)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,330 @@
+#!/usr/bin/env python
+"""Train a Llama-family model on long sequences with DeepSpeed and UPipe sequence parallelism.
+
+    deepspeed --num_gpus 4 examples/train_deepspeed.py --deepspeed_config ds_configs/upipe_zero3.json
+
+On a machine without GPUs the same command runs 4 CPU processes over gloo; add
+``--set bf16.enabled=false`` there (most CPUs emulate bf16 matmuls, about 3x slower than float32).
+
+The ds_config's ``sequence_parallel_size`` and ``"upipe"`` block choose the sequence parallelism
+(``"upipe": {"enabled": false}`` runs DeepSpeed ALST's Ulysses instead); everything else is
+ordinary DeepSpeed.  By default the model is a small Llama built from a config and the text is
+generated (nothing is downloaded); ``--model PATH`` trains a local HF checkpoint instead.
+
+Reports per step: loss, gradient norm, tokens/s and peak memory (rank 0, tqdm), and with
+``--metrics_out`` writes them as JSON.  ``--save_dir``/``--save_every`` save DeepSpeed checkpoints,
+``--resume DIR`` continues from the latest one (same data order, so the same loss trajectory), also
+across sequence_parallel_size values at the same world size.
+``--runs FILE`` runs several configurations one after another in one launch (tests use it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import random
+import resource
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+WORDS = {
+    "subject": ["the cat", "a dog", "my friend", "the engineer", "our team", "the model", "a bird", "the river"],
+    "verb": ["sees", "builds", "follows", "trains", "finds", "carries", "watches", "counts"],
+    "object": ["the ball", "a bridge", "long sequences", "the stars", "a red box", "the numbers", "a map", "the sea"],
+    "tail": ["today", "at night", "slowly", "with care", "again", "in the rain", "every day", "for fun"],
+}
+
+
+def generated_text(num_chars: int, seed: int = 1234) -> str:
+    """Deterministic English-like text with learnable structure (sentences, counting)."""
+    rng = random.Random(seed)
+    parts, size, n = [], 0, 0
+    while size < num_chars:
+        n += 1
+        s = f"{n}. {rng.choice(WORDS['subject'])} {rng.choice(WORDS['verb'])} {rng.choice(WORDS['object'])} "
+        s += f"{rng.choice(WORDS['tail'])}.\n"
+        parts.append(s)
+        size += len(s)
+    return "".join(parts)[:num_chars]
+
+
+class TokenBlocks(torch.utils.data.Dataset):
+    """Consecutive blocks of ``seq_len`` tokens; labels = input_ids (the model shifts them)."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, num_samples: int) -> None:
+        if num_samples < 1:
+            raise ValueError(f"the text has {len(tokens)} tokens, too few for one sequence of {seq_len}")
+        self.tokens, self.seq_len, self.num_samples = tokens, seq_len, num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.tokens[i * self.seq_len : (i + 1) * self.seq_len]
+        return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(self.seq_len)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    p.add_argument("--deepspeed_config", default=None, help="ds_config JSON (e.g. ds_configs/upipe_zero3.json)")
+    p.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override ds_config entries, JSON values (KEY=null removes one): zero_optimization.stage=1",
+    )
+    p.add_argument("--model", default=None, help="local HF checkpoint directory (default: small Llama from a config)")
+    p.add_argument("--model_config", default="{}", help="JSON overrides of the default Llama config")
+    p.add_argument("--data", default=None, help="UTF-8 text file to train on (default: generated text)")
+    p.add_argument("--seq_len", type=int, default=4096, help="global tokens per sequence")
+    p.add_argument("--num_samples", type=int, default=256, help="sequences of generated text (without --data)")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps in total (a resumed run counts from 0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save_dir", default=None)
+    p.add_argument("--save_every", type=int, default=0, help="save a checkpoint every N steps (0: only at the end)")
+    p.add_argument("--resume", default=None, help="checkpoint directory to resume from")
+    p.add_argument("--resume_tag", default=None, help="checkpoint tag to resume from (default: the latest)")
+    p.add_argument(
+        "--hf_gradient_checkpointing",
+        action="store_true",
+        help="enable the model's own (torch) activation checkpointing; ds_config activation_checkpointing overrides it",
+    )
+    p.add_argument("--metrics_out", default=None, help="write per-step metrics of every run as JSON (rank 0)")
+    p.add_argument("--runs", default=None, help="JSON file with a list of runs (objects of these options + name)")
+    p.add_argument("--no_progress", action="store_true", help="no tqdm bar")
+    return p.parse_args(argv)
+
+
+def set_dotted(config: dict[str, Any], assignment: str) -> None:
+    key, sep, raw = assignment.partition("=")
+    if not sep:
+        raise ValueError(f"--set expects KEY=VALUE, got {assignment!r}")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    node = config
+    *parents, leaf = key.split(".")
+    for name in parents:
+        node = node.setdefault(name, {})
+    if value is None:
+        node.pop(leaf, None)  # KEY=null removes the entry
+    else:
+        node[leaf] = value
+
+
+def build_ds_config(opts: argparse.Namespace) -> dict[str, Any]:
+    if opts.deepspeed_config is None:
+        raise ValueError("--deepspeed_config is required")
+    with open(opts.deepspeed_config, encoding="utf-8") as f:
+        config = json.load(f)
+    for assignment in opts.set:
+        set_dotted(config, assignment)
+    return config
+
+
+def build_model_and_tokens(opts: argparse.Namespace, num_tokens: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    text = open(opts.data, encoding="utf-8").read() if opts.data else generated_text(num_tokens)
+    torch.manual_seed(opts.seed)
+    if opts.model:
+        model = AutoModelForCausalLM.from_pretrained(opts.model, attn_implementation="sdpa", dtype=torch.float32)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(opts.model)
+            tokens = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+        except (OSError, ValueError):  # no tokenizer files: bytes
+            tokens = torch.tensor(list(text.encode("utf-8")), dtype=torch.long) % model.config.vocab_size
+    else:
+        fields = dict(
+            vocab_size=256,  # byte-level text: no tokenizer to download
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=opts.seq_len,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+        )
+        fields.update(json.loads(opts.model_config))
+        model = LlamaForCausalLM(LlamaConfig(**fields, attn_implementation="sdpa"))
+        tokens = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+    return model, tokens
+
+
+def compute_loss(engine: Any, batch: dict[str, torch.Tensor], sp: int) -> torch.Tensor:
+    batch = {k: v.to(engine.device) for k, v in batch.items() if torch.is_tensor(v)}
+    if sp == 1:
+        return engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]).loss
+    from hf_patches import sequence_parallel_loss
+
+    # this rank's shard: the loss of the whole sequence on every rank, with the gradient scale that
+    # ds_upipe.initialize's ZeRO average expects (grad_reduction="mean")
+    logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    return sequence_parallel_loss(logits, batch["shift_labels"], engine.seq_parallel_group)
+
+
+def batches_forever(loader: Any):
+    """The loader's batches, epoch after epoch (in the same order: DeepSpeed's own loader, used
+    without sequence parallelism, never reshuffles, and an SP run must see what it sees)."""
+    while True:
+        yield from loader
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS, Linux reports KiB
+
+
+def train(opts: argparse.Namespace) -> dict[str, Any]:
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from tqdm import tqdm
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import ds_upipe
+    from hf_patches import upipe_state
+
+    t_init = time.perf_counter()
+    ds_config = build_ds_config(opts)
+    model, tokens = build_model_and_tokens(opts, opts.num_samples * opts.seq_len + 1)
+    # the dataset depends on the text only, never on the parallel layout: runs with different
+    # sequence_parallel_size see the same samples in the same order
+    dataset = TokenBlocks(tokens, opts.seq_len, (len(tokens) - 1) // opts.seq_len)
+    if opts.hf_gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    engine, _, loader, _ = ds_upipe.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], training_data=dataset,
+        config=ds_config,
+    )  # fmt: skip
+    sp = engine.upipe_settings.sequence_parallel_size
+    init_s = time.perf_counter() - t_init
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = engine.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    start = 0
+    if opts.resume:
+        path, client_state = engine.load_checkpoint(opts.resume, tag=opts.resume_tag)
+        if path is None:
+            raise ValueError(f"no checkpoint found in {opts.resume}")
+        start = int(client_state["step"])
+    data = batches_forever(loader)
+    for _ in range(start * engine.gradient_accumulation_steps()):  # same data order as the uninterrupted run
+        next(data)
+
+    tokens_per_step = engine.train_batch_size() * opts.seq_len
+    record: dict[str, Any] = {"name": getattr(opts, "name", "run"), "steps": [], "losses": [], "grad_norms": []}
+    record["tokens_per_s"] = []
+    bar = tqdm(range(start, opts.steps), disable=rank != 0 or opts.no_progress, desc=record["name"], file=sys.stdout)
+    t_run = time.perf_counter()
+    for step in bar:
+        t0 = time.perf_counter()
+        micro_losses = []
+        for _ in range(engine.gradient_accumulation_steps()):
+            loss = compute_loss(engine, next(data), sp)
+            engine.backward(loss)
+            engine.step()
+            micro_losses.append(loss.detach().float())
+        step_loss = torch.stack(micro_losses).mean().to(device)
+        dist.all_reduce(step_loss)  # sequence ranks hold equal values: sum / world is the data-parallel mean
+        step_loss = step_loss.item() / world
+        grad_norm = engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        get_accelerator().synchronize()
+        tok_s = tokens_per_step / (time.perf_counter() - t0)
+        values = {"steps": step + 1, "losses": step_loss, "grad_norms": grad_norm, "tokens_per_s": tok_s}
+        for key, value in values.items():
+            record[key].append(value)
+        peak = peak_memory_bytes(device)
+        bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tok_s:.0f}", peak_gib=f"{peak / 2**30:.2f}")
+        if rank == 0 and opts.no_progress:
+            print(f"step {step + 1}: loss {step_loss:.6f} grad_norm {grad_norm:.6f} {tok_s:.0f} tok/s", flush=True)
+        if opts.save_dir and opts.save_every and (step + 1) % opts.save_every == 0:
+            engine.save_checkpoint(opts.save_dir, tag=f"step{step + 1}", client_state={"step": step + 1})
+    if opts.save_dir and (not opts.save_every or opts.steps % opts.save_every != 0):
+        engine.save_checkpoint(opts.save_dir, tag=f"step{opts.steps}", client_state={"step": opts.steps})
+    bar.close()
+
+    peaks = torch.tensor([peak_memory_bytes(device)], dtype=torch.float64, device=device)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    impl = model.config._attn_implementation
+    state = upipe_state(model)
+    record.update(
+        world_size=world,
+        sequence_parallel_size=sp,
+        upipe_enabled=engine.upipe_settings.upipe.enabled,
+        head_chunk_size=engine.upipe_head_chunk_size,
+        zero_stage=engine.zero_optimization_stage(),
+        train_batch_size=engine.train_batch_size(),
+        seq_len=opts.seq_len,
+        upipe_stage_runs=state.stage_runs[0] if state is not None else 0,
+        attention_function=getattr(ALL_ATTENTION_FUNCTIONS.get(impl), "__qualname__", str(impl)),
+        peak_memory_bytes=int(peaks.item()),
+        peak_memory_kind="cuda_max_allocated" if device.type == "cuda" else "max_rss",
+        upipe_fused=state.fused if state is not None else None,
+        init_s=init_s,
+        wall_s=time.perf_counter() - t_run,
+        resumed_from=start,
+    )
+    if rank == 0:
+        mean_tok_s = sum(record["tokens_per_s"]) / max(1, len(record["tokens_per_s"]))
+        print(
+            f"[{record['name']}] sp={sp} upipe={record['upipe_enabled']} U={record['head_chunk_size']} "
+            f"zero={record['zero_stage']}: final loss {record['losses'][-1] if record['losses'] else math.nan:.6f}, "
+            f"{mean_tok_s:.0f} tok/s, peak memory {record['peak_memory_bytes'] / 2**30:.2f} GiB "
+            f"({record['peak_memory_kind']})",
+            flush=True,
+        )
+    engine.destroy()
+    del engine, model, loader, data
+    gc.collect()
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts = parse_args(argv)
+    if "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
+        # CPU run: share the cores between the local ranks instead of oversubscribing them
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+    runs = [{"name": "run"}]
+    if opts.runs:
+        with open(opts.runs, encoding="utf-8") as f:
+            runs = json.load(f)
+    records, error = [], None
+    try:
+        for run in runs:
+            run_opts = argparse.Namespace(**{**vars(opts), **run})
+            records.append(train(run_opts))
+    except ValueError as err:  # a configuration error: report it (every rank raises the same one)
+        error = str(err)
+        print(f"rank {os.environ.get('RANK', '0')}: ValueError: {error}", flush=True)
+        if os.environ.get("RANK", "0") == "0":
+            traceback.print_exc()
+    if opts.metrics_out and int(os.environ.get("RANK", "0")) == 0:
+        with open(opts.metrics_out, "w", encoding="utf-8") as f:
+            json.dump({"runs": records, "error": error}, f, indent=1)
+    import deepspeed.comm as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if error is not None:
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""The two patched attention paths of an HF Llama-family attention module.
+
+- Fused: the module's ``forward`` is replaced (on the instance) by ``fused_attention_forward``,
+  which runs ``FusedUPipeAttention``: from the module input to o_proj's output in one node.
+- Unfused: the module's own forward runs unchanged (its q/k/v projections, norms and RoPE, so
+  PEFT/quantized projections keep working) and transformers' attention-function registry sends
+  the core attention to ``upipe_attention_function`` under the name ``"upipe"``, the same hook
+  ALST uses, but under its own name so that unpatched models in the process keep plain SDPA.
+
+Both paths ignore nothing silently: a mask, a KV cache or attention dropout reaching them is
+refused (the model-level input check has already turned an honourable mask into None).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ds_upipe.pipeline import UPipeAttentionFunction
+
+from .fused import FusedProjections, FusedUPipeAttention
+from .state import UPipeState
+
+ATTN_IMPLEMENTATION = "upipe"
+logger = logging.getLogger("hf_patches")
+
+
+def _state(module: nn.Module) -> UPipeState:
+    state = getattr(module, "_upipe_state", None)
+    if state is None:
+        raise ValueError(
+            f"{type(module).__name__} runs attention implementation {ATTN_IMPLEMENTATION!r} but was not patched by "
+            "hf_patches.apply_upipe (patch the whole model, not a copy of its config)"
+        )
+    return state
+
+
+def _check_call(module: nn.Module, attention_mask: Any, cache: Any, dropout: float) -> None:
+    if attention_mask is not None:
+        raise ValueError(
+            f"{type(module).__name__}: an attention_mask of type {type(attention_mask).__name__} reached UPipe "
+            "attention, which is causal over the whole sequence and cannot honour other masks. Pass "
+            "attention_mask=None (or a 2-D right-padding mask to the model, which the model-level check accepts)"
+        )
+    if cache is not None:
+        raise ValueError(
+            f"{type(module).__name__}: a KV cache ({type(cache).__name__}) is not supported under UPipe sequence "
+            "parallelism (training forward/backward only); call the model with use_cache=False"
+        )
+    if dropout:
+        raise ValueError(f"{type(module).__name__}: attention dropout {dropout} is not supported by UPipe (must be 0)")
+
+
+def fused_attention_forward(
+    self: nn.Module,
+    hidden_states: Tensor,
+    position_embeddings: tuple[Tensor, Tensor] | None = None,
+    attention_mask: Tensor | None = None,
+    cache: Any = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """Replacement ``forward`` of a Llama/Mistral/Qwen2/Qwen3 attention module (fused projections)."""
+    state = _state(self)
+    if torch.is_autocast_enabled(hidden_states.device.type):
+        # the fused node recomputes projections in backward, outside the forward's autocast region;
+        # the module's own forward (HF projections + the "upipe" core function) is autocast-safe
+        if not state.autocast_warned:
+            state.autocast_warned = True
+            logger.warning("hf_patches: torch.autocast is on: fused projections off, using unfused UPipe attention")
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+    _check_call(self, attention_mask, cache if cache is not None else kwargs.get("past_key_values"), 0.0)
+    if position_embeddings is None:
+        raise ValueError(f"{type(self).__name__}: position_embeddings (cos, sin) are required")
+    cos, sin = position_embeddings
+    proj = FusedProjections.of(self)
+    out = FusedUPipeAttention.apply(hidden_states, cos, sin, state.context(hidden_states.device), proj, *proj.params())
+    return out, None
+
+
+def upipe_attention_function(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers attention-interface function: [b, h, s, d] local q/k/v in, [b, s, h, d] out."""
+    state = _state(module)
+    _check_call(module, attention_mask, None, dropout)
+    if sliding_window is not None:
+        raise ValueError(f"{type(module).__name__}: sliding_window={sliding_window} is not supported by UPipe")
+    if scaling is not None and abs(scaling - state.kernel.scale_for(query.shape[-1])) > 1e-12 * scaling:
+        raise ValueError(f"{type(module).__name__}: scaling {scaling} differs from the kernel's softmax scale")
+    # one dtype for the kernel: under autocast RoPE promotes q/k to float32 while v stays 16-bit, and
+    # the kernel's aten op is not autocast-listed, so cast as autocast would for transformers' sdpa
+    device_type = query.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else query.dtype
+    # [b, h, s, d] -> [b, s, h, d] views: the layout UPipeAttentionFunction takes (batch_dim_idx=0)
+    q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))
+    out = UPipeAttentionFunction.apply(q, k, v, state.context(q.device))
+    return out, None
+
+
+def register_attention_function() -> None:
+    """Register ``"upipe"`` with transformers' attention registry (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, upipe_attention_function)
+
+
+def is_patched(module: nn.Module) -> bool:
+    return getattr(module, "_upipe_state", None) is not None

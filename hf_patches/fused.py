@@ -1,0 +1,276 @@
+"""Fused mode: the whole attention block (q/k/v projections to o_proj) as one autograd node.
+
+The full local Q, K, V of a layer never exist: a stage computes its U query heads (and, at a
+round's first stage, its KV heads) from x = the attention input and the matching weight rows,
+applies the bias (Qwen2), the per-head RMSNorm (Qwen3) and RoPE to that chunk, and hands it to
+the core stage loop (``ds_upipe.pipeline``); o_proj runs once on the assembled output.  The node
+saves only x, the attention output (which o_proj needs anyway) and the per-stage lse.  Backward
+recomputes each stage's chunk from x and differentiates it back to x and to the weight rows, and
+computes each stage's output gradient from the block's output gradient and that stage's o_proj
+columns, so neither the full output gradient nor the full local Q, K, V is materialized.  Weight
+gradients are accumulated over the stages and returned once, as the gradients of the Function's
+weight inputs, so autograd (and ZeRO-3's hooks) see one gradient per weight per step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ds_upipe.pipeline import PipelineContext, pipeline_backward, pipeline_forward
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen3RMSNorm.forward as a function of its weight (so backward can differentiate a leaf)."""
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(input_dtype)
+
+
+@dataclass
+class FusedProjections:
+    """References to one attention module's projection modules.
+
+    Weights are read from the modules at call time, never cached: under ZeRO-3 they are gathered
+    only while the attention module's forward (or backward) runs."""
+
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    o_proj: nn.Linear
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
+    head_dim: int
+
+    @staticmethod
+    def of(attn: nn.Module) -> FusedProjections:
+        return FusedProjections(
+            attn.q_proj,
+            attn.k_proj,
+            attn.v_proj,
+            attn.o_proj,
+            getattr(attn, "q_norm", None),
+            getattr(attn, "k_norm", None),
+            attn.head_dim,
+        )
+
+    def params(self) -> tuple[Tensor | None, ...]:
+        """(Wq, bq, Wk, bk, Wv, bv, q_norm, k_norm, Wo, bo): the autograd inputs of the fused Function."""
+        return (
+            self.q_proj.weight,
+            self.q_proj.bias,
+            self.k_proj.weight,
+            self.k_proj.bias,
+            self.v_proj.weight,
+            self.v_proj.bias,
+            None if self.q_norm is None else self.q_norm.weight,
+            None if self.k_norm is None else self.k_norm.weight,
+            self.o_proj.weight,
+            self.o_proj.bias,
+        )
+
+    def zero3_params(self) -> list[nn.Parameter]:
+        """Parameters read outside their own module's forward (ZeRO-3 must gather them for the
+        attention module; see ``deepspeed.zero.register_external_parameter``)."""
+        return [p for p in self.params() if p is not None]
+
+
+# indices into FusedProjections.params()
+_WQ, _BQ, _WK, _BK, _WV, _BV, _QN, _KN, _WO, _BO = range(10)
+NUM_PARAMS = 10
+
+
+def _dense_like(t: Tensor, other: Tensor) -> Tensor:
+    """A contiguous result buffer: inputs arriving as views of an all-to-all buffer would otherwise
+    give a strided result, and the linear backward's reshape would copy it."""
+    return torch.empty(t.shape, dtype=torch.result_type(t, other), device=t.device)
+
+
+def apply_rope(y: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """y * cos + rotate_half(y) * sin: transformers' RoPE (Llama, Mistral, Qwen2 and Qwen3 share it),
+    computed with one temporary instead of four."""
+    h = y.shape[-1] // 2
+    out = torch.mul(y, cos, out=_dense_like(y, cos))
+    out[..., :h].addcmul_(y[..., h:], sin[..., :h], value=-1)
+    out[..., h:].addcmul_(y[..., :h], sin[..., h:])
+    return out
+
+
+def rope_backward(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Adjoint of ``apply_rope``: grad * cos - rotate_half(grad * sin), computed in place."""
+    h = grad.shape[-1] // 2
+    out = torch.mul(grad, cos, out=_dense_like(grad, cos))
+    out[..., :h].addcmul_(grad[..., h:], sin[..., h:])
+    out[..., h:].addcmul_(grad[..., :h], sin[..., :h], value=-1)
+    return out
+
+
+class FusedProjectionSource:
+    """A ``StageSource`` that computes a stage's heads from x and the weight rows of those heads.
+
+    Backward mode keeps, per stage in flight, only the head indices (and, with a q/k norm, the
+    pre-norm chunk); the stage's gradient is taken back through RoPE by hand, through the norm by
+    autograd, and through the linear part by hand: dx += g @ W_rows in place (no x-sized temporary
+    per stage), dW[rows] += g^T x, db[rows] += sum g."""
+
+    def __init__(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        proj: FusedProjections,
+        *,
+        backward: bool = False,
+        needs_grad: tuple[bool, ...] = (),
+    ) -> None:
+        self.x = x
+        self.x2d = x.reshape(-1, x.shape[-1])
+        self.cos, self.sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [b, s, 1, d]: broadcast over heads
+        self.proj = proj
+        self.weights = proj.params()
+        self.d = proj.head_dim
+        self._offsets = torch.arange(self.d, device=x.device)
+        self.backward = backward
+        # needs_grad: x first, then the params (as in FusedProjections.params())
+        self.need_x = bool(needs_grad[0]) if backward else False
+        self.need_p = tuple(bool(n) for n in needs_grad[1:]) if backward else (False,) * NUM_PARAMS
+        self.grad_x: Tensor | None = None
+        self.grad_p: list[Tensor | None] = [None] * NUM_PARAMS
+        # FIFO: with overlapped communication the next stage is fetched before this one's gradient returns
+        self._pending_q: deque[tuple[Tensor | None, Tensor]] = deque()
+        self._pending_kv: deque[tuple[Tensor | None, Tensor]] = deque()
+
+    def rows(self, heads: Tensor) -> Tensor:
+        """Weight rows (q/k/v) or columns (o_proj) of the given heads."""
+        return (heads[:, None] * self.d + self._offsets).reshape(-1)
+
+    # -- the projection of one chunk ---------------------------------------------------------
+    def _linear(self, rows: Tensor, w_idx: int) -> Tensor:
+        """x @ W[rows]^T + b[rows] as [b, s, n, d]."""
+        weight, bias = self.weights[w_idx], self.weights[w_idx + 1]
+        y = F.linear(self.x, weight.index_select(0, rows), None if bias is None else bias.index_select(0, rows))
+        return y.unflatten(-1, (rows.numel() // self.d, self.d))
+
+    def _norm(self, norm_idx: int) -> nn.Module | None:
+        return self.proj.q_norm if norm_idx == _QN else self.proj.k_norm
+
+    def _chunk(self, heads: Tensor, w_idx: int, norm_idx: int, pending: deque) -> Tensor:
+        rows = self.rows(heads)
+        y = self._linear(rows, w_idx)
+        norm = self._norm(norm_idx)
+        if self.backward:
+            pending.append((y if norm is not None else None, rows))
+        if norm is not None:
+            y = rms_norm(y, self.weights[norm_idx], norm.variance_epsilon)
+        return apply_rope(y, self.cos, self.sin)
+
+    # -- StageSource -------------------------------------------------------------------------
+    def query(self, heads: Tensor) -> Tensor:
+        return self._chunk(heads, _WQ, _QN, self._pending_q)
+
+    def key_value(self, heads: Tensor) -> tuple[Tensor, Tensor]:
+        k = self._chunk(heads, _WK, _KN, self._pending_kv)
+        return k, self._linear(self.rows(heads), _WV)
+
+    def add_query_grad(self, heads: Tensor, grad: Tensor) -> None:
+        pre_norm, rows = self._pending_q.popleft()
+        self._linear_backward(self._chunk_backward(grad, pre_norm, _QN), rows, _WQ)
+
+    def add_key_value_grad(self, heads: Tensor, grad_key: Tensor, grad_value: Tensor) -> None:
+        pre_norm, rows = self._pending_kv.popleft()
+        self._linear_backward(self._chunk_backward(grad_key, pre_norm, _KN), rows, _WK)
+        self._linear_backward(grad_value, rows, _WV)
+
+    # -- backward helpers --------------------------------------------------------------------
+    def _chunk_backward(self, grad: Tensor, pre_norm: Tensor | None, norm_idx: int) -> Tensor:
+        grad = rope_backward(grad, self.cos, self.sin)
+        if pre_norm is None:
+            return grad
+        norm_weight = self.weights[norm_idx].detach().requires_grad_(self.need_p[norm_idx])
+        leaf = pre_norm.requires_grad_(True)
+        with torch.enable_grad():
+            normed = rms_norm(leaf, norm_weight, self._norm(norm_idx).variance_epsilon)
+        inputs = (leaf, norm_weight) if norm_weight.requires_grad else (leaf,)
+        grads = torch.autograd.grad(normed, inputs, grad.to(normed.dtype))
+        if len(grads) > 1:
+            self._accumulate(norm_idx, None, grads[1])
+        return grads[0]
+
+    def _linear_backward(self, grad: Tensor, rows: Tensor, w_idx: int) -> None:
+        g = grad.reshape(-1, rows.numel()).to(self.x.dtype)
+        if self.need_x:
+            if self.grad_x is None:
+                acc_dtype = torch.float32 if self.x.dtype in _LOW_PRECISION else self.x.dtype
+                self.grad_x = torch.zeros(self.x2d.shape, dtype=acc_dtype, device=self.x.device)
+            w_rows = self.weights[w_idx].index_select(0, rows)
+            self.grad_x.addmm_(g.to(self.grad_x.dtype), w_rows.to(self.grad_x.dtype))
+        if self.need_p[w_idx]:
+            self._accumulate(w_idx, rows, g.t() @ self.x2d)
+        if self.weights[w_idx + 1] is not None and self.need_p[w_idx + 1]:
+            self._accumulate(w_idx + 1, rows, g.sum(0))
+
+    def _accumulate(self, idx: int, rows: Tensor | None, grad: Tensor) -> None:
+        param = self.weights[idx]
+        if self.grad_p[idx] is None:
+            acc_dtype = torch.float32 if param.dtype in _LOW_PRECISION else param.dtype
+            self.grad_p[idx] = torch.zeros(param.shape, dtype=acc_dtype, device=param.device)
+        if rows is None:
+            self.grad_p[idx] += grad
+        else:
+            # index_add, not copy: KV heads replicated over ranks (Hkv < C) repeat rows.
+            self.grad_p[idx].index_add_(0, rows, grad.to(self.grad_p[idx].dtype))
+
+    def results(self) -> tuple[Tensor | None, list[Tensor | None]]:
+        """(dx, gradients of the params) in the inputs' dtypes."""
+        grad_x = None if self.grad_x is None else self.grad_x.view(self.x.shape).to(self.x.dtype)
+        grads = [None if g is None else g.to(self.weights[i].dtype) for i, g in enumerate(self.grad_p)]
+        return grad_x, grads
+
+
+class FusedUPipeAttention(torch.autograd.Function):
+    """x [b, s, hidden] -> o_proj(attention(x)) [b, s, hidden], heads in the model's order.
+
+    Inputs: x, cos, sin (RoPE of the local positions, [b, s, d]), the PipelineContext, the
+    FusedProjections, then the tensors of ``FusedProjections.params()`` (None where absent), which
+    are inputs only so that autograd routes their gradients."""
+
+    @staticmethod
+    def forward(fctx, x: Tensor, cos: Tensor, sin: Tensor, pctx: PipelineContext, proj: FusedProjections, *params):
+        b, s, _ = x.shape
+        source = FusedProjectionSource(x, cos, sin, proj)
+        out = torch.empty((b, s, pctx.plan.num_heads, proj.head_dim), dtype=x.dtype, device=x.device)
+        with torch.no_grad():
+            lses = pipeline_forward(pctx, source, out)
+            y = F.linear(out.flatten(2), params[_WO], params[_BO])
+        fctx.pctx, fctx.proj = pctx, proj
+        fctx.save_for_backward(x, cos, sin, out, *lses)
+        return y
+
+    @staticmethod
+    def backward(fctx, grad_y: Tensor):
+        x, cos, sin, out, *lses = fctx.saved_tensors
+        needs = (fctx.needs_input_grad[0], *fctx.needs_input_grad[5:])
+        source = FusedProjectionSource(x, cos, sin, fctx.proj, backward=True, needs_grad=needs)
+        dy = grad_y.reshape(-1, grad_y.shape[-1])
+        w_o = fctx.proj.o_proj.weight
+        b, s, num_heads, d = out.shape
+
+        def grad_out(heads: Tensor) -> Tensor:
+            """This stage's slice of d(attention output) = dy @ Wo[:, columns of the heads]."""
+            return (dy @ w_o.index_select(1, source.rows(heads))).view(b, s, heads.numel(), d)
+
+        with torch.no_grad():
+            pipeline_backward(fctx.pctx, source, out, grad_out, lses)
+            grad_x, grads = source.results()
+            if source.need_p[_WO]:
+                grads[_WO] = dy.t() @ out.view(-1, num_heads * d)
+            if fctx.proj.o_proj.bias is not None and source.need_p[_BO]:
+                grads[_BO] = dy.sum(0)
+        return (grad_x, None, None, None, None, *grads)

@@ -1,0 +1,138 @@
+"""Model-level input check of a UPipe-patched model, run as a forward pre-hook on the base model.
+
+Every rank of the sequence group exchanges a few numbers about its inputs and then the global
+position_ids and attention mask (two small all_gathers), so all ranks evaluate the same rules on
+the same data and raise the same ValueError (no rank is left waiting in a collective).
+
+What we can honour: each rank holds a contiguous, equally long shard of the sequence (ALST's
+convention), with position_ids = the global positions of its tokens, consecutive over the whole
+sequence; attention_mask None or a 2-D right-padding mask (ones, then zeros: with causal
+attention, real tokens never see the padding, so their outputs are exact; the padding's outputs
+are unspecified and must carry ignored labels).  Anything else (left padding, packed sequences,
+4-D masks, a KV cache) is refused.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+_MASK_NONE, _MASK_2D, _MASK_OTHER = 0, 1, 2
+
+
+def _gather(t: Tensor, group: dist.ProcessGroup | None, group_size: int) -> list[Tensor]:
+    if group_size == 1:
+        return [t]
+    out = [torch.empty_like(t) for _ in range(group_size)]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def _as_kwargs(forward: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    names = [
+        p.name
+        for p in inspect.signature(forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(args) > len(names):
+        raise TypeError(f"too many positional arguments for {forward}")
+    return {**dict(zip(names, args)), **kwargs}
+
+
+def check_and_prepare(
+    model: nn.Module, args: tuple, kwargs: dict, group: dist.ProcessGroup | None, group_size: int
+) -> tuple[tuple, dict]:
+    """Validate one forward call's inputs on all ranks; return (args, kwargs) to run it with."""
+    call = _as_kwargs(model.forward, args, kwargs)
+    tokens = call.get("input_ids")
+    if tokens is None:
+        tokens = call.get("inputs_embeds")
+    if tokens is None:
+        raise ValueError("pass input_ids or inputs_embeds")
+    batch, seq = int(tokens.shape[0]), int(tokens.shape[1])
+    device = tokens.device
+    position_ids = call.get("position_ids")
+    mask = call.get("attention_mask")
+    cache = call.get("cache", call.get("past_key_values"))
+    if mask is None:
+        mask_kind = _MASK_NONE
+    elif isinstance(mask, Tensor) and mask.dim() == 2 and tuple(mask.shape) == (batch, seq):
+        mask_kind = _MASK_2D
+    else:
+        mask_kind = _MASK_OTHER
+    pos_batch = -1
+    if position_ids is not None:
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)
+        pos_batch = int(position_ids.shape[0]) if position_ids.shape[-1] == seq else -2
+    meta = torch.tensor(
+        [batch, seq, pos_batch, mask_kind, int(cache is not None), int(bool(call.get("use_cache")))],
+        dtype=torch.long,
+        device=device,
+    )
+    rows = [m.tolist() for m in _gather(meta, group, group_size)]
+    _check_meta(rows)
+
+    pos = position_ids.to(device=device, dtype=torch.long).expand(batch, seq)
+    keep = torch.ones((batch, seq), dtype=torch.long, device=device) if mask is None else (mask != 0).long()
+    shards = _gather(torch.stack([pos, keep.to(device)]), group, group_size)
+    full = torch.cat(shards, dim=2)  # [2, b, S] in rank order
+    _check_positions_and_mask(full[0], full[1])
+
+    call["attention_mask"] = None  # honoured: right padding needs no mask under causal attention
+    call["use_cache"] = False
+    return (), call
+
+
+def _check_meta(rows: list[list[int]]) -> None:
+    per_rank = lambda i: [r[i] for r in rows]  # noqa: E731
+    if any(per_rank(4)):
+        raise ValueError(
+            f"a KV cache was passed (ranks {[r for r, v in enumerate(per_rank(4)) if v]}); UPipe sequence parallelism "
+            "supports training forward/backward only: pass cache=None, use_cache=False"
+        )
+    if any(per_rank(5)):
+        raise ValueError("use_cache=True is not supported under UPipe sequence parallelism; pass use_cache=False")
+    if any(k == _MASK_OTHER for k in per_rank(3)):
+        raise ValueError(
+            f"attention_mask kinds per rank {per_rank(3)} (2 = not a [batch, local_seq] 2-D mask): UPipe attention is "
+            "causal over the whole sequence and can only honour None or a 2-D right-padding mask"
+        )
+    if any(p == -1 for p in per_rank(2)):
+        missing = [r for r, p in enumerate(per_rank(2)) if p == -1]
+        raise ValueError(
+            f"position_ids are required on every sequence-parallel rank (missing on ranks {missing}): pass the global "
+            "positions of each rank's shard, e.g. from hf_patches.shard_batch"
+        )
+    if len(set(per_rank(1))) != 1 or per_rank(1)[0] < 1:
+        raise ValueError(
+            f"local sequence lengths differ across ranks: {per_rank(1)}; every rank must hold an equal, non-empty "
+            "shard (pad the sequence to a multiple of the sequence-parallel size, as hf_patches.shard_batch does)"
+        )
+    if len(set(per_rank(0))) != 1:
+        raise ValueError(f"batch sizes differ across ranks: {per_rank(0)}")
+    if any(p == -2 for p in per_rank(2)) or any(p not in (1, per_rank(0)[0]) for p in per_rank(2)):
+        raise ValueError(
+            f"position_ids batch sizes per rank {per_rank(2)} (-2: length differs from the input's) must be 1 or the "
+            "batch size, with one position per local token"
+        )
+
+
+def _check_positions_and_mask(pos: Tensor, keep: Tensor) -> None:
+    """pos, keep: [b, S] global position_ids and 0/1 attention mask, in rank order."""
+    if keep.shape[1] > 1 and bool((keep[:, 1:] > keep[:, :-1]).any()):
+        raise ValueError(
+            "attention_mask has padding before real tokens (left padding or holes); UPipe attention is causal over the "
+            "whole sequence and can only honour right padding (ones, then zeros). Pad at the end instead"
+        )
+    real_pairs = keep[:, 1:].bool()  # both tokens real (the mask is non-increasing)
+    if bool(((pos[:, 1:] - pos[:, :-1] != 1) & real_pairs).any()):
+        raise ValueError(
+            "position_ids are not consecutive over the whole sequence (in rank order). Each rank must pass the "
+            "global positions of its contiguous shard; packed sequences (positions that restart) cannot be "
+            "honoured by UPipe's causal attention"
+        )

@@ -1,0 +1,225 @@
+"""Per-rank peak activation memory of one attention block / one decoder layer: UPipe vs ALST.
+
+Measured with torch's ``MemTracker`` (deterministic, counts every tensor storage, works with
+collectives), on a one-layer Llama model built from a config, on this rank's sequence shard.
+"Peak activation memory" is the peak of all tracked memory minus the parameters and parameter
+gradients held at that moment, in units of the layer's hidden-state size (b * s_local * hidden *
+element size), so the numbers do not depend on the sequence length once activations dominate.
+
+What one measurement runs (forward + backward, by default after one untracked warm-up step):
+``loss = part(x).sum(); loss.backward()`` with x a [b, s_local, hidden] leaf that requires grad,
+so the output is freed after the sum (as a residual add would) and its gradient is a broadcast
+scalar (as from upstream layers, nothing held).  The input, its gradient and the RoPE cos/sin
+count as activations for every method alike.
+
+Methods: ``"upipe_fused"`` and ``"upipe_unfused"`` patch the model with ``apply_upipe``;
+``"alst"`` registers DeepSpeed's ``UlyssesSPAttentionHF`` through its
+``register_with_transformers`` (which initializes DeepSpeed's sequence-parallel mpu once per
+process, over the whole world, so ALST needs the group to be the world and ``deepspeed.comm``
+initialized).  ALST's override of transformers' "sdpa" attention is undone after each measurement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .patch import apply_upipe
+
+Method = Literal["upipe_fused", "upipe_unfused", "alst"]
+Part = Literal["attention", "layer"]
+METHODS: tuple[Method, ...] = ("upipe_fused", "upipe_unfused", "alst")
+PARTS: tuple[Part, ...] = ("attention", "layer")
+
+_ALST_WRAPPERS: dict[tuple, Any] = {}  # one registration per process (it initializes DeepSpeed's SP mpu)
+
+
+@dataclass
+class MemoryMeasurement:
+    method: str
+    part: str
+    seq_local: int
+    group_size: int
+    peak_total: int  # bytes, everything tracked
+    parameters: int  # bytes of parameters at the peak
+    gradients: int  # bytes of parameter gradients at the peak
+    activation: int  # peak_total - parameters - gradients
+    unit_bytes: int  # b * s_local * hidden * element size
+
+    @property
+    def units(self) -> float:
+        return self.activation / self.unit_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "units": self.units}
+
+
+def build_one_layer_model(
+    *,
+    num_heads: int = 32,
+    num_kv_heads: int = 8,
+    head_dim: int = 16,
+    hidden_size: int = 512,
+    intermediate_size: int = 512,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> nn.Module:
+    """A one-layer ``LlamaModel`` (sdpa attention) with the given shapes, on CPU."""
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=1 << 22,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+    torch.manual_seed(seed)
+    return LlamaModel(config).to(dtype)
+
+
+def _register_alst(model: nn.Module, batch: int) -> Any:
+    """ALST's attention wrapper for this model, registered once per process and cached."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    cfg = model.config
+    key = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, batch, dist.get_world_size())
+    if key not in _ALST_WRAPPERS:
+        if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
+            raise RuntimeError(
+                "DeepSpeed's sequence-parallel mpu is already initialized in this process; ALST can be registered "
+                "once per process: measure ALST with one head configuration per process"
+            )
+        original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        UlyssesSPAttentionHF.register_with_transformers(
+            model_name_or_path=model,
+            core_attn_implementation="sdpa",
+            sequence_parallel_size=dist.get_world_size(),
+            micro_batch_size=batch,
+            seq_length_is_variable=True,
+        )
+        _ALST_WRAPPERS[key] = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = original
+    return _ALST_WRAPPERS[key]
+
+
+def measure_peak_activation(
+    method: Method,
+    part: Part,
+    *,
+    group: dist.ProcessGroup | None = None,
+    seq_local: int = 4096,
+    batch: int = 1,
+    num_heads: int = 32,
+    num_kv_heads: int = 8,
+    head_dim: int = 16,
+    hidden_size: int = 512,
+    intermediate_size: int = 512,
+    dtype: torch.dtype = torch.float32,
+    head_chunk_size: int | None = None,
+    seed: int = 0,
+    warmup: bool = True,
+) -> MemoryMeasurement:
+    """Peak activation memory of this rank for one forward + backward of ``part``.
+
+    Args:
+        method: "upipe_fused", "upipe_unfused" or "alst" (DeepSpeed's UlyssesSPAttentionHF).
+        part: "attention" (one layer's self_attn module, hidden_states in, o_proj out) or
+            "layer" (one whole decoder layer).
+        group: the sequence-parallel group (None: the world; ALST always uses the world).
+        seq_local: this rank's sequence shard length; the global sequence is seq_local * C.
+        head_chunk_size: UPipe's U (None: U = C).
+        warmup: run one untracked step first (lazy caches are then not counted; they are tiny).
+    Every rank of the group must call it with the same arguments (it runs collectives).
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if method not in METHODS or part not in PARTS:
+        raise ValueError(f"method must be one of {METHODS} and part one of {PARTS}; got {method!r}, {part!r}")
+    group_size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    model = build_one_layer_model(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        dtype=dtype,
+        seed=seed,
+    )
+    original_sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if method == "alst":
+        if group_size != dist.get_world_size():
+            raise ValueError("ALST registers its sequence-parallel groups over the whole world; pass group=None")
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = _register_alst(model, batch)
+    else:
+        apply_upipe(model, group, head_chunk_size=head_chunk_size, fused_projections=method == "upipe_fused")
+    try:
+        layer = model.layers[0]
+        gen = torch.Generator().manual_seed(seed + 1 + rank)
+        x = torch.randn(batch, seq_local, hidden_size, generator=gen, dtype=dtype).requires_grad_(True)
+        position_ids = torch.arange(rank * seq_local, (rank + 1) * seq_local).unsqueeze(0)
+        cos, sin = model.rotary_emb(x, position_ids)
+
+        def step() -> None:
+            kwargs = dict(attention_mask=None, position_ids=position_ids, position_embeddings=(cos, sin))
+            if part == "attention":
+                loss = layer.self_attn(hidden_states=x, **kwargs)[0].sum()
+            else:
+                loss = layer(x, **kwargs).sum()
+            loss.backward()
+
+        if warmup:  # lazy caches (plan indices, ALST shapes) are not activations
+            step()
+            model.zero_grad(set_to_none=True)
+            x.grad = None
+        tracker = MemTracker()
+        tracker.track_external(model, x, cos, sin, position_ids)
+        with tracker:
+            step()
+        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = original_sdpa
+    params, grads = peak.get("Parameter", 0), peak.get("Gradient", 0)
+    total = peak["Total"]
+    return MemoryMeasurement(
+        method=method,
+        part=part,
+        seq_local=seq_local,
+        group_size=group_size,
+        peak_total=total,
+        parameters=params,
+        gradients=grads,
+        activation=total - params - grads,
+        unit_bytes=batch * seq_local * hidden_size * torch.empty((), dtype=dtype).element_size(),
+    )
+
+
+def measure_memory_table(
+    *, group: dist.ProcessGroup | None = None, methods: tuple[str, ...] = METHODS, **kwargs: Any
+) -> list[MemoryMeasurement]:
+    """``measure_peak_activation`` for every method and part (same keyword arguments)."""
+    return [measure_peak_activation(m, p, group=group, **kwargs) for m in methods for p in PARTS]
+
+
+def format_memory_table(rows: list[MemoryMeasurement]) -> str:
+    """A markdown table: activation units per method for the attention block and the whole layer."""
+    by = {(r.method, r.part): r for r in rows}
+    methods = list(dict.fromkeys(r.method for r in rows))
+    lines = ["| method | attention block | decoder layer |", "|---|---|---|"]
+    for m in methods:
+        cells = [f"{by[(m, p)].units:.2f}" if (m, p) in by else "-" for p in PARTS]
+        lines.append(f"| {m} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)

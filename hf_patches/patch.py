@@ -1,0 +1,202 @@
+"""``apply_upipe``: patch a Llama/Mistral/Qwen2/Qwen3 model in place for UPipe sequence parallelism."""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from ds_upipe.kernels import make_kernel
+from ds_upipe.schedule import build_plan
+
+from .attention import ATTN_IMPLEMENTATION, fused_attention_forward, register_attention_function
+from .fused import FusedProjections
+from .inputs import check_and_prepare
+from .state import UPipeState
+
+logger = logging.getLogger("hf_patches")
+
+#: architecture -> (causal LM class, base model class, attention class), names in transformers
+_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "LlamaModel", "LlamaAttention"),
+    "mistral": ("MistralForCausalLM", "MistralModel", "MistralAttention"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Model", "Qwen2Attention"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Model", "Qwen3Attention"),
+}
+
+
+def _classes() -> dict[str, tuple[type, type, type]]:
+    """The supported transformers classes, imported lazily (transformers is heavy)."""
+    import transformers.models.llama.modeling_llama as llama
+    import transformers.models.mistral.modeling_mistral as mistral
+    import transformers.models.qwen2.modeling_qwen2 as qwen2
+    import transformers.models.qwen3.modeling_qwen3 as qwen3
+
+    mods = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3}
+    return {arch: tuple(getattr(mods[arch], name) for name in names) for arch, names in _ARCHITECTURES.items()}
+
+
+def supported_model_classes() -> list[str]:
+    return [name for names in _ARCHITECTURES.values() for name in names[:2]]
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The HF model inside a DeepSpeed engine or a PEFT wrapper (or the model itself)."""
+    inner = model
+    for _ in range(4):
+        if type(inner).__name__ == "DeepSpeedEngine" and hasattr(inner, "module"):
+            inner = inner.module
+            continue
+        get_base = getattr(inner, "get_base_model", None)
+        if callable(get_base) and type(inner).__module__.startswith("peft"):
+            inner = get_base()
+            continue
+        break
+    return inner
+
+
+def _find_architecture(hf_model: nn.Module) -> tuple[str, nn.Module, type]:
+    """(arch, base model, attention class) or a ValueError naming the supported classes."""
+    for arch, (causal_lm, base, attention) in _classes().items():
+        if type(hf_model) is causal_lm:
+            return arch, hf_model.model, attention
+        if type(hf_model) is base:
+            return arch, hf_model, attention
+    raise ValueError(
+        f"unsupported model class {type(hf_model).__name__}: apply_upipe supports "
+        f"{', '.join(supported_model_classes())} (optionally wrapped by PEFT or a DeepSpeed engine)"
+    )
+
+
+def _check_config(arch: str, config: Any, attentions: list[nn.Module]) -> None:
+    if not getattr(config, "is_causal", True):
+        raise ValueError("config.is_causal=False (bidirectional attention) is not supported: UPipe's kernel is causal")
+    dropout = getattr(config, "attention_dropout", 0.0) or 0.0
+    if dropout:
+        raise ValueError(f"config.attention_dropout={dropout} is not supported by UPipe; it must be 0.0")
+    windows = sorted({w for w in (_sliding_window(arch, config, a) for a in attentions) if w is not None})
+    if windows:
+        raise ValueError(
+            f"sliding-window attention (sliding_window={windows[0]}, {arch}) is not supported by UPipe, whose "
+            "kernel is causal over the whole sequence. Disable it in the config before patching (Mistral: "
+            "config.sliding_window = None; Qwen2/Qwen3: load with use_sliding_window=False); it is the same "
+            "attention for sequences not longer than the window"
+        )
+
+
+def _sliding_window(arch: str, config: Any, attention: nn.Module) -> int | None:
+    if arch == "mistral":  # MistralAttention reads config.sliding_window at call time
+        return getattr(config, "sliding_window", None)
+    return getattr(attention, "sliding_window", None)  # Qwen2/Qwen3 fix it per layer at init
+
+
+def _fused_blocker(attentions: list[nn.Module], norm_class: type | None) -> str | None:
+    """Why fused projections cannot be used (None when they can)."""
+    for attn in attentions:
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            proj = getattr(attn, name)
+            if type(proj) is not nn.Linear:
+                return f"{name} is {type(proj).__module__}.{type(proj).__name__}, not torch.nn.Linear"
+        for name in ("q_norm", "k_norm"):
+            norm = getattr(attn, name, None)
+            if norm is not None and type(norm) is not norm_class:
+                return f"{name} is {type(norm).__name__}, not {norm_class.__name__ if norm_class else 'absent'}"
+    return None
+
+
+def apply_upipe(
+    model: nn.Module,
+    process_group: dist.ProcessGroup | None,
+    *,
+    head_chunk_size: int | None = None,
+    fused_projections: bool = True,
+    kernel: str = "sdpa",
+    overlap_comm: bool = False,
+) -> nn.Module:
+    """Patch a Llama/Mistral/Qwen2/Qwen3 ``*ForCausalLM`` or base ``*Model`` in place for UPipe.
+
+    Args:
+        model: the model (also accepted wrapped by PEFT or a DeepSpeed engine).
+        process_group: the sequence-parallel group (None: the default group).
+        head_chunk_size: U, query heads per stage across the group (None: U = group size).
+        fused_projections: project q/k/v per stage from the layer input (least memory); projections
+            that are not plain ``nn.Linear`` (PEFT LoRA, quantized) fall back to unfused mode.
+        kernel: local attention kernel name for ``ds_upipe.make_kernel`` ('sdpa', 'math', 'flash_attn').
+        overlap_comm: issue the next stage's all-to-alls while the current stage computes (two
+            stages' buffers alive instead of one).
+
+    Returns the same model.  Every rank must then pass its contiguous sequence shard and the
+    matching global ``position_ids`` (see ``shard_batch``); logits come back per shard.
+    """
+    if not dist.is_initialized():
+        raise ValueError("apply_upipe needs torch.distributed to be initialized (the sequence-parallel group)")
+    hf_model = _unwrap(model)
+    arch, base, attention_class = _find_architecture(hf_model)
+    if getattr(hf_model, "_upipe_state", None) is not None:
+        raise ValueError(f"{type(hf_model).__name__} is already patched by apply_upipe")
+    config = hf_model.config
+    attentions = [m for m in base.modules() if isinstance(m, attention_class)]
+    if not attentions:
+        raise ValueError(f"no {attention_class.__name__} modules found in {type(hf_model).__name__}")
+    _check_config(arch, config, attentions)
+
+    group_size = dist.get_world_size(process_group)
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    plan = build_plan(num_heads, num_kv_heads, group_size, head_chunk_size)  # validates U, H, Hkv, C
+    scaling = attentions[0].scaling
+    attn_kernel = make_kernel(kernel, causal=True, softmax_scale=scaling)
+
+    fallback = (
+        _fused_blocker(attentions, _qwen3_norm_class() if arch == "qwen3" else None) if fused_projections else None
+    )
+    fused = fused_projections and fallback is None
+    if fallback is not None and dist.get_rank(process_group) == 0:  # one line per group
+        logger.warning("hf_patches: fused projections off (%s); using unfused UPipe attention", fallback)
+
+    state = UPipeState(
+        group=process_group,
+        group_size=group_size,
+        plan=plan,
+        kernel=attn_kernel,
+        fused=fused,
+        fallback_reason=fallback,
+        architecture=arch,
+        overlap_comm=bool(overlap_comm),
+    )
+    register_attention_function()
+    for attn in attentions:
+        attn._upipe_state = state
+        if fused:
+            attn.forward = types.MethodType(fused_attention_forward, attn)
+            _register_zero3_external(attn)
+    hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    base._upipe_input_hook = base.register_forward_pre_hook(
+        lambda module, args, kwargs: check_and_prepare(module, args, kwargs, process_group, group_size),
+        with_kwargs=True,
+    )
+    hf_model._upipe_state = state
+    return model
+
+
+def _qwen3_norm_class() -> type:
+    import transformers.models.qwen3.modeling_qwen3 as qwen3
+
+    return qwen3.Qwen3RMSNorm
+
+
+def _register_zero3_external(attn: nn.Module) -> None:
+    """Fused mode reads q/k/v (and norm) weights in the attention module's forward and backward,
+    outside their own modules: ZeRO-3 must gather them with the attention module."""
+    from deepspeed.runtime.zero import register_external_parameter
+
+    for param in FusedProjections.of(attn).zero3_params():
+        register_external_parameter(attn, param)
+
+
+def upipe_state(model: nn.Module) -> UPipeState | None:
+    """The ``UPipeState`` of a patched model (None when not patched)."""
+    return getattr(_unwrap(model), "_upipe_state", None)

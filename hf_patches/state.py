@@ -1,0 +1,51 @@
+"""Per-model UPipe settings shared by the patched attention modules of one model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ds_upipe.kernels import AttentionKernel
+from ds_upipe.pipeline import PipelineContext, PlanIndices
+from ds_upipe.schedule import StagePlan
+
+
+@dataclass
+class UPipeState:
+    """What ``apply_upipe`` decided for one model (read it with ``hf_patches.upipe_state``)."""
+
+    group: dist.ProcessGroup | None
+    group_size: int
+    plan: StagePlan
+    kernel: AttentionKernel
+    #: True: projections run per stage (fused); False: HF computes q/k/v, UPipe runs the core
+    fused: bool
+    #: why fused projections are off although requested (None when fused or not requested)
+    fallback_reason: str | None
+    architecture: str
+    #: prefetch the next stage's all-to-alls while the current one computes (two stages in flight);
+    #: settable after apply_upipe, e.g. from a config
+    overlap_comm: bool = False
+    #: set once fused mode has logged that it runs unfused under torch.autocast
+    autocast_warned: bool = False
+    #: stages run by this model's attention layers (forward + backward), for tests and launch checks
+    stage_runs: list[int] = field(default_factory=lambda: [0])
+    _indices: dict[torch.device, PlanIndices] = field(default_factory=dict, repr=False)
+
+    @property
+    def head_chunk_size(self) -> int:
+        return self.plan.head_chunk_size
+
+    def context(self, device: torch.device) -> PipelineContext:
+        if device not in self._indices:
+            self._indices[device] = PlanIndices.build(self.plan, device)
+        return PipelineContext(
+            plan=self.plan,
+            indices=self._indices[device],
+            group=self.group,
+            attention=self.kernel,
+            stage_counter=self.stage_runs,
+            overlap_comm=self.overlap_comm,
+        )

@@ -1,0 +1,155 @@
+"""Shared pieces of the engine tests: launches of examples/train_deepspeed.py through the real
+``deepspeed`` launcher (one launch runs many configurations with ``--runs``), and the rank body of
+the config-error test (run with tests/dist_harness.run_ranks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.dist_harness import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "train_deepspeed.py"
+CONFIGS = REPO / "ds_configs"
+DEEPSPEED = Path(sys.executable).parent / "deepspeed"
+FP32_RTOL = 1e-5
+#: the offload config's DeepSpeed CPU Adam is a C++ build of minutes on first use; torch's AdamW
+#: runs the same offloaded ZeRO-3 path without it
+TORCH_ADAM = ["optimizer.params.torch_adam=true", "zero_force_ds_cpu_optimizer=false"]
+
+
+def run(
+    name: str,
+    config: str = "upipe_zero3",
+    *,
+    sp: int = 1,
+    stage: int | None = None,
+    gas: int = 1,
+    fp32: bool = True,
+    extra: tuple[str, ...] = (),
+    **options: Any,
+) -> dict[str, Any]:
+    """One entry of the example's --runs file."""
+    overrides = [f"sequence_parallel_size={sp}", f"gradient_accumulation_steps={gas}"]
+    if fp32:
+        overrides.append("bf16.enabled=false")
+    if stage is not None:
+        overrides.append(f"zero_optimization.stage={stage}")
+    return {
+        "name": name,
+        "deepspeed_config": str(CONFIGS / f"{config}.json"),
+        "set": overrides + list(extra),
+        **options,
+    }
+
+
+def launch(
+    num_procs: int, runs: list[dict[str, Any]], workdir: Path, *, steps: int = 5, seq_len: int = 256, timeout: int = 900
+) -> tuple[int, str, dict[str, Any]]:
+    """``deepspeed --num_gpus N examples/train_deepspeed.py --runs ...`` on CPU; returns
+    (exit code, combined output, metrics JSON with runs by name)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    runs_file, metrics_file, log_file = workdir / "runs.json", workdir / "metrics.json", workdir / "launch.log"
+    runs_file.write_text(json.dumps(runs, indent=1))
+    cmd = [
+        str(DEEPSPEED),
+        "--num_gpus",
+        str(num_procs),
+        "--master_port",
+        str(free_port()),
+        str(EXAMPLE),
+        "--deepspeed_config",
+        str(CONFIGS / "upipe_zero3.json"),
+        "--runs",
+        str(runs_file),
+        "--steps",
+        str(steps),
+        "--seq_len",
+        str(seq_len),
+        "--metrics_out",
+        str(metrics_file),
+        "--no_progress",
+    ]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with open(log_file, "w") as log:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+    output = log_file.read_text()
+    metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {"runs": [], "error": None}
+    metrics["by_name"] = {r["name"]: r for r in metrics["runs"]}
+    return proc.returncode, output, metrics
+
+
+def max_rel(got: list[float], want: list[float]) -> float:
+    """Largest relative difference of two equally long sequences."""
+    assert len(got) == len(want) and got, (got, want)
+    return max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(got, want))
+
+
+# ---------------------------------------------------------------- config errors (run_ranks body)
+
+BASE = {
+    "train_micro_batch_size_per_gpu": 1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+    "zero_optimization": {"stage": 3},
+    "sequence_parallel_size": 2,
+}
+ERROR_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # name -> (config changes, model changes)
+    "unknown_key": ({"upipe": {"enabled": True, "chunk": 2}}, {}),
+    "bad_head_chunk_size": ({"upipe": {"head_chunk_size": 3}}, {}),
+    "head_chunk_size_type": ({"upipe": {"head_chunk_size": "big"}}, {}),
+    "auto_without_budget": ({"upipe": {"head_chunk_size": "auto"}}, {}),
+    "sp_not_dividing_world": ({"sequence_parallel_size": 3}, {}),
+    "heads_incompatible": ({}, {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 96}),
+    "heads_incompatible_alst": (
+        {"upipe": {"enabled": False}},
+        {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 96},
+    ),
+    "partition_activations": ({"activation_checkpointing": {"partition_activations": True}}, {}),
+    "zero_stage_0": ({"zero_optimization": {"stage": 0}}, {}),
+    "data_parallel_size": ({"data_parallel_size": 2}, {}),
+    "not_hf_model": ({}, {"_linear": True}),
+}
+
+
+def tiny_llama(**changes: Any) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if changes.pop("_linear", False):
+        return torch.nn.Linear(4, 4)
+    fields = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**{**fields, **changes}))
+
+
+def config_errors(rank: int, world: int) -> dict[str, Any]:
+    """Each error case through ds_upipe.initialize on this rank: the ValueError text (None if none),
+    then one valid initialize, to show that no rank was left inside a collective."""
+    import ds_upipe
+
+    out: dict[str, Any] = {}
+    for name, (config_changes, model_changes) in ERROR_CASES.items():
+        model = tiny_llama(**model_changes)
+        try:
+            ds_upipe.initialize(model=model, model_parameters=model.parameters(), config={**BASE, **config_changes})
+            out[name] = None
+        except ValueError as err:
+            out[name] = str(err)
+    model = tiny_llama()
+    engine, *_ = ds_upipe.initialize(model=model, model_parameters=model.parameters(), config=BASE)
+    out["valid_head_chunk_size"] = engine.upipe_head_chunk_size
+    engine.destroy()
+    return out

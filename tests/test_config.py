@@ -1,0 +1,231 @@
+"""The "upipe" ds_config block and the config checks of ds_upipe.initialize (pure, no processes)."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from torch.utils.data import DistributedSampler
+
+from ds_upipe.config import (
+    ALLOWED,
+    UPipeConfig,
+    attention_stage_bytes,
+    check_heads,
+    check_world,
+    choose_head_chunk_size,
+    load_config,
+    micro_batch_size,
+    parse_config,
+    parse_upipe_block,
+)
+from ds_upipe.engine import SequenceParallelSampler
+from ds_upipe.schedule import valid_head_chunk_sizes
+
+REPO = Path(__file__).resolve().parents[1]
+DIMS = dict(num_heads=8, num_kv_heads=2, head_dim=16, group_size=2, micro_batch_size=1, dtype_bytes=4)
+
+
+def test_defaults():
+    cfg = parse_upipe_block(None)
+    assert cfg == UPipeConfig()
+    assert (cfg.enabled, cfg.head_chunk_size, cfg.fused_projections, cfg.kernel) == (True, None, True, "sdpa")
+    assert (cfg.memory_budget_gib, cfg.seq_length, cfg.offload_checkpoints, cfg.overlap_comm) == (
+        None,
+        None,
+        False,
+        False,
+    )
+    assert set(ALLOWED) == set(UPipeConfig.model_fields)
+
+
+def test_unknown_key_names_key_and_allowed_keys():
+    with pytest.raises(ValueError) as err:
+        parse_upipe_block({"enabled": True, "head_chunk_sz": 4})
+    msg = str(err.value)
+    assert "upipe.head_chunk_sz: unknown key" in msg
+    assert "allowed keys: enabled, head_chunk_size, fused_projections, kernel" in msg
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("enabled", "yes"),
+        ("enabled", 1),
+        ("head_chunk_size", "big"),
+        ("head_chunk_size", 2.0),
+        ("head_chunk_size", True),
+        ("head_chunk_size", 0),
+        ("head_chunk_size", -4),
+        ("fused_projections", "true"),
+        ("kernel", "flash"),
+        ("memory_budget_gib", 0),
+        ("memory_budget_gib", "8GiB"),
+        ("seq_length", 0),
+        ("seq_length", 1.5),
+        ("offload_checkpoints", None),
+        ("overlap_comm", "yes"),
+    ],
+)
+def test_bad_value_names_key_value_and_allowed(key, value):
+    with pytest.raises(ValueError) as err:
+        parse_upipe_block({key: value})
+    msg = str(err.value)
+    assert f"upipe.{key}: got {value!r}; allowed: {ALLOWED[key]}" in msg, msg
+
+
+def test_several_bad_keys_all_reported():
+    with pytest.raises(ValueError) as err:
+        parse_upipe_block({"enabled": "no", "kernel": "x", "foo": 1})
+    msg = str(err.value)
+    assert "upipe.enabled" in msg and "upipe.kernel" in msg and "upipe.foo: unknown key" in msg
+
+
+def test_auto_needs_budget_and_length():
+    with pytest.raises(ValueError, match=r"needs upipe.memory_budget_gib .* and upipe.seq_length"):
+        parse_upipe_block({"head_chunk_size": "auto", "memory_budget_gib": 4})
+    cfg = parse_upipe_block({"head_chunk_size": "auto", "memory_budget_gib": 4, "seq_length": 1024})
+    assert cfg.head_chunk_size == "auto"
+
+
+def test_block_must_be_object():
+    with pytest.raises(ValueError, match='"upipe" must be a JSON object, got list'):
+        parse_upipe_block([1])
+
+
+@pytest.mark.parametrize("sp", ["2", 0, True, 1.0])
+def test_sequence_parallel_size_type(sp):
+    with pytest.raises(ValueError, match=r"sequence_parallel_size: got .*; allowed: an int >= 1"):
+        parse_config({"sequence_parallel_size": sp})
+
+
+def test_zero_stage_0_refused_with_sp_only():
+    with pytest.raises(ValueError, match=r"zero_optimization.stage: got 0 .*allowed: 1, 2 or 3"):
+        parse_config({"sequence_parallel_size": 2})
+    assert parse_config({}).zero_stage == 0  # no SP: anything DeepSpeed accepts
+
+
+def test_partition_activations_refused_with_sp_only():
+    act = {"activation_checkpointing": {"partition_activations": True}}
+    with pytest.raises(ValueError, match=r"activation_checkpointing.partition_activations: got true .*allowed: false"):
+        parse_config({"sequence_parallel_size": 2, "zero_optimization": {"stage": 3}, **act})
+    assert parse_config({"zero_optimization": {"stage": 3}, **act}).sequence_parallel_size == 1
+
+
+def test_settings_read_from_config():
+    s = parse_config(
+        {"sequence_parallel_size": 4, "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "upipe": {}}
+    )
+    assert (s.sequence_parallel_size, s.zero_stage, s.dtype_bytes, s.upipe) == (4, 2, 2, UPipeConfig())
+    assert parse_config({}).dtype_bytes == 4
+
+
+def test_world_must_be_divisible():
+    assert check_world(2, 4) == 2
+    with pytest.raises(
+        ValueError, match=re.escape("got 3 for a world of 4 processes; allowed: a divisor of the world size [1, 2, 4]")
+    ):
+        check_world(3, 4)
+    with pytest.raises(ValueError, match=re.escape("[1, 2]")):
+        check_world(4, 2)
+
+
+def test_heads_must_split_over_group():
+    check_heads(8, 2, 4)  # KV replicated 2x
+    with pytest.raises(ValueError) as err:
+        check_heads(8, 2, 3)
+    assert "sequence_parallel_size: got 3" in str(err.value)
+    assert "Allowed sequence_parallel_size for this model: [1, 2, 4, 8]" in str(err.value)
+    with pytest.raises(ValueError, match=re.escape("num_key_value_heads=3")):
+        check_heads(6, 3, 2)  # neither 3 | 2 nor 2 | 3
+
+
+def test_explicit_head_chunk_size():
+    assert choose_head_chunk_size(UPipeConfig(), **DIMS) == 2  # null means U = C
+    assert choose_head_chunk_size(UPipeConfig(head_chunk_size=8), **DIMS) == 8
+    with pytest.raises(ValueError) as err:
+        choose_head_chunk_size(UPipeConfig(head_chunk_size=3), **DIMS)
+    msg = str(err.value)
+    assert msg.startswith("invalid ds_config: upipe.head_chunk_size:")
+    assert f"Valid values: {valid_head_chunk_sizes(8, 2, 2)}" in msg
+
+
+def test_stage_memory_estimate():
+    # U = C = 2: u = 1 query head and 1 KV head per rank; hand-computed from the docstring's formula
+    tokens, d = 1024, 16
+    want = tokens * d * (4 * (6 * 1 + 4 * 1) + 8 * 1) + 4 * tokens * 1
+    assert attention_stage_bytes(2, **{**DIMS, "micro_batch_size": 1}, seq_length=1024) == want
+    sizes = [attention_stage_bytes(u, **DIMS, seq_length=1024) for u in valid_head_chunk_sizes(8, 2, 2)]
+    assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)  # more heads per stage, more memory
+
+
+def test_auto_picks_largest_that_fits():
+    valid = valid_head_chunk_sizes(8, 2, 2)
+    assert len(valid) >= 3
+    need = {u: attention_stage_bytes(u, **DIMS, seq_length=4096) for u in valid}
+    for i, u in enumerate(valid):
+        # a budget just above u's need and below the next size's picks u
+        budget = need[u] + (need[valid[i + 1]] - need[u]) // 2 if i + 1 < len(valid) else need[u] * 10
+        cfg = UPipeConfig(head_chunk_size="auto", memory_budget_gib=budget / 2**30, seq_length=4096)
+        assert choose_head_chunk_size(cfg, **DIMS) == u
+    tiny = UPipeConfig(head_chunk_size="auto", memory_budget_gib=1e-9, seq_length=4096)
+    assert choose_head_chunk_size(tiny, **DIMS) == 2  # nothing fits: C
+
+
+def test_micro_batch_size():
+    assert micro_batch_size({"train_micro_batch_size_per_gpu": 3}, 2) == 3
+    assert micro_batch_size({"train_batch_size": 16, "gradient_accumulation_steps": 2}, 4) == 2
+    assert micro_batch_size({}, 4) == 1
+
+
+def test_load_config_copies_and_reads_paths(tmp_path):
+    original = {"upipe": {"enabled": True}}
+    loaded = load_config(original)
+    loaded["upipe"]["enabled"] = False
+    assert original["upipe"]["enabled"] is True
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(original))
+    assert load_config(str(path)) == original == load_config(path)
+    with pytest.raises(ValueError, match="path or a dict"):
+        load_config(3)
+
+
+@pytest.mark.parametrize("name", ["upipe_zero3", "upipe_zero3_offload", "upipe_zero2", "ulysses_alst_zero3"])
+def test_shipped_configs_parse(name):
+    settings = parse_config(load_config(REPO / "ds_configs" / f"{name}.json"))
+    assert settings.sequence_parallel_size == 4
+    assert settings.upipe.enabled is (name != "ulysses_alst_zero3")
+
+
+def test_docs_cover_every_key():
+    doc = (REPO / "docs" / "config.md").read_text()
+    for key, field in UPipeConfig.model_fields.items():
+        assert f"`{key}`" in doc, key
+        assert f"`{json.dumps(field.default)}`" in doc, (key, field.default)
+
+
+@pytest.mark.parametrize("dp, sp, mb", [(1, 2, 1), (2, 2, 1), (1, 4, 2), (2, 2, 3)])
+def test_sampler_reproduces_data_parallel_order(dp, sp, mb):
+    """The SP micro-batches of replica d, in adapter order (round k: ranks 0..sp-1), are the batches
+    DistributedSampler(num_replicas=dp, rank=d) gives a non-SP run, in the same order."""
+    dataset = list(range(50))
+    for d in range(dp):
+        per_rank = [
+            list(
+                SequenceParallelSampler(
+                    dataset,
+                    data_parallel_size=dp,
+                    data_parallel_rank=d,
+                    sequence_parallel_size=sp,
+                    sequence_parallel_rank=s,
+                    batch_size=mb,
+                )
+            )
+            for s in range(sp)
+        ]
+        assert len({len(x) for x in per_rank}) == 1  # every rank of the group runs out together
+        rounds = len(per_rank[0]) // mb
+        adapter_order = [i for k in range(rounds) for s in range(sp) for i in per_rank[s][k * mb : (k + 1) * mb]]
+        reference = list(DistributedSampler(dataset, num_replicas=dp, rank=d))
+        assert adapter_order == reference[: len(adapter_order)]
+        assert len(reference) - len(adapter_order) < sp * mb  # only an incomplete last round is dropped

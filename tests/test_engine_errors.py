@@ -1,0 +1,36 @@
+"""Config errors of ds_upipe.initialize: each one a ValueError naming the key, raised identically on
+every rank (2 gloo ranks, one spawn for all cases)."""
+
+import re
+
+from ds_upipe.schedule import valid_head_chunk_sizes
+from tests import engine_cases
+from tests.dist_harness import run_ranks
+
+EXPECTED = {  # case -> pieces every rank's message must contain
+    "unknown_key": ["upipe.chunk: unknown key", "allowed keys: enabled, head_chunk_size"],
+    "bad_head_chunk_size": ["upipe.head_chunk_size", f"Valid values: {valid_head_chunk_sizes(8, 2, 2)}"],
+    "head_chunk_size_type": ["upipe.head_chunk_size: got 'big'", '"auto"'],
+    "auto_without_budget": ["upipe.memory_budget_gib", "upipe.seq_length"],
+    "sp_not_dividing_world": ["sequence_parallel_size: got 3 for a world of 2", "[1, 2]"],
+    "heads_incompatible": ["sequence_parallel_size: got 2", "num_attention_heads=6, num_key_value_heads=3"],
+    "heads_incompatible_alst": ["sequence_parallel_size: got 2", "num_attention_heads=6, num_key_value_heads=3"],
+    "partition_activations": ["activation_checkpointing.partition_activations", "allowed: false"],
+    "zero_stage_0": ["zero_optimization.stage: got 0", "allowed: 1, 2 or 3"],
+    "data_parallel_size": ["data_parallel_size: got 2", "allowed: 1"],
+    "not_hf_model": ["HuggingFace transformers model", "Linear"],
+}
+
+
+def test_config_errors_raised_on_every_rank():
+    assert set(EXPECTED) == set(engine_cases.ERROR_CASES)
+    results = run_ranks(engine_cases.config_errors, 2, use_deepspeed=True, timeout=300)
+    for rank, out in enumerate(results):
+        for case, pieces in EXPECTED.items():
+            msg = out[case]
+            assert msg is not None, f"rank {rank}: {case} raised no ValueError"
+            for piece in pieces:
+                assert piece in msg, f"rank {rank}: {case}: {piece!r} not in {msg!r}"
+        assert out["valid_head_chunk_size"] == 2  # null -> U = C, after all the refused configs
+    assert results[0] == results[1]  # the same error, word for word, on both ranks
+    assert all(re.match(r"invalid ds_config|sequence_parallel_size > 1 needs", results[0][c]) for c in EXPECTED)

@@ -1,0 +1,209 @@
+"""examples/train_deepspeed.py under the real ``deepspeed`` launcher on CPU (gloo), float32.
+
+Two launches, each running many configurations in sequence (--runs):
+
+* 2 processes: the non-SP run (data parallel over the 2 ranks) and, with sequence_parallel_size=2
+  and twice the gradient accumulation (one sequence group trains the two ranks' batches in turn,
+  so a step covers the same samples), UPipe and DeepSpeed ALST's Ulysses at ZeRO 1, 2 and 3; the
+  ds_configs with optimizer offload, unfused projections, overlapped all-to-alls, HF gradient
+  checkpointing, "auto" head chunk size, a local HF checkpoint (--model) on a text file (--data);
+  save / resume, and checkpoints loaded across SP and non-SP runs.
+* 4 processes: SP=4 (fewer KV heads than ranks) and SP=2 x 2 data-parallel replicas against the
+  non-SP run on 4 ranks; the main job's ds_config unmodified (bf16); a config error.
+
+Loss trajectories and gradient norms must agree within 1e-5 relative.
+"""
+
+import pytest
+
+from ds_upipe.config import UPipeConfig, attention_stage_bytes, choose_head_chunk_size
+from tests.engine_cases import FP32_RTOL, REPO, TORCH_ADAM, launch, max_rel, run
+
+pytestmark = pytest.mark.slow
+STEPS = 5
+AUTO = {"memory_budget_gib": 0.0, "seq_length": 256}  # budget filled in below
+
+
+def _auto_budget() -> float:
+    """A budget that fits U=4 but not U=8 for the example's model (H=8, Hkv=2, d=16) at SP=2."""
+    dims = dict(num_heads=8, num_kv_heads=2, head_dim=16, group_size=2, micro_batch_size=1, dtype_bytes=4)
+    need4, need8 = (attention_stage_bytes(u, **dims, seq_length=256) for u in (4, 8))
+    budget = (need4 + need8) / 2 / 2**30
+    cfg = UPipeConfig(head_chunk_size="auto", memory_budget_gib=budget, seq_length=256)
+    assert choose_head_chunk_size(cfg, **dims) == 4
+    return budget
+
+
+def _local_checkpoint(path) -> str:
+    """A local HF checkpoint (no tokenizer: the example then trains on bytes), 4 heads, 4 KV heads."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def two_procs(tmp_path_factory):
+    work = tmp_path_factory.mktemp("launch2")
+    ref_ckpt, up_ckpt = str(work / "ckpt_ref"), str(work / "ckpt_upipe")
+    auto = f'upipe={{"head_chunk_size": "auto", "memory_budget_gib": {_auto_budget()!r}, "seq_length": 256}}'
+    local = {"model": _local_checkpoint(work / "local_llama"), "data": str(REPO / "docs" / "config.md")}
+    runs = [
+        run("ref_z1", "upipe_zero2", stage=1),
+        run("ref_z2", "upipe_zero2"),
+        run("ref_z3", save_dir=ref_ckpt, save_every=2),
+        run("upipe_z1", "upipe_zero2", sp=2, gas=2, stage=1),
+        run("upipe_z2", "upipe_zero2", sp=2, gas=2),
+        run("upipe_z3", sp=2, gas=2, save_dir=up_ckpt, save_every=2),
+        # ZeRO's all-reduce paths (reduce_scatter off), which divide by world / sp in DeepSpeed
+        run("upipe_z2_allreduce", "upipe_zero2", sp=2, gas=2, extra=("zero_optimization.reduce_scatter=false",)),
+        run("upipe_z3_allreduce", sp=2, gas=2, extra=("zero_optimization.reduce_scatter=false",)),
+        run("alst_z1", "ulysses_alst_zero3", sp=2, gas=2, stage=1),
+        run("alst_z2", "ulysses_alst_zero3", sp=2, gas=2, stage=2),
+        run("alst_z3", "ulysses_alst_zero3", sp=2, gas=2),
+        run("ref_z3_offload", "upipe_zero3_offload", extra=tuple(TORCH_ADAM)),
+        run("upipe_z3_offload", "upipe_zero3_offload", sp=2, gas=2, extra=tuple(TORCH_ADAM)),
+        run("upipe_z3_unfused", sp=2, gas=2, extra=("upipe.fused_projections=false",)),
+        run("upipe_z3_hf_ckpt", sp=2, gas=2, extra=("activation_checkpointing=null",), hf_gradient_checkpointing=True),
+        run("upipe_z3_auto", sp=2, gas=2, extra=(auto,)),
+        # --model PATH (a local HF checkpoint, multi-head attention) and --data FILE
+        run("ref_local", **local),
+        run("upipe_local", sp=2, gas=2, **local),
+        # resume at step 2 from the SP and the non-SP checkpoints, in SP and non-SP runs
+        run("upipe_from_upipe", sp=2, gas=2, resume=up_ckpt, resume_tag="step2"),
+        run("upipe_from_ref", sp=2, gas=2, resume=ref_ckpt, resume_tag="step2"),
+        run("ref_from_upipe", resume=up_ckpt, resume_tag="step2"),
+    ]
+    runs.append(run("upipe_z3_overlap", sp=2, gas=2, extra=("upipe.overlap_comm=true",)))
+    rc, output, metrics = launch(2, runs, work, steps=STEPS)
+    assert rc == 0 and metrics["error"] is None, output[-6000:]
+    return metrics["by_name"]
+
+
+@pytest.fixture(scope="module")
+def four_procs(tmp_path_factory):
+    work = tmp_path_factory.mktemp("launch4")
+    runs = [
+        run("ref_z1", "upipe_zero2", stage=1),
+        run("ref_z3"),
+        run("upipe_sp4_z3", sp=4, gas=4),
+        run("alst_sp4_z3", "ulysses_alst_zero3", sp=4, gas=4),
+        run("upipe_sp2_z1", "upipe_zero2", sp=2, gas=2, stage=1),
+        run("upipe_sp2_z3", sp=2, gas=2),
+        # the main job's config as shipped (bf16, sequence_parallel_size 4), two steps
+        {"name": "shipped_upipe_zero3", "deepspeed_config": "ds_configs/upipe_zero3.json", "steps": 2},
+        run("bad_sp", sp=3),  # last: a config error ends the launch
+    ]
+    rc, output, metrics = launch(4, runs, work, steps=STEPS)
+    return rc, output, metrics
+
+
+def _check_same(runs, name, ref_name, steps=None):
+    got, want = runs[name], runs[ref_name]
+    if steps is not None:  # compare the steps the run made (a resumed run starts later)
+        want = {k: [v for s, v in zip(want["steps"], want[k]) if s in steps] for k in ("losses", "grad_norms")}
+    assert max_rel(got["losses"], want["losses"]) <= FP32_RTOL, (name, got["losses"], want["losses"])
+    assert max_rel(got["grad_norms"], want["grad_norms"]) <= FP32_RTOL, (name, got["grad_norms"], want["grad_norms"])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_upipe_and_alst_equal_non_sp_at_zero_stage(two_procs, stage):
+    ref = two_procs[f"ref_z{stage}"]
+    assert ref["sequence_parallel_size"] == 1 and ref["zero_stage"] == stage and len(ref["losses"]) == STEPS
+    for name in (f"upipe_z{stage}", f"alst_z{stage}"):
+        r = two_procs[name]
+        assert (r["sequence_parallel_size"], r["zero_stage"], r["train_batch_size"]) == (2, stage, 2)
+        _check_same(two_procs, name, f"ref_z{stage}")
+    # UPipe really ran (stages counted) with U = C; the ALST run used ALST's attention wrapper
+    assert two_procs[f"upipe_z{stage}"]["upipe_stage_runs"] > 0
+    assert two_procs[f"upipe_z{stage}"]["head_chunk_size"] == 2 and two_procs[f"upipe_z{stage}"]["upipe_fused"]
+    assert two_procs[f"alst_z{stage}"]["upipe_stage_runs"] == 0
+    assert "uattn_wrapper" in two_procs[f"alst_z{stage}"]["attention_function"]
+    # the runs learn: a test on equal trajectories would also pass on runs that do nothing
+    assert ref["losses"][-1] < ref["losses"][0] - 0.5
+
+
+def test_gradient_norms_equal_across_stages(two_procs):
+    """Gradient clipping (1.0) is active in these runs: norms above it are the unclipped norms."""
+    norms = two_procs["ref_z3"]["grad_norms"]
+    assert min(norms) > 1.0
+    for stage in (1, 2):
+        assert max_rel(two_procs[f"upipe_z{stage}"]["grad_norms"], norms) <= FP32_RTOL
+
+
+@pytest.mark.parametrize("name, ref_name", [("upipe_z2_allreduce", "ref_z2"), ("upipe_z3_allreduce", "ref_z3")])
+def test_zero_all_reduce_paths(two_procs, name, ref_name):
+    _check_same(two_procs, name, ref_name)
+
+
+@pytest.mark.parametrize("name", ["upipe_z3_unfused", "upipe_z3_hf_ckpt", "upipe_z3_auto"])
+def test_variants_equal_non_sp(two_procs, name):
+    _check_same(two_procs, name, "ref_z3")
+    assert two_procs[name]["upipe_stage_runs"] > 0
+    assert two_procs["upipe_z3_unfused"]["upipe_fused"] is False
+    assert two_procs["upipe_z3_auto"]["head_chunk_size"] == 4
+
+
+def test_local_checkpoint_and_text_file(two_procs):
+    _check_same(two_procs, "upipe_local", "ref_local")
+    r = two_procs["upipe_local"]
+    assert r["upipe_stage_runs"] > 0 and r["head_chunk_size"] == 2
+    assert max_rel(r["losses"], two_procs["upipe_z3"]["losses"]) > 1e-3  # another model, other data
+
+
+def test_overlap_comm(two_procs):
+    _check_same(two_procs, "upipe_z3_overlap", "ref_z3")
+    assert two_procs["upipe_z3_overlap"]["upipe_stage_runs"] > 0
+
+
+def test_offload_config(two_procs):
+    _check_same(two_procs, "upipe_z3_offload", "ref_z3_offload")
+    _check_same(two_procs, "ref_z3_offload", "ref_z3")
+
+
+@pytest.mark.parametrize(
+    "name, uninterrupted",
+    [("upipe_from_upipe", "upipe_z3"), ("upipe_from_ref", "ref_z3"), ("ref_from_upipe", "upipe_z3")],
+)
+def test_resume_continues_trajectory(two_procs, name, uninterrupted):
+    r = two_procs[name]
+    assert r["resumed_from"] == 2 and r["steps"] == [3, 4, 5]
+    _check_same(two_procs, name, uninterrupted, steps={3, 4, 5})
+
+
+@pytest.mark.parametrize("name, ref_name", [("upipe_sp4_z3", "ref_z3"), ("alst_sp4_z3", "ref_z3")])
+def test_four_procs_sp4(four_procs, name, ref_name):
+    _, output, metrics = four_procs
+    runs = metrics["by_name"]
+    assert runs[name]["sequence_parallel_size"] == 4 and runs[ref_name]["world_size"] == 4
+    _check_same(runs, name, ref_name)
+
+
+@pytest.mark.parametrize("name, ref_name", [("upipe_sp2_z1", "ref_z1"), ("upipe_sp2_z3", "ref_z3")])
+def test_four_procs_sp2_times_dp2(four_procs, name, ref_name):
+    runs = four_procs[2]["by_name"]
+    assert runs[name]["sequence_parallel_size"] == 2 and runs[name]["train_batch_size"] == 4
+    _check_same(runs, name, ref_name)
+    assert runs[name]["upipe_stage_runs"] > 0
+
+
+def test_shipped_config_runs_as_it_is(four_procs):
+    """(Every ds_configs/*.json also runs, float32, in the 2-process launch.)"""
+    r = four_procs[2]["by_name"]["shipped_upipe_zero3"]
+    assert r["sequence_parallel_size"] == 4 and len(r["losses"]) == 2
+    assert r["losses"][1] < r["losses"][0]  # bf16: a step that learns
+    assert r["upipe_stage_runs"] > 0 and r["upipe_fused"] and r["head_chunk_size"] == 4
+
+
+def test_config_error_ends_launch(four_procs):
+    """(That every rank raises it is tested deterministically in test_engine_errors.py.)"""
+    rc, output, metrics = four_procs
+    assert rc != 0
+    assert "got 3 for a world of 4 processes; allowed: a divisor of the world size [1, 2, 4]" in metrics["error"]
+    assert len(metrics["runs"]) == 7  # every run before it finished

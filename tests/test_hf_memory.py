@@ -1,0 +1,16 @@
+"""Peak activation memory per rank (MemTracker, forward + backward, float32, C=4, H=32, KV=8): fused
+UPipe at U = C against DeepSpeed ALST's UlyssesSPAttentionHF on the same model."""
+
+from tests import hf_cases
+from tests.dist_harness import run_ranks
+
+
+def test_fused_upipe_vs_alst():
+    results = run_ranks(hf_cases.memory_case, 4, use_deepspeed=True)
+    for rank, units in enumerate(results):
+        assert units == results[0], "MemTracker is deterministic and the ranks are symmetric"
+        fused_block, alst_block = units[("upipe_fused", "attention")], units[("alst", "attention")]
+        fused_layer, alst_layer = units[("upipe_fused", "layer")], units[("alst", "layer")]
+        assert fused_block <= 0.60 * alst_block, f"rank {rank}: attention block {fused_block} vs ALST {alst_block}"
+        assert fused_layer < alst_layer, f"rank {rank}: decoder layer {fused_layer} vs ALST {alst_layer}"
+        assert alst_block > 4, alst_block  # ALST's gathered q/k/v/output: a real baseline, not a no-op

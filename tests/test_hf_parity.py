@@ -1,0 +1,52 @@
+"""hf_patches: patched Llama/Mistral/Qwen2/Qwen3 on sequence shards == the unpatched model on the
+whole sequence (logits, loss, parameter gradients summed over ranks), plus padding, base models,
+save/reload, HF gradient checkpointing, PEFT LoRA fallback, right-padding masks, and refusals."""
+
+import pytest
+
+from tests import hf_cases
+from tests.dist_harness import run_ranks
+
+F64 = hf_cases.TOLERANCE[hf_cases.torch.float64]
+NUM_PARITY_CASES = 2 * len(hf_cases.ARCH_CONFIGS) + 6
+
+REFUSALS = {  # case -> words its message must contain (the offending value and the rule)
+    "mistral_sliding_window": ["sliding_window=16", "sliding-window", "config.sliding_window = None"],
+    "qwen2_sliding_window": ["sliding_window=16", "use_sliding_window=False"],
+    "unsupported_arch": ["GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3Model"],
+    "bad_head_chunk": ["head_chunk_size=3", "Valid values"],
+    "attention_dropout": ["attention_dropout=0.1", "must be 0.0"],
+    "double_patch": ["already patched"],
+    "no_position_ids": ["position_ids are required", "[0, 1]"],
+    "packed_positions": ["not consecutive", "packed"],
+    "left_padding": ["left padding", "right padding"],
+    "mask_4d": ["attention_mask", "2-D"],
+    "use_cache": ["use_cache=True"],
+    "uneven_shards": ["[5, 4]", "equal"],
+}
+
+
+def _check_parity(results, world):
+    for rank, (failures, count, stage_runs) in enumerate(results):
+        assert count == NUM_PARITY_CASES
+        assert not failures, f"C={world} rank {rank}: {failures}"
+        assert stage_runs > 0  # ds_upipe.pipeline.STAGE_RUNS: UPipe's stage loop ran
+
+
+def test_group_of_two():
+    results = run_ranks(hf_cases.c2_group, 2)
+    _check_parity([r["parity"] for r in results], 2)
+    for rank, r in enumerate(results):
+        for case, errors in r["misc"].items():
+            assert max(errors.values()) <= F64, f"rank {rank} {case}: {errors}"
+        messages = r["refusals"]
+        assert messages == results[0]["refusals"], "every rank must raise the same errors"
+        for case, words in REFUSALS.items():
+            for word in words:
+                assert word in messages[case], f"{case}: {messages[case]!r} lacks {word!r}"
+        assert messages["still_works"] == "(1, 4, 101)"
+
+
+@pytest.mark.parametrize("world", [4])
+def test_group_of_four(world):
+    _check_parity(run_ranks(hf_cases.parity_matrix, world), world)

@@ -1,0 +1,184 @@
+"""UPipe through the HF Trainer (torchrun) and ``accelerate launch``: real launchers, CPU, gloo, float32.
+
+Per entry point three launches of the same example script: UPipe (2 processes, ZeRO-3, SP=2), the
+same with ``"upipe": {"enabled": false}`` (DeepSpeed ALST's Ulysses) and without sequence parallelism
+(1 process).  The 5 training losses, the gradient norms and the eval loss must agree within 1e-5
+relative; the UPipe launches must have run UPipe stages on every rank, in training and in
+evaluation, on sequence-sharded eval batches; the ALST launches none.  A ZeRO-2 UPipe Trainer launch
+checks the gradient average (DeepSpeed issue #5248: without ds_upipe's correction its gradient norms
+come out 2x).
+
+The Trainer's eval set has 5 sequences on 2 ranks, so accelerate pads one rank's last batch with a
+duplicate and ``gather_for_metrics`` drops it again: the SP eval loss must still equal the non-SP one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ds_upipe import hf_integration
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+RTOL = 1e-5
+STEPS = 5
+SEQ_LEN = 64
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "PARALLELISM_CONFIG_"))}
+    env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    return env
+
+
+def _launch(cmd: list[str], out: Path) -> dict[str, Any]:
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
+    wall = time.perf_counter() - start
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
+    result = json.loads(out.read_text())
+    result["launch_s"] = wall
+    print(f"{out.stem}: launch {wall:.1f}s, losses {result['train_losses']}, eval {result['eval_loss']}")
+    return result
+
+
+def _torchrun(nproc: int, out: Path, *args: str) -> dict[str, Any]:
+    cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "examples/finetune_trainer.py"]
+    return _launch([*cmd, "--metrics_out", str(out), "--output_dir", str(out.parent / out.stem), *args], out)
+
+
+def _accelerate(out: Path, *flags: str) -> dict[str, Any]:
+    cmd = [str(BIN / "accelerate"), "launch", "--config_file", "examples/accelerate_config.yaml", *flags]
+    return _launch([*cmd, "examples/train_accelerate.py", "--metrics_out", str(out)], out)
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    work = tmp_path_factory.mktemp("trainer")
+    zero2 = json.loads((ROOT / "examples/ds_config_upipe.json").read_text())
+    zero2["zero_optimization"]["stage"] = 2
+    (work / "ds_config_upipe_zero2.json").write_text(json.dumps(zero2))
+    return {
+        "upipe": _torchrun(2, work / "upipe.json", "--deepspeed", "examples/ds_config_upipe.json", "--sp_size", "2"),
+        "alst": _torchrun(2, work / "alst.json", "--deepspeed", "examples/ds_config_alst.json", "--sp_size", "2"),
+        "no_sp": _torchrun(1, work / "no_sp.json", "--deepspeed", "examples/ds_config_upipe.json", "--sp_size", "1"),
+        "upipe_zero2": _torchrun(
+            2, work / "upipe_zero2.json", "--deepspeed", str(work / "ds_config_upipe_zero2.json"), "--sp_size", "2"
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def accelerate_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    work = tmp_path_factory.mktemp("accelerate")
+    return {
+        "upipe": _accelerate(work / "upipe.json"),  # the YAML as shipped: ds_config_upipe.json, sp_size 2
+        "alst": _accelerate(work / "alst.json", "--deepspeed_config_file", "examples/ds_config_alst.json"),
+        "no_sp": _accelerate(work / "no_sp.json", "--num_processes", "1", "--parallelism_config_sp_size", "1"),
+    }
+
+
+def _assert_close(got: list[float] | float, want: list[float] | float, what: str) -> None:
+    got_l, want_l = (got, want) if isinstance(got, list) else ([got], [want])
+    assert len(got_l) == len(want_l), f"{what}: {got_l} vs {want_l}"
+    worst = max(abs(g - w) / abs(w) for g, w in zip(got_l, want_l))
+    assert worst <= RTOL, f"{what}: relative difference {worst:.3e} > {RTOL}: {got_l} vs {want_l}"
+
+
+def _check_parity(runs: dict[str, dict[str, Any]], names: tuple[str, ...]) -> None:
+    ref = runs["no_sp"]
+    assert len(ref["train_losses"]) == STEPS and len(ref["grad_norms"]) == STEPS
+    for name in names:
+        run = runs[name]
+        _assert_close(run["train_losses"], ref["train_losses"], f"{name} training losses")
+        _assert_close(run["grad_norms"], ref["grad_norms"], f"{name} gradient norms")
+        _assert_close(run["eval_loss"], ref["eval_loss"], f"{name} eval loss")
+
+
+def _check_what_ran(runs: dict[str, dict[str, Any]], upipe: tuple[str, ...]) -> None:
+    for name in upipe:
+        run = runs[name]
+        assert run["world_size"] == 2 and run["sp_size"] == 2
+        # every rank ran UPipe stages in training (forward + backward) and in evaluation (forward)
+        assert len(run["stage_runs_train"]) == 2 and min(run["stage_runs_train"]) > 0, run
+        assert min(run["stage_runs_eval"]) > 0, run
+        # evaluation saw this rank's half of each sequence, never the full sequence
+        assert run["eval_local_seq_lens"] == [SEQ_LEN // 2], run
+    alst = runs["alst"]
+    assert alst["stage_runs_train"] == [0, 0] and alst["stage_runs_eval"] == [0, 0], alst
+    assert alst["eval_local_seq_lens"] == [SEQ_LEN // 2], alst
+    assert runs["no_sp"]["eval_local_seq_lens"] == [SEQ_LEN], runs["no_sp"]
+
+
+@pytest.mark.slow
+def test_trainer_upipe_equals_alst_and_no_sp(trainer_runs):
+    _check_parity(trainer_runs, ("upipe", "alst", "upipe_zero2"))
+
+
+@pytest.mark.slow
+def test_trainer_runs_upipe_attention(trainer_runs):
+    _check_what_ran(trainer_runs, ("upipe", "upipe_zero2"))
+    for name in ("upipe", "upipe_zero2"):  # fused projections, U = C = 2 (two stages per layer)
+        assert trainer_runs[name]["upipe"] == {"fused": True, "head_chunk_size": 2}
+    assert trainer_runs["alst"]["upipe"] is None and trainer_runs["no_sp"]["upipe"] is None
+    # 2 layers x 2 stages x (forward + backward) x 5 steps; eval: 2 layers x 2 stages x 6 micro-batches
+    assert trainer_runs["upipe"]["stage_runs_train"] == [40, 40]
+    assert trainer_runs["upipe"]["stage_runs_eval"] == [24, 24]
+
+
+@pytest.mark.slow
+def test_accelerate_upipe_equals_alst_and_no_sp(accelerate_runs):
+    _check_parity(accelerate_runs, ("upipe", "alst"))
+
+
+@pytest.mark.slow
+def test_accelerate_runs_upipe_attention(accelerate_runs):
+    _check_what_ran(accelerate_runs, ("upipe",))
+    assert accelerate_runs["upipe"]["upipe_block"]["enabled"] is True
+    assert accelerate_runs["alst"]["upipe_block"] == {"enabled": False}
+    assert accelerate_runs["upipe"]["stage_runs_train"] == [40, 40]
+    assert accelerate_runs["upipe"]["stage_runs_eval"] == [16, 16]  # 4 eval sequences
+
+
+# ---------------------------------------------------------------------------------------------------
+# in-process: what enable() changes, and the config rules (same ValueError on every rank: pure functions)
+
+
+def test_enable_routes_accelerates_lookup_and_disable_restores():
+    from deepspeed.runtime.sequence_parallel import ulysses_sp
+    from transformers import Trainer
+
+    original_step = Trainer.prediction_step
+    hf_integration.enable()
+    try:
+        hf_integration.enable()  # idempotent
+        # what accelerate's _prepare_deepspeed imports at call time
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+        assert UlyssesSPAttentionHF is hf_integration.UPipeSPAttentionHF
+        assert Trainer.prediction_step is not original_step
+    finally:
+        hf_integration.disable()
+    assert ulysses_sp.UlyssesSPAttentionHF is not hf_integration.UPipeSPAttentionHF
+    assert Trainer.prediction_step is original_step and not hf_integration.is_enabled()
+
+
+def test_upipe_settings_rules():
+    zero3 = {"zero_optimization": {"stage": 3}}
+    settings = hf_integration.upipe_settings({**zero3, "upipe": {"head_chunk_size": 4}}, 2)
+    assert settings.sequence_parallel_size == 2 and settings.upipe.enabled and settings.upipe.head_chunk_size == 4
+    assert hf_integration.upipe_settings({**zero3, "sequence_parallel_size": 2}, 2).upipe.fused_projections
+    with pytest.raises(ValueError, match=r"sequence_parallel_size: got 4 but ParallelismConfig.sp_size is 2"):
+        hf_integration.upipe_settings({**zero3, "sequence_parallel_size": 4}, 2)
+    with pytest.raises(ValueError, match=r"upipe.chunk: unknown key"):
+        hf_integration.upipe_settings({**zero3, "upipe": {"chunk": 2}}, 2)
+    with pytest.raises(ValueError, match=r"zero_optimization.stage: got 0 with sequence_parallel_size=2"):
+        hf_integration.upipe_settings({"upipe": {"enabled": True}}, 2)
