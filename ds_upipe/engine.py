@@ -97,7 +97,7 @@ def initialize(
         _check_data_parallel_size(ds_config, dp)
         mb = micro_batch_size(ds_config, dp)
         if settings.upipe.enabled:
-            mpu = _sequence_parallel_mpu(sp)
+            mpu = sequence_parallel_mpu(sp)
             head_chunk_size = choose_head_chunk_size(
                 settings.upipe,
                 num_heads=text_config.num_attention_heads,
@@ -108,14 +108,14 @@ def initialize(
                 micro_batch_size=mb,
                 dtype_bytes=settings.dtype_bytes,
             )
-            _apply_upipe(model, mpu.get_sequence_parallel_group(), head_chunk_size, settings)
+            apply_upipe_settings(model, mpu.get_sequence_parallel_group(), head_chunk_size, settings)
         else:
             head_chunk_size = text_config.num_attention_heads  # plain Ulysses: all heads in one stage
             mpu = _register_alst(model, sp, mb)
     else:
         head_chunk_size = None
 
-    _configure_activation_checkpointing(model, ds_config, settings, mpu if sp > 1 else None)
+    configure_activation_checkpointing(model, ds_config, settings, mpu if sp > 1 else None)
 
     sp_loader = None
     if training_data is not None and sp > 1:
@@ -139,7 +139,7 @@ def initialize(
         mesh_param=mesh_param,
     )
     if sp > 1:
-        _average_gradients_over_all_ranks(engine)
+        average_gradients_over_all_ranks(engine)
     # for logs and tests: what this engine runs
     engine.upipe_settings = settings
     engine.upipe_head_chunk_size = head_chunk_size
@@ -246,7 +246,7 @@ def _undo_earlier_initialize() -> None:
         ds_checkpointing.mpu = None
 
 
-def _sequence_parallel_mpu(sp: int) -> Any:
+def sequence_parallel_mpu(sp: int) -> Any:
     """DeepSpeed's parallel_state_sp with groups of size ``sp`` (reused if they already exist)."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
@@ -280,7 +280,7 @@ def _register_alst(model: torch.nn.Module, sp: int, mb: int) -> Any:
     return mpu
 
 
-def _apply_upipe(model: torch.nn.Module, group: Any, head_chunk_size: int, settings: SPSettings) -> None:
+def apply_upipe_settings(model: torch.nn.Module, group: Any, head_chunk_size: int, settings: SPSettings) -> None:
     try:
         from hf_patches import apply_upipe
     except ImportError as err:
@@ -299,7 +299,7 @@ def _apply_upipe(model: torch.nn.Module, group: Any, head_chunk_size: int, setti
     )
 
 
-def _configure_activation_checkpointing(
+def configure_activation_checkpointing(
     model: torch.nn.Module, ds_config: dict[str, Any], settings: SPSettings, mpu: Any
 ) -> None:
     """Make the ds_config's activation_checkpointing section (or upipe.offload_checkpoints) apply.
@@ -349,7 +349,7 @@ def _sequence_parallel_loader(
     )
 
 
-def _average_gradients_over_all_ranks(engine: Any) -> None:
+def average_gradients_over_all_ranks(engine: Any) -> None:
     """Make ZeRO divide the summed gradients by the world size at every stage.
 
     With the full-sequence loss on every rank (module docstring), a sequence group's gradients sum

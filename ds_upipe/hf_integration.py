@@ -43,10 +43,10 @@ from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
 from .config import SPSettings, check_heads, choose_head_chunk_size, parse_config
 from .engine import (
-    _apply_upipe,
-    _average_gradients_over_all_ranks,
-    _configure_activation_checkpointing,
-    _sequence_parallel_mpu,
+    apply_upipe_settings,
+    average_gradients_over_all_ranks,
+    configure_activation_checkpointing,
+    sequence_parallel_mpu,
 )
 
 #: what enable() replaced, to restore in disable(): (owner, attribute) -> original
@@ -149,7 +149,7 @@ class UPipeSPAttentionHF(UlyssesSPAttentionHF):
                 disable_in_eval=False,
                 max_length=max_length,
             )
-            _configure_activation_checkpointing(model_name_or_path, ds_config, settings, mpu)
+            configure_activation_checkpointing(model_name_or_path, ds_config, settings, mpu)
             _REGISTERED["mpu"] = mpu
             return mpu
 
@@ -162,7 +162,7 @@ class UPipeSPAttentionHF(UlyssesSPAttentionHF):
         text = model.config.get_text_config()
         sp = sequence_parallel_size
         check_heads(text.num_attention_heads, text.num_key_value_heads, sp)
-        mpu = _sequence_parallel_mpu(sp)  # the same parallel_state_sp groups ALST builds
+        mpu = sequence_parallel_mpu(sp)  # the same parallel_state_sp groups ALST builds
         head_chunk_size = choose_head_chunk_size(
             settings.upipe,
             num_heads=text.num_attention_heads,
@@ -172,8 +172,8 @@ class UPipeSPAttentionHF(UlyssesSPAttentionHF):
             micro_batch_size=micro_batch_size or 1,
             dtype_bytes=settings.dtype_bytes,
         )
-        _apply_upipe(model, mpu.get_sequence_parallel_group(), head_chunk_size, settings)
-        _configure_activation_checkpointing(model, ds_config, settings, mpu)
+        apply_upipe_settings(model, mpu.get_sequence_parallel_group(), head_chunk_size, settings)
+        configure_activation_checkpointing(model, ds_config, settings, mpu)
         _REGISTERED["mpu"] = mpu
         return mpu
 
@@ -199,7 +199,7 @@ def _wrap_initialize(original: Callable[..., Any]) -> Callable[..., Any]:
         result = original(*args, **kwargs)
         mpu = _REGISTERED.get("mpu")
         if mpu is not None and kwargs.get("mpu") is mpu:
-            _average_gradients_over_all_ranks(result[0])
+            average_gradients_over_all_ranks(result[0])
         return result
 
     return initialize

@@ -23,6 +23,7 @@ import os
 import time
 
 import torch
+from tiny_llama import RandomTokens, tiny_llama_config
 
 CPU = not torch.cuda.is_available()
 if CPU:
@@ -48,38 +49,13 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-class RandomTokens(torch.utils.data.Dataset):
-    """Random token sequences; labels = input_ids (the model shifts them), global position_ids."""
-
-    def __init__(self, num_samples: int, seq_len: int, vocab_size: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, vocab_size, (num_samples, seq_len), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = self.ids[i]
-        return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(len(ids))}
-
-
 def build_model(opts: argparse.Namespace) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     torch.manual_seed(opts.seed)
     if opts.model:
         return AutoModelForCausalLM.from_pretrained(opts.model, attn_implementation="sdpa", dtype=torch.float32)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=opts.seq_len,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
+    config = tiny_llama_config(opts.seq_len)
     return LlamaForCausalLM(config)
 
 

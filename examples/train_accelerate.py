@@ -24,6 +24,7 @@ import os
 import time
 
 import torch
+from tiny_llama import RandomTokens, tiny_llama_config
 
 CPU = not torch.cuda.is_available()
 if CPU:
@@ -44,21 +45,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-class RandomTokens(torch.utils.data.Dataset):
-    """Random token sequences; labels = input_ids (the model shifts them), global position_ids."""
-
-    def __init__(self, num_samples: int, seq_len: int, vocab_size: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, vocab_size, (num_samples, seq_len), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = self.ids[i]
-        return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(len(ids))}
-
-
 def lm_loss(accelerator, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:  # noqa: ANN001
     """(loss of the whole sequence, its number of target tokens).  Under DeepSpeed sequence parallelism
     the batch is this rank's shard with pre-shifted ``shift_labels``; the loss is accelerate's recipe."""
@@ -76,7 +62,7 @@ def lm_loss(accelerator, model, batch: dict[str, torch.Tensor]) -> tuple[torch.T
 def main() -> None:
     opts = parse_args()
     from accelerate import Accelerator, PartialState
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from ds_upipe import hf_integration
     from ds_upipe.pipeline import STAGE_RUNS
@@ -87,17 +73,7 @@ def main() -> None:
         PartialState(cpu=True)  # gloo on CPU; must come before Accelerator()
     accelerator = Accelerator()
     torch.manual_seed(opts.seed)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=opts.seq_len,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
+    config = tiny_llama_config(opts.seq_len)
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts.lr)
     train = RandomTokens(opts.train_samples, opts.seq_len, config.vocab_size, seed=opts.seed + 1)

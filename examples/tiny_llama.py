@@ -1,0 +1,42 @@
+"""Shared by the Trainer and accelerate examples: a tiny Llama config and random-token data that
+need no download.  (Imported by path: the examples' own folder is on sys.path when they run.)"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
+
+
+def tiny_llama_config(seq_len: int) -> LlamaConfig:
+    from transformers import LlamaConfig  # lazily: transformers is heavy to import
+
+    return LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """Random token sequences; labels = input_ids (the model shifts them), global position_ids."""
+
+    def __init__(self, num_samples: int, seq_len: int, vocab_size: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab_size, (num_samples, seq_len), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.ids[i]
+        return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(len(ids))}
