@@ -1,0 +1,683 @@
+"""``ds-upipe bench``: DeepSpeed-Ulysses, ALST and UPipe side by side, per rank, on the same inputs.
+
+One invocation spawns C ranks (gloo on CPU, nccl on GPU) and runs, for every sequence length, every
+method over identical inputs:
+
+- core level (the attention core, local q/k/v in, local output out): DeepSpeed's
+  ``DistributedAttention`` (the baseline), ALST's ``UlyssesSPAttentionHF`` and UPipe at each valid U,
+  all with the same local attention (a ``TorchSDPAKernel`` instance serves both contracts);
+- layer level (one HF Llama decoder layer): ALST (the baseline) and UPipe fused/unfused at each U,
+  through ``hf_patches``.
+
+Per rank it records the peak memory (MemTracker on CPU, the CUDA allocator's peak on GPU), the
+"intermediate" memory (peak minus the bytes of q, k, v, out, dout, dq, dk, dv at the core level;
+the activation memory, peak minus the layer's weights and their gradients, at the layer level) and
+the forward+backward time; the report takes the worst rank and gives ratios to the level's baseline.
+Output: a terminal table, a JSON file and a PNG plot; a progress bar while it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LEVELS = ("core", "layer")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Method:
+    """One column of the comparison.  ``name`` is unique within a level."""
+
+    name: str
+    kind: str  # "deepspeed" | "alst" | "upipe"
+    head_chunk_size: int | None = None
+    fused: bool | None = None
+
+
+@dataclass
+class BenchSpec:
+    """What to run.  Head counts default to a Llama-like GQA layout (H=32, KV=8)."""
+
+    world: int = 4
+    seq_lens: list[int] = field(default_factory=lambda: [2048, 4096])
+    levels: tuple[str, ...] = LEVELS
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 64
+    hidden: int | None = None  # layer level; default heads * head_dim
+    intermediate: int | None = None  # layer level; default 2 * hidden
+    tiled_mlp: bool = False  # layer level: DeepSpeed's TiledMLP for the MLP (as in the paper's runs)
+    overlap_comm: bool = False  # UPipe prefetches the next stage's all-to-alls
+    batch: int = 1
+    dtype: str = "float32"
+    head_chunk_sizes: list[int] | None = None  # None: every valid U
+    repeats: int = 2
+    warmup: int = 1
+    device: str = "cpu"  # "cpu" (gloo) or "cuda" (nccl, one GPU per rank)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from .schedule import valid_head_chunk_sizes
+
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r}: must be 'cpu' or 'cuda'")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(DTYPES)}")
+        bad = [lvl for lvl in self.levels if lvl not in LEVELS]
+        if bad or not self.levels:
+            raise ValueError(f"levels={list(self.levels)}: choose from {list(LEVELS)}")
+        if not self.seq_lens:
+            raise ValueError("seq_lens is empty: give at least one sequence length")
+        for seq in self.seq_lens:
+            if seq < self.world or seq % self.world != 0:
+                raise ValueError(f"sequence length {seq} is not a positive multiple of the group size {self.world}")
+        valid = valid_head_chunk_sizes(self.heads, self.kv_heads, self.world)
+        for u in self.head_chunk_sizes or []:
+            if u not in valid:
+                raise ValueError(
+                    f"head_chunk_size {u} is invalid for heads={self.heads}, kv_heads={self.kv_heads}, "
+                    f"world={self.world}; valid: {valid}"
+                )
+        if self.repeats < 0 or self.warmup < 0:
+            raise ValueError(
+                f"repeats and warmup must be >= 0 (0 repeats: memory only), got {self.repeats}, {self.warmup}"
+            )
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hidden or self.heads * self.head_dim
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.intermediate or 2 * self.hidden_size
+
+    @property
+    def chunk_sizes(self) -> list[int]:
+        from .schedule import valid_head_chunk_sizes
+
+        return self.head_chunk_sizes or valid_head_chunk_sizes(self.heads, self.kv_heads, self.world)
+
+    def methods(self, level: str) -> list[Method]:
+        """The baseline first, then the others in a fixed order."""
+        us = self.chunk_sizes
+        if level == "core":
+            return [Method("deepspeed", "deepspeed"), Method("alst", "alst")] + [
+                Method(f"upipe[U={u}]", "upipe", u) for u in us
+            ]
+        return (
+            [Method("alst", "alst")]
+            + [Method(f"upipe-fused[U={u}]", "upipe", u, True) for u in us]
+            + [Method(f"upipe-unfused[U={u}]", "upipe", u, False) for u in us]
+        )
+
+
+@dataclass
+class Measurement:
+    level: str
+    method: str
+    kind: str
+    head_chunk_size: int | None
+    fused: bool | None
+    seq_len: int
+    peak_bytes: int  # worst rank
+    intermediate_bytes: int  # worst rank
+    time_s: float  # worst rank's median forward+backward
+    max_abs_diff: float  # output and input gradients vs the level's baseline, worst rank
+    peak_ratio: float = math.nan  # vs the level's baseline
+    intermediate_ratio: float = math.nan
+    time_ratio: float = math.nan
+
+
+# -- measuring one forward+backward ------------------------------------------------------------
+
+
+def measure_peak(step: Callable[[], Any], tracked: list[Any], device: torch.device) -> int:
+    """Peak bytes held during ``step()`` on this rank, counting ``tracked`` (the modules and tensors
+    made before the step) and everything the step allocates.
+
+    CPU: torch's MemTracker (deterministic).  CUDA: the allocator's peak above what was allocated
+    before the step, plus the tracked bytes (the same quantity)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        held = sum(
+            tensor_bytes(*obj.parameters(), *obj.buffers()) if isinstance(obj, torch.nn.Module) else tensor_bytes(obj)
+            for obj in tracked
+        )
+        return int(torch.cuda.max_memory_allocated(device) - base + held)
+    tracker = _storage_tracker()
+    tracker.track_external(*tracked)
+    with tracker:
+        step()
+    return int(max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values()))
+
+
+class _NoModuleTracking:
+    """Stands in for MemTracker's ModTracker, whose backward hooks fail on modules called inside an
+    autograd Function's no-grad forward (DeepSpeed's TiledMLP calls gate/up/down_proj there).  The
+    per-storage accounting, and so the peak total, does not depend on it."""
+
+    is_bw = False
+    parents: set[str] = set()
+
+    def register_user_hooks(self, *hooks: Any) -> None: ...
+
+    def clear_user_hooks(self) -> None: ...
+
+    def __enter__(self) -> _NoModuleTracking:
+        return self
+
+    def __exit__(self, *args: Any) -> None: ...
+
+
+def _storage_tracker() -> Any:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker._mod_tracker = _NoModuleTracking()
+    return tracker
+
+
+def time_step(step: Callable[[], Any], repeats: int, warmup: int, device: torch.device) -> float:
+    """Median wall time of ``step()`` (all ranks start together)."""
+    import torch.distributed as dist
+
+    times = []
+    for i in range(warmup + repeats):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+# -- the attention-core level --------------------------------------------------------------------
+
+
+class _HFModuleStub(torch.nn.Module):
+    """ALST's forward reads ``module.training`` (and may set num_key_value_groups); nothing else."""
+
+    def __init__(self, num_kv_groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = num_kv_groups
+
+
+def _core_attention(method: Method, spec: BenchSpec, group: Any) -> Callable[..., torch.Tensor]:
+    """A function (q, k, v [b, s, h, d] local shards, position_ids) -> local output [b, s, h, d]."""
+    from deepspeed.sequence.layer import DistributedAttention
+
+    from .kernels import TorchSDPAKernel
+    from .layer import UPipeDistributedAttention
+
+    kernel = TorchSDPAKernel(causal=True)
+    if method.kind == "deepspeed":
+        attn = DistributedAttention(kernel, group)
+        return lambda q, k, v, pos: attn(q, k, v, 0)
+    if method.kind == "upipe":
+        attn = UPipeDistributedAttention(
+            kernel, group, head_chunk_size=method.head_chunk_size, overlap_comm=spec.overlap_comm
+        )
+        return lambda q, k, v, pos: attn(q, k, v, 0)
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    def hf_attention(module, q, k, v, mask, *args, **kwargs):
+        # HF's [b, h, S, d] in, [b, S, h, d] out: the same kernel, DistributedAttention's contract
+        return kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)), None
+
+    alst = UlyssesSPAttentionHF(
+        attn=hf_attention,
+        batch_size=spec.batch,
+        attn_head_count=spec.heads,
+        attn_head_size=spec.head_dim,
+        kv_head_count=spec.kv_heads,
+        num_hidden_layers=1,
+        process_group=group,
+        seq_length_is_variable=True,
+    )
+    stub = _HFModuleStub(spec.heads // spec.kv_heads)
+
+    def run(q, k, v, pos):
+        out, _ = alst(stub, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, position_ids=pos)
+        return out.view(q.shape)
+
+    return run
+
+
+def _core_inputs(spec: BenchSpec, seq: int, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's shard of q, k, v, dout (same values for every method)."""
+    gen = torch.Generator(device="cpu").manual_seed(spec.seed * 1_000_003 + seq * 31 + rank)
+    s = seq // spec.world
+    dtype = DTYPES[spec.dtype]
+    shapes = {
+        "q": (spec.batch, s, spec.heads, spec.head_dim),
+        "k": (spec.batch, s, spec.kv_heads, spec.head_dim),
+        "v": (spec.batch, s, spec.kv_heads, spec.head_dim),
+        "dout": (spec.batch, s, spec.heads, spec.head_dim),
+    }
+    out = {n: torch.randn(shp, generator=gen).to(device=device, dtype=dtype) for n, shp in shapes.items()}
+    out["pos"] = torch.arange(rank * s, (rank + 1) * s, device=device).expand(spec.batch, s)
+    return out
+
+
+def run_core_case(method: Method, spec: BenchSpec, seq: int, rank: int, device: torch.device) -> dict[str, Any]:
+    """Memory, time and results of one forward+backward of the attention core on this rank."""
+    import torch.distributed as dist
+
+    from .memory import measure_attention
+
+    attention = _core_attention(method, spec, dist.group.WORLD)
+    data = _core_inputs(spec, seq, rank, device)
+    result: dict[str, torch.Tensor] = {}
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch_dim_idx: int = 0) -> torch.Tensor:
+        out = attention(q, k, v, data["pos"])
+        result["out"] = out
+        return out
+
+    def fresh_leaves() -> list[torch.Tensor]:
+        return [data[n].detach().clone().requires_grad_(True) for n in "qkv"]
+
+    def step() -> None:
+        call(*fresh_leaves()).backward(data["dout"])
+
+    leaves = fresh_leaves()
+    mem = measure_attention(call, *leaves, data["dout"], 0)
+    values = {"out": result.pop("out").detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+    seconds = time_step(step, spec.repeats, spec.warmup, device) if spec.repeats else math.nan
+    return {"peak": mem.peak_bytes, "intermediate": mem.intermediate_bytes, "time": seconds, "values": values}
+
+
+# -- the decoder-layer level ---------------------------------------------------------------------
+
+
+_ALST_REGISTERED: list[bool] = [False]
+
+
+def _tiled_mlp_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """DeepSpeed's TiledMLP over ceil(s / hidden) shards, as in its documented LlamaMLP patch.  Every
+    rank holds an equal shard, so the shard count needs no all-reduce here."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    def mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    shards = math.ceil(x.shape[-2] / x.shape[-1])
+    params = [mlp.down_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight]
+    return TiledMLP.apply(mlp_forward, mlp, x, shards, params)
+
+
+def llama_config(spec: BenchSpec, layers: int = 1) -> Any:
+    """The tiny Llama config of the layer level (no download)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        num_hidden_layers=layers,
+        vocab_size=128,
+        max_position_embeddings=max(spec.seq_lens),
+        attn_implementation="sdpa",
+    )
+
+
+def build_layer(method: Method, spec: BenchSpec, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(decoder layer, rotary embedding) of a one-layer Llama patched for ``method`` (same weights for
+    every method: same seed)."""
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(llama_config(spec)).to(device=device, dtype=DTYPES[spec.dtype])
+    if method.kind == "alst":
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+        if not _ALST_REGISTERED[0]:  # ALST wraps transformers' "sdpa" entry once per process
+            UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", spec.world, spec.batch)
+            _ALST_REGISTERED[0] = True
+    elif method.kind == "upipe":
+        from hf_patches import apply_upipe
+
+        apply_upipe(
+            model,
+            dist.group.WORLD,
+            head_chunk_size=method.head_chunk_size,
+            fused_projections=method.fused,
+            overlap_comm=spec.overlap_comm,
+        )
+    else:
+        raise ValueError(f"method {method.name!r} has no decoder-layer implementation")
+    layer = model.model.layers[0]
+    if spec.tiled_mlp:
+        import types
+
+        layer.mlp.forward = types.MethodType(_tiled_mlp_forward, layer.mlp)
+    return layer.train(), model.model.rotary_emb
+
+
+def layer_case(
+    layer: torch.nn.Module, rotary: torch.nn.Module, spec: BenchSpec, seq: int, rank: int, device: torch.device
+) -> dict[str, Any]:
+    """Memory (and, when ``spec.repeats``, time) of one forward+backward of ``layer`` on this rank's
+    shard.  "intermediate" at this level is the activation memory: peak minus the layer's weights
+    and their gradients."""
+    dtype = DTYPES[spec.dtype]
+    s = seq // spec.world
+    gen = torch.Generator(device="cpu").manual_seed(spec.seed * 1_000_003 + seq * 31 + rank)
+    x0 = torch.randn(spec.batch, s, spec.hidden_size, generator=gen).to(device=device, dtype=dtype)
+    dy = torch.randn(spec.batch, s, spec.hidden_size, generator=gen).to(device=device, dtype=dtype)
+    pos = torch.arange(rank * s, (rank + 1) * s, device=device).expand(spec.batch, s)
+    with torch.no_grad():
+        cos, sin = rotary(x0, pos)
+    result: dict[str, torch.Tensor] = {}
+
+    def step(x: torch.Tensor, keep: bool = False) -> None:
+        y = layer(x, position_embeddings=(cos, sin), position_ids=pos)
+        y.backward(dy)
+        if keep:
+            result.update(y=y.detach(), dx=x.grad)
+
+    layer.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_(True)
+    peak = measure_peak(lambda: step(x, keep=True), [layer, x, dy, cos, sin, pos], device)
+    weights = tensor_bytes(*layer.parameters()) + tensor_bytes(*(p.grad for p in layer.parameters()))
+    result.update({f"grad.{n}": p.grad for n, p in layer.named_parameters() if p.grad is not None})
+    layer.zero_grad(set_to_none=True)
+    seconds = math.nan
+    if spec.repeats:
+        seconds = time_step(lambda: step(x0.clone().requires_grad_(True)), spec.repeats, spec.warmup, device)
+        layer.zero_grad(set_to_none=True)
+    return {"peak": peak, "intermediate": peak - weights, "time": seconds, "values": result}
+
+
+def run_layer_case(method: Method, spec: BenchSpec, seq: int, rank: int, device: torch.device) -> dict[str, Any]:
+    """One HF Llama decoder layer patched for ``method``, forward+backward, on this rank's shard."""
+    layer, rotary = build_layer(method, spec, device)
+    return layer_case(layer, rotary, spec, seq, rank, device)
+
+
+# -- the rank program and the launcher -----------------------------------------------------------
+
+
+def _max_abs_diff(values: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    return max((values[k].double() - ref[k].double()).abs().max().item() for k in ref)
+
+
+def _rank_main(rank: int, spec: BenchSpec, port: int, queue: Any) -> None:
+    """One rank: every case in order; sends ("progress", rank), then ("ok", rank, rows) or
+    ("error", rank, traceback) to the parent."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(spec.world),
+        LOCAL_WORLD_SIZE=str(spec.world),
+    )
+    if spec.device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    import deepspeed
+    import torch.distributed as dist
+
+    try:
+        if spec.device == "cuda":
+            torch.cuda.set_device(rank)
+        device = torch.device(spec.device, rank) if spec.device == "cuda" else torch.device("cpu")
+        # deepspeed.comm must be up: ALST talks through it
+        deepspeed.init_distributed(dist_backend="nccl" if spec.device == "cuda" else "gloo", verbose=False)
+        rows = []
+        for level in spec.levels:
+            runner = run_core_case if level == "core" else run_layer_case
+            for seq in spec.seq_lens:
+                reference = None
+                for method in spec.methods(level):
+                    res = runner(method, spec, seq, rank, device)
+                    if reference is None:
+                        reference = res["values"]
+                    diff = _max_abs_diff(res["values"], reference)
+                    rows.append((level, method, seq, res["peak"], res["intermediate"], res["time"], diff))
+                    del res
+                    queue.put(("progress", rank))
+        queue.put(("ok", rank, rows))
+    except BaseException:  # noqa: BLE001 - sent to the parent with its traceback
+        queue.put(("error", rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_bench(spec: BenchSpec, show_progress: bool = True, timeout: float = 3600) -> list[Measurement]:
+    """Spawn ``spec.world`` ranks, run every case, return the worst-rank measurements with ratios."""
+    import queue as queue_mod
+
+    import torch.multiprocessing as mp
+    from tqdm import tqdm
+
+    if spec.device == "cuda" and torch.cuda.device_count() < spec.world:
+        raise ValueError(f"world={spec.world} needs {spec.world} GPUs; {torch.cuda.device_count()} visible")
+    total = sum(len(spec.methods(lvl)) * len(spec.seq_lens) for lvl in spec.levels)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, spec, port, queue)) for r in range(spec.world)]
+    # the OpenMP pool is sized when a child imports torch: set its thread count before the spawn
+    # (ranks sharing cores with spinning OpenMP threads slow down collectives several-fold)
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.world))
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    finals: dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout
+    with tqdm(total=total, desc="ds-upipe bench", unit="case", disable=not show_progress) as bar:
+        while len(finals) < spec.world and time.monotonic() < deadline:
+            try:
+                msg = queue.get(timeout=1.0)
+            except queue_mod.Empty:
+                if not any(p.is_alive() for p in procs):
+                    break
+                died = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in finals]
+                if died:  # a rank died without a word (e.g. killed): the others may wait forever
+                    deadline = min(deadline, time.monotonic() + 30)
+                continue
+            if msg[0] == "progress":
+                if msg[1] == 0:
+                    bar.update(1)
+                continue
+            finals[msg[1]] = msg
+            if msg[0] == "error":  # the other ranks may be blocked in a collective: short grace period
+                deadline = min(deadline, time.monotonic() + 30)
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()) if len(finals) == spec.world else 1.0)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    errors = [f"rank {r}:\n{m[2]}" for r, m in sorted(finals.items()) if m[0] == "error"]
+    missing = [r for r in range(spec.world) if r not in finals]
+    if errors or missing:
+        raise RuntimeError(
+            "bench failed\n"
+            + "\n".join(errors)
+            + (f"\nranks without a result (hung in a collective, or died): {missing}" if missing else "")
+        )
+    return combine_ranks([finals[r][2] for r in range(spec.world)])
+
+
+def combine_ranks(per_rank: list[list[tuple]]) -> list[Measurement]:
+    """Worst rank per case, then ratios to the level's baseline at the same sequence length."""
+    rows: list[Measurement] = []
+    for cases in zip(*per_rank):
+        level, method, seq = cases[0][:3]
+        rows.append(
+            Measurement(
+                level=level,
+                method=method.name,
+                kind=method.kind,
+                head_chunk_size=method.head_chunk_size,
+                fused=method.fused,
+                seq_len=seq,
+                peak_bytes=max(c[3] for c in cases),
+                intermediate_bytes=max(c[4] for c in cases),
+                time_s=max(c[5] for c in cases),
+                max_abs_diff=max(c[6] for c in cases),
+            )
+        )
+    baselines = {(m.level, m.seq_len): m for m in rows if m.kind in ("deepspeed", "alst") and _is_first(m, rows)}
+    for m in rows:
+        base = baselines[(m.level, m.seq_len)]
+        m.peak_ratio = m.peak_bytes / base.peak_bytes
+        m.intermediate_ratio = m.intermediate_bytes / base.intermediate_bytes if base.intermediate_bytes else math.nan
+        m.time_ratio = m.time_s / base.time_s
+    return rows
+
+
+def _is_first(m: Measurement, rows: list[Measurement]) -> bool:
+    """The baseline of a level is its first method (DeepSpeed at the core, ALST at the layer)."""
+    first = next(r for r in rows if r.level == m.level and r.seq_len == m.seq_len)
+    return first is m
+
+
+# -- reporting -----------------------------------------------------------------------------------
+
+
+#: what "intermediate" means per level (the JSON field ``intermediate_bytes``)
+INTERMEDIATE = {
+    "core": "peak minus q, k, v, out, dout, dq, dk, dv",
+    "layer": "activation memory: peak minus the layer's weights and weight gradients",
+}
+
+
+def format_table(rows: list[Measurement]) -> str:
+    """A plain-text table, one block per level, ratios against the level's baseline."""
+    lines = []
+    for level in dict.fromkeys(r.level for r in rows):
+        base = next(r.method for r in rows if r.level == level)
+        mid = "interm." if level == "core" else "activ."
+        lines.append(
+            f"[{level} level] ratios (x) vs {base}; per-rank memory of the worst rank in MiB; {mid} = "
+            f"{INTERMEDIATE[level]}"
+        )
+        header = (
+            f"{'method':<22}{'seq':>9}{'peak':>10}{'x':>6}{mid:>10}{'x':>6}{'fwd+bwd s':>11}{'x':>6}{'maxdiff':>10}"
+        )
+        lines += [header, "-" * len(header)]
+        for r in (r for r in rows if r.level == level):
+            lines.append(
+                f"{r.method:<22}{r.seq_len:>9}{r.peak_bytes / 2**20:>10.1f}{r.peak_ratio:>6.2f}"
+                f"{r.intermediate_bytes / 2**20:>10.1f}{r.intermediate_ratio:>6.2f}"
+                f"{r.time_s:>11.3f}{r.time_ratio:>6.2f}{r.max_abs_diff:>10.1e}"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, spec: BenchSpec, rows: list[Measurement], extra: dict | None = None) -> None:
+    import deepspeed
+    import transformers
+
+    payload = {
+        "spec": asdict(spec),
+        "environment": {
+            "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__,
+            "transformers": transformers.__version__,
+            "device": torch.cuda.get_device_name(0) if spec.device == "cuda" else "cpu",
+            "memory_measured_with": "torch.cuda.max_memory_allocated" if spec.device == "cuda" else "MemTracker",
+            "git": _git_state(),
+            "cpus": os.cpu_count(),
+        },
+        "intermediate_bytes": INTERMEDIATE,
+        "results": [asdict(r) for r in rows],
+        **(extra or {}),
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def _git_state() -> str | None:
+    """The checkout's commit (and whether it had local changes), when run from a git checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + (" + local changes" if dirty.stdout.strip() else "")
+
+
+def plot(path: str | Path, rows: list[Measurement], title: str = "") -> None:
+    """Per level: peak memory, intermediate memory and time vs sequence length, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = list(dict.fromkeys(r.level for r in rows))
+    fig, axes = plt.subplots(len(levels), 3, figsize=(16, 4.5 * len(levels)), squeeze=False)
+    for row_axes, level in zip(axes, levels):
+        level_rows = [r for r in rows if r.level == level]
+        for method in dict.fromkeys(r.method for r in level_rows):
+            pts = sorted((r for r in level_rows if r.method == method), key=lambda r: r.seq_len)
+            xs = [r.seq_len for r in pts]
+            style = "--" if pts[0].kind != "upipe" else "-"
+            row_axes[0].plot(xs, [r.peak_bytes / 2**20 for r in pts], style, marker="o", label=method)
+            row_axes[1].plot(xs, [r.intermediate_bytes / 2**20 for r in pts], style, marker="o", label=method)
+            row_axes[2].plot(xs, [r.time_s for r in pts], style, marker="o", label=method)
+        for ax, ylabel in zip(
+            row_axes, ("peak memory per rank (MiB)", "intermediate memory (MiB)", "fwd+bwd time (s)")
+        ):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("sequence length (tokens)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{level} level")
+            ax.grid(True, alpha=0.3)
+        row_axes[2].legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
