@@ -27,9 +27,8 @@ from tiny_llama import RandomTokens, tiny_llama_config
 
 CPU = not torch.cuda.is_available()
 if CPU:
-    os.environ.setdefault(
-        "DS_ACCELERATOR", "cpu"
-    )  # DeepSpeed's CPU accelerator (gloo); must precede `import deepspeed`
+    # DeepSpeed's CPU accelerator (gloo); must precede `import deepspeed`
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def parse_args() -> argparse.Namespace:
