@@ -44,6 +44,7 @@ from .config import (
     micro_batch_size,
     parse_config,
 )
+from .process_exit import release_shm_at_exit
 
 #: attention functions ALST replaced in transformers' process-global registry, to restore them
 _REPLACED_ATTENTION: dict[str, Callable[..., Any]] = {}
@@ -140,6 +141,9 @@ def initialize(
     )
     if sp > 1:
         average_gradients_over_all_ranks(engine)
+    # every rank is past init_distributed now, so DeepSpeed's CPU shm segment may be unlinked at exit
+    dist.barrier()
+    release_shm_at_exit()
     # for logs and tests: what this engine runs
     engine.upipe_settings = settings
     engine.upipe_head_chunk_size = head_chunk_size

@@ -142,8 +142,11 @@ def main() -> None:
         if opts.metrics_out:
             with open(opts.metrics_out, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=1)
-    trainer.end()  # destroys the process group (avoids aborts at exit after collectives in autograd)
+    trainer.end()
 
 
 if __name__ == "__main__":
+    from ds_upipe.process_exit import exit_process
+
     main()
+    exit_process(0)  # success: exit 0 without the gloo race of interpreter finalization (see its docstring)

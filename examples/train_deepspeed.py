@@ -295,7 +295,8 @@ def train(opts: argparse.Namespace) -> dict[str, Any]:
     return record
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Run the configured runs; return the exit code (2 after a configuration error)."""
     opts = parse_args(argv)
     if "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
         # CPU run: share the cores between the local ranks instead of oversubscribing them
@@ -318,13 +319,10 @@ def main(argv: list[str] | None = None) -> None:
     if opts.metrics_out and int(os.environ.get("RANK", "0")) == 0:
         with open(opts.metrics_out, "w", encoding="utf-8") as f:
             json.dump({"runs": records, "error": error}, f, indent=1)
-    import deepspeed.comm as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    if error is not None:
-        sys.exit(2)
+    return 2 if error is not None else 0
 
 
 if __name__ == "__main__":
-    main()
+    from ds_upipe.process_exit import exit_process
+
+    exit_process(main())  # destroys the process groups; no gloo race at interpreter finalization

@@ -49,19 +49,28 @@ def run(
 
 
 def launch(
-    num_procs: int, runs: list[dict[str, Any]], workdir: Path, *, steps: int = 5, seq_len: int = 256, timeout: int = 900
+    num_procs: int,
+    runs: list[dict[str, Any]],
+    workdir: Path,
+    *,
+    steps: int = 5,
+    seq_len: int = 256,
+    timeout: int = 900,
+    port: int | None = None,
 ) -> tuple[int, str, dict[str, Any]]:
     """``deepspeed --num_gpus N examples/train_deepspeed.py --runs ...`` on CPU; returns
-    (exit code, combined output, metrics JSON with runs by name)."""
+    (exit code, combined output, metrics JSON with runs by name).  Every launch must leave no
+    DeepSpeed shm-allreduce segment behind (see ds_upipe/process_exit.py)."""
     workdir.mkdir(parents=True, exist_ok=True)
     runs_file, metrics_file, log_file = workdir / "runs.json", workdir / "metrics.json", workdir / "launch.log"
     runs_file.write_text(json.dumps(runs, indent=1))
+    port = free_port() if port is None else port
     cmd = [
         str(DEEPSPEED),
         "--num_gpus",
         str(num_procs),
         "--master_port",
-        str(free_port()),
+        str(port),
         str(EXAMPLE),
         "--deepspeed_config",
         str(CONFIGS / "upipe_zero3.json"),
@@ -79,9 +88,16 @@ def launch(
     with open(log_file, "w") as log:
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
     output = log_file.read_text()
+    left = shm_segments(port)
+    assert not left, f"the launch left DeepSpeed shm segments behind: {left}"
     metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {"runs": [], "error": None}
     metrics["by_name"] = {r["name"]: r for r in metrics["runs"]}
     return proc.returncode, output, metrics
+
+
+def shm_segments(port: int) -> list[str]:
+    """DeepSpeed CPU shm-allreduce segments of this user for a launch on ``port``."""
+    return sorted(p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
 
 
 def max_rel(got: list[float], want: list[float]) -> float:
