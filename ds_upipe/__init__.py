@@ -1,9 +1,28 @@
-"""ds_upipe: UPipe (headwise-chunked Ulysses) sequence parallelism for DeepSpeed."""
+"""ds_upipe: UPipe (headwise-chunked Ulysses) sequence parallelism for DeepSpeed.
 
-from .engine import initialize  # deepspeed.initialize with sequence parallelism from the ds_config
-from .kernels import AttentionKernel, FlashAttnKernel, MathKernel, TorchSDPAKernel, make_kernel
-from .layer import UPipeDistributedAttention
-from .schedule import StagePlan, build_plan, valid_head_chunk_sizes
+The public names below are imported on first use (PEP 562): ``import ds_upipe.schedule`` or
+``ds-upipe --help`` must not pay for torch.distributed, deepspeed, transformers or pydantic.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: public name -> submodule that defines it
+_LAZY = {
+    "initialize": "engine",  # deepspeed.initialize with sequence parallelism from the ds_config
+    "AttentionKernel": "kernels",
+    "FlashAttnKernel": "kernels",
+    "MathKernel": "kernels",
+    "TorchSDPAKernel": "kernels",
+    "make_kernel": "kernels",
+    "UPipeDistributedAttention": "layer",
+    "StagePlan": "schedule",
+    "build_plan": "schedule",
+    "valid_head_chunk_sizes": "schedule",
+    "exit_process": "process_exit",
+}
 
 __all__ = [
     "AttentionKernel",
@@ -13,8 +32,29 @@ __all__ = [
     "TorchSDPAKernel",
     "UPipeDistributedAttention",
     "build_plan",
+    "exit_process",
     "initialize",
     "make_kernel",
     "valid_head_chunk_sizes",
 ]
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .engine import initialize
+    from .kernels import AttentionKernel, FlashAttnKernel, MathKernel, TorchSDPAKernel, make_kernel
+    from .layer import UPipeDistributedAttention
+    from .process_exit import exit_process
+    from .schedule import StagePlan, build_plan, valid_head_chunk_sizes
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ds_upipe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
