@@ -20,7 +20,8 @@ setup(
         "ninja",
     ],
     extras_require={
-        "flash": ["flash-attn>=2.6"],
+        # the releases whose private call signatures ds_upipe.kernels.FlashAttnKernel adapts to
+        "flash": ["flash-attn>=2.6,<2.9"],
         "bench": ["matplotlib>=3.7"],
         "test": ["pytest>=8", "ruff>=0.6", "matplotlib>=3.7", "peft>=0.13"],
     },

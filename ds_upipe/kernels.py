@@ -5,6 +5,13 @@ log-sum-exp (lse) in forward and takes it in backward lets that replay skip the 
 Every kernel here works on the kernel layout [b, h, S, d]; key/value may have fewer heads than query
 (GQA: query head i uses KV head i // (hq // hkv)).
 
+``forward(q, k, v) -> (out, lse, aux)`` and ``backward(dout, q, k, v, out, lse, aux) -> (dq, dk, dv)``:
+``aux`` is whatever else the backward op needs from its forward op, handed back unchanged (the RNG
+state and undefined cumulative sequence lengths of torch's CUDA ops, flash-attn's rng_state), as
+torch's own autograd and its context-parallel ring attention do.  It holds only tensors or None and
+has a fixed length per kernel and input dtype/device, so a caller can ``save_for_backward`` it
+next to the lse.
+
 A kernel instance is also a plain callable with DeepSpeed ``DistributedAttention``'s local-attention
 contract (``kernel(q, k, v)`` with [b, S, h, d] tensors, autograd through torch), so the same kernel
 can serve DeepSpeed's baseline and UPipe in a side-by-side comparison.
@@ -14,13 +21,23 @@ from __future__ import annotations
 
 import abc
 import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import Tensor
 
+#: the forward-to-backward state of one kernel call besides the lse (see the module docstring)
+KernelAux = tuple[Tensor | None, ...]
+
+aten = torch.ops.aten
+
 
 def _expand_kv(kv: Tensor, num_q_heads: int) -> Tensor:
-    """Stride-0 GQA broadcast of [b, hkv, S, d] to [b, hq, S, d] (no copy)."""
+    """GQA broadcast of [b, hkv, S, d] to [b, hq, S, d]; a copy when hq > hkv (the repeated heads
+    are not expressible as one 4-D stride), so only the math reference and the autograd callable use it."""
     b, hkv, seq, d = kv.shape
     group = num_q_heads // hkv
     return kv[:, :, None].expand(b, hkv, group, seq, d).reshape(b, num_q_heads, seq, d) if group > 1 else kv
@@ -35,7 +52,7 @@ def _reduce_kv_grad(grad: Tensor, num_kv_heads: int) -> Tensor:
 
 
 class AttentionKernel(abc.ABC):
-    """``forward(q, k, v) -> (out, lse)``; ``backward(dout, q, k, v, out, lse) -> (dq, dk, dv)``."""
+    """``forward(q, k, v) -> (out, lse, aux)``; ``backward(dout, q, k, v, out, lse, aux) -> (dq, dk, dv)``."""
 
     #: name used in configs and error messages
     name: str = ""
@@ -48,11 +65,11 @@ class AttentionKernel(abc.ABC):
         return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
     @abc.abstractmethod
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, KernelAux]: ...
 
     @abc.abstractmethod
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: KernelAux
     ) -> tuple[Tensor, Tensor, Tensor]: ...
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs) -> Tensor:
@@ -71,46 +88,178 @@ class AttentionKernel(abc.ABC):
         return f"{type(self).__name__}(causal={self.causal}, softmax_scale={self.softmax_scale})"
 
 
+# -- torch SDPA: one small forward/backward pair per aten backend ----------------------------------
+#
+# Each pair calls the op with exactly the arguments torch's own SDPA autograd uses
+# (derivatives.yaml; torch.distributed.tensor.experimental._context_parallel does the same): dropout
+# 0, the kernel's causal flag and scale, and the forward op's extra outputs handed to the backward op
+# unchanged as ``aux``.
+
+SDPAForward = Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor, KernelAux]]
+SDPABackward = Callable[
+    [Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, KernelAux, bool, float], tuple[Tensor, Tensor, Tensor]
+]
+
+
+@dataclass(frozen=True)
+class SDPAPath:
+    """One backend of ``TorchSDPAKernel``: the aten forward/backward pair it runs."""
+
+    name: str
+    forward: SDPAForward
+    backward: SDPABackward
+    #: whether it materializes S x S scores (only the float64 reference does)
+    quadratic_memory: bool = False
+
+
+def _cpu_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, KernelAux]:
+    # native GQA: k, v keep their hkv heads and dk, dv come back with them
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse, ()
+
+
+def _cpu_flash_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: KernelAux, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
+    return dq, dk, dv
+
+
+def _cuda_flash_forward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, KernelAux]:
+    # native GQA, as torch's SDPA hands it to this op: the flash kernel takes hkv dividing hq
+    out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale
+    )
+    if cum_q is not None or cum_k is not None or max_q != q.shape[2] or max_k != k.shape[2]:
+        # dense inputs give undefined cum_seq and max_q/max_k equal to the lengths; the backward
+        # takes max_q/max_k from the shapes and would take the varlen path on a defined cum_seq
+        raise RuntimeError(
+            f"_scaled_dot_product_flash_attention returned cum_seq_q={cum_q}, max_q={max_q}, max_k={max_k} "
+            f"for dense inputs of lengths {q.shape[2]}, {k.shape[2]}"
+        )
+    return out, lse, (cum_q, cum_k, rng_state, unused)
+
+
+def _cuda_flash_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: KernelAux, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    cum_q, cum_k, rng_state, unused = aux
+    # the forward's outputs, unchanged: undefined cum_seq selects the dense (not varlen) backward
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, rng_state, unused, scale=scale
+    )
+    return dq, dk, dv
+
+
+def _fold_kv_groups(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """GQA as equal head counts without copying KV: [b, hq, S, d] q -> [b*hkv, g, S, d] and each KV head
+    broadcast over its g query heads with head stride 0.  torch's efficient attention needs equal head
+    counts but reads every tensor through its strides (only the last dim must be contiguous) and
+    allocates its own dense dk, dv of the broadcast shape, which ``_unfold_kv_grad`` sums."""
+    b, hq, seq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    if group == 1:
+        return q, k, v
+
+    def broadcast(t: Tensor) -> Tensor:
+        return t.reshape(b * hkv, 1, t.shape[2], t.shape[3]).expand(-1, group, -1, -1)
+
+    return q.reshape(b * hkv, group, seq, d), broadcast(k), broadcast(v)
+
+
+def _unfold_kv_grad(grad: Tensor, kv_shape: torch.Size) -> Tensor:
+    """[b*hkv, g, S, d] gradient of a broadcast KV -> [b, hkv, S, d]."""
+    return grad if grad.shape == kv_shape else grad.sum(dim=1).reshape(kv_shape)
+
+
+def _cuda_efficient_forward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, KernelAux]:
+    qf, kf, vf = _fold_kv_groups(q, k, v)
+    out, lse, philox_seed, philox_offset = aten._scaled_dot_product_efficient_attention(
+        qf, kf, vf, None, True, 0.0, causal, scale=scale
+    )
+    # lse is [b*hkv, g, S rounded up to 32] (contiguous): viewed per query head, as the pipeline saves it
+    return out.reshape(q.shape), lse.reshape(q.shape[0], q.shape[1], -1), (philox_seed, philox_offset)
+
+
+def _cuda_efficient_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: KernelAux, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    philox_seed, philox_offset = aux
+    qf, kf, vf = _fold_kv_groups(q, k, v)
+    lse_f = lse.reshape(qf.shape[0], qf.shape[1], -1)
+    # grad_input_mask: q, k, v need gradients, there is no attn_bias (what autograd passes here)
+    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+        dout.reshape(qf.shape),
+        qf,
+        kf,
+        vf,
+        None,
+        out.reshape(qf.shape),
+        lse_f,
+        philox_seed,
+        philox_offset,
+        0.0,
+        [True, True, True, False],
+        causal,
+        scale=scale,
+    )
+    return dq.reshape(q.shape), _unfold_kv_grad(dk, k.shape), _unfold_kv_grad(dv, v.shape)
+
+
+def _math_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, KernelAux]:
+    return MathKernel(causal, scale, compute_dtype=q.dtype).forward(q, k, v)
+
+
+def _math_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: KernelAux, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    return MathKernel(causal, scale, compute_dtype=q.dtype).backward(dout, q, k, v, out, lse, aux)
+
+
+CPU_FLASH = SDPAPath("cpu_flash", _cpu_flash_forward, _cpu_flash_backward)
+CUDA_FLASH = SDPAPath("cuda_flash", _cuda_flash_forward, _cuda_flash_backward)
+CUDA_EFFICIENT = SDPAPath("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward)
+MATH = SDPAPath("math", _math_forward, _math_backward, quadratic_memory=True)
+
+
+def sdpa_path(device_type: str, dtype: torch.dtype) -> SDPAPath:
+    """The aten backend ``TorchSDPAKernel`` runs for tensors of this device type and dtype."""
+    if device_type == "cpu":
+        return CPU_FLASH
+    if device_type != "cuda":
+        raise ValueError(f"kernel 'sdpa' runs on cpu or cuda tensors, got device type {device_type!r}")
+    if dtype in (torch.float16, torch.bfloat16):
+        return CUDA_FLASH
+    if dtype == torch.float32:
+        return CUDA_EFFICIENT  # flash has no float32 kernel; memory-efficient attention is O(S) with an lse
+    return MATH  # float64 has no fused CUDA kernel: the S x S reference, for tests
+
+
 class TorchSDPAKernel(AttentionKernel):
-    """torch's flash attention with an explicit lse (CPU: any float dtype; CUDA: fp16/bf16).
+    """torch's fused attention ops with an explicit lse: CPU flash (any float dtype), CUDA flash
+    (fp16/bf16), CUDA memory-efficient attention (fp32); CUDA float64 falls back to the math reference.
 
     Uses the aten ops behind ``scaled_dot_product_attention`` directly because the public function
-    does not return the lse, which is what lets backward skip the recompute.  On CUDA in float32
-    (no flash kernel) it falls back to the math reference in the input dtype."""
+    does not return the lse, which is what lets backward skip the recompute."""
 
     name = "sdpa"
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        scale = self.scale_for(q.shape[-1])
-        if q.device.type == "cpu":
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, self.causal, scale=scale)
-        if q.dtype in (torch.float16, torch.bfloat16):
-            k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
-            out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
-                q, k, v, 0.0, self.causal, False, scale=scale
-            )
-            return out, lse
-        return MathKernel(self.causal, self.softmax_scale, compute_dtype=q.dtype).forward(q, k, v)
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, KernelAux]:
+        path = sdpa_path(q.device.type, q.dtype)
+        return path.forward(q, k, v, self.causal, self.scale_for(q.shape[-1]))
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: KernelAux
     ) -> tuple[Tensor, Tensor, Tensor]:
-        scale = self.scale_for(q.shape[-1])
-        hkv = k.shape[1]
-        if q.device.type == "cpu":
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, k, v, out, lse, 0.0, self.causal, scale=scale
-            )
-            return dq, _reduce_kv_grad(dk, hkv), _reduce_kv_grad(dv, hkv)
-        if q.dtype in (torch.float16, torch.bfloat16):
-            ke, ve = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
-            seq = q.shape[2]
-            zero = torch.zeros((), dtype=torch.int64, device=q.device)
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dout, q, ke, ve, out, lse, zero, zero, seq, seq, 0.0, self.causal, zero, zero, scale=scale
-            )
-            return dq, _reduce_kv_grad(dk, hkv), _reduce_kv_grad(dv, hkv)
-        return MathKernel(self.causal, self.softmax_scale, compute_dtype=q.dtype).backward(dout, q, k, v, out, lse)
+        path = sdpa_path(q.device.type, q.dtype)
+        return path.backward(dout, q, k, v, out, lse, aux, self.causal, self.scale_for(q.shape[-1]))
 
 
 class MathKernel(AttentionKernel):
@@ -136,14 +285,14 @@ class MathKernel(AttentionKernel):
             lse = torch.logsumexp(scores, dim=-1)
         return torch.exp(scores - lse.unsqueeze(-1)), lse
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, KernelAux]:
         ct = self.compute_dtype
         qc, kc, vc = q.to(ct), _expand_kv(k, q.shape[1]).to(ct), _expand_kv(v, q.shape[1]).to(ct)
         probs, lse = self._probabilities(qc, kc, None)
-        return torch.matmul(probs, vc).to(q.dtype), lse
+        return torch.matmul(probs, vc).to(q.dtype), lse, ()
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: KernelAux
     ) -> tuple[Tensor, Tensor, Tensor]:
         ct = self.compute_dtype
         qc, kc, vc = q.to(ct), _expand_kv(k, q.shape[1]).to(ct), _expand_kv(v, q.shape[1]).to(ct)
@@ -160,6 +309,30 @@ class MathKernel(AttentionKernel):
         return dq.to(q.dtype), _reduce_kv_grad(dk, hkv).to(k.dtype), _reduce_kv_grad(dv, hkv).to(v.dtype)
 
 
+# -- flash-attn 2 ------------------------------------------------------------------------------------
+
+#: flash-attn releases whose private ``_flash_attn_forward``/``_flash_attn_backward`` this adapter calls
+#: with their exact signatures, read from the v2.6.3, v2.7.0, v2.7.4.post1 and v2.8.3 sources: 2.6
+#: takes ``window_size=(left, right)`` and returns (out, q, k, v, out_padded, softmax_lse, S_dmask,
+#: rng_state); 2.7 and 2.8 take ``window_size_left``/``window_size_right`` and return (out,
+#: softmax_lse, S_dmask, rng_state).  Keep in step with setup.py's "flash" extra.
+FLASH_ATTN_REQUIREMENT = "flash-attn>=2.6,<2.9"
+_FLASH_ATTN_RANGE = ((2, 6), (2, 9))
+
+
+def flash_attn_release(version: str) -> tuple[int, int]:
+    """(major, minor) of a flash-attn version this adapter supports; ValueError for any other."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    release = (int(match.group(1)), int(match.group(2))) if match else None
+    if release is None or not _FLASH_ATTN_RANGE[0] <= release < _FLASH_ATTN_RANGE[1]:
+        raise ValueError(
+            f"kernel 'flash_attn' supports {FLASH_ATTN_REQUIREMENT}, found flash-attn {version}: the private "
+            "_flash_attn_forward/_flash_attn_backward it calls change between releases; install "
+            f"'{FLASH_ATTN_REQUIREMENT}' or use kernel 'sdpa'"
+        )
+    return release
+
+
 def flash_attn_available() -> bool:
     """flash-attn needs CUDA and the package; on CPU machines this is False and its tests skip."""
     if not torch.cuda.is_available():
@@ -171,26 +344,51 @@ def flash_attn_available() -> bool:
     return True
 
 
-class FlashAttnKernel(AttentionKernel):
-    """flash-attn 2 (``flash_attn.flash_attn_interface``) on CUDA, fp16/bf16, native GQA.
+def _load_flash_attn() -> tuple[ModuleType, tuple[int, int]]:
+    """flash-attn's interface module and its (major, minor) release, refused unless CUDA and a
+    supported release are present."""
+    if not flash_attn_available():
+        raise ValueError(
+            "kernel 'flash_attn' needs a CUDA device and the flash-attn package "
+            "(pip install 'ds-upipe[flash]'); use kernel 'sdpa' instead"
+        )
+    import flash_attn
+    from flash_attn import flash_attn_interface
 
-    flash-attn works on [b, S, h, d]; this adapter transposes to and from the kernel layout."""
+    return flash_attn_interface, flash_attn_release(getattr(flash_attn, "__version__", "unknown"))
+
+
+class FlashAttnKernel(AttentionKernel):
+    """flash-attn 2 (``flash_attn.flash_attn_interface``, releases 2.6-2.8) on CUDA, fp16/bf16,
+    native GQA, head_dim a multiple of 8 up to 256.
+
+    flash-attn works on [b, S, h, d] and reads its inputs through their strides (only the last dim
+    must be contiguous), so the adapter hands it transposed views of the kernel layout, no copies."""
 
     name = "flash_attn"
 
     def __init__(self, causal: bool = True, softmax_scale: float | None = None) -> None:
-        if not flash_attn_available():
-            raise ValueError(
-                "kernel 'flash_attn' needs a CUDA device and the flash-attn package "
-                "(pip install 'ds-upipe[flash]'); use kernel 'sdpa' instead"
-            )
         super().__init__(causal, softmax_scale)
-        from flash_attn import flash_attn_interface
+        self._fa, self.release = _load_flash_attn()
 
-        self._fa = flash_attn_interface
+    def _window(self) -> dict[str, object]:
+        """No sliding window, in the release's own argument names."""
+        return {"window_size": (-1, -1)} if self.release < (2, 7) else {"window_size_left": -1, "window_size_right": -1}
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    @staticmethod
+    def _check_inputs(q: Tensor) -> None:
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"kernel 'flash_attn' runs float16 or bfloat16, got {q.dtype}; use kernel 'sdpa'")
+        if q.shape[-1] % 8 or q.shape[-1] > 256:
+            # flash-attn pads other head sizes inside its autograd Function, not in these calls
+            raise ValueError(
+                f"kernel 'flash_attn' needs head_dim a multiple of 8 and at most 256, got {q.shape[-1]}; "
+                "use kernel 'sdpa'"
+            )
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, KernelAux]:
+        self._check_inputs(q)
+        qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
         res = self._fa._flash_attn_forward(
             qb,
             kb,
@@ -198,20 +396,22 @@ class FlashAttnKernel(AttentionKernel):
             0.0,
             self.scale_for(q.shape[-1]),
             causal=self.causal,
-            window_size_left=-1,
-            window_size_right=-1,
+            **self._window(),
             softcap=0.0,
             alibi_slopes=None,
             return_softmax=False,
         )
-        out, lse = res[0], res[1]
-        return out.transpose(1, 2), lse
+        # 2.6: (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state); 2.7+: (out, softmax_lse, S_dmask, rng_state)
+        out, lse, rng_state = (res[0], res[5], res[7]) if self.release < (2, 7) else (res[0], res[1], res[3])
+        return out.transpose(1, 2), lse, (rng_state,)
 
     def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: KernelAux
     ) -> tuple[Tensor, Tensor, Tensor]:
-        qb, kb, vb, ob, db = (t.transpose(1, 2).contiguous() for t in (q, k, v, out, dout))
+        (rng_state,) = aux
+        qb, kb, vb, ob, db = (t.transpose(1, 2) for t in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb)
+        # fills dq, dk, dv in place (dk, dv keep the hkv heads: flash-attn sums the GQA groups)
         self._fa._flash_attn_backward(
             db,
             qb,
@@ -225,11 +425,11 @@ class FlashAttnKernel(AttentionKernel):
             0.0,
             self.scale_for(q.shape[-1]),
             self.causal,
-            -1,
-            -1,
-            0.0,
-            None,
-            False,
+            **self._window(),
+            softcap=0.0,
+            alibi_slopes=None,
+            deterministic=False,
+            rng_state=rng_state,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 

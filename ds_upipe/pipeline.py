@@ -2,8 +2,8 @@
 
 Forward runs the stage plan: per round, gather the round's KV heads once; per stage, gather u query
 heads per rank over the full sequence, attend, send the output back and write it at the heads' own
-indices.  Only sequence-sharded tensors are saved (the inputs, the output, per-stage lse), so no
-gathered full-sequence tensor outlives its stage.  Backward replays each stage's all-to-alls,
+indices.  Only sequence-sharded tensors are saved (the inputs, the output, per-stage lse and kernel
+aux), so no gathered full-sequence tensor outlives its stage.  Backward replays each stage's all-to-alls,
 accumulates dK/dV of a round in float32 and sends them back once per round.
 
 Where the stage inputs come from is abstracted by ``StageSource``: plain local q/k/v tensors here,
@@ -159,9 +159,10 @@ class PipelineContext:
         return self._from_callable_layout(out)
 
 
-def pipeline_forward(ctx: PipelineContext, source: StageSource, out: Tensor) -> list[Tensor]:
-    """Run all stages, writing into ``out`` ([b, s, H, d] view); returns per-stage lse (kernel mode)."""
-    lses: list[Tensor] = []
+def pipeline_forward(ctx: PipelineContext, source: StageSource, out: Tensor) -> list[Tensor | None]:
+    """Run all stages, writing into ``out`` ([b, s, H, d] view).  In kernel mode returns, stage after
+    stage, the kernel's lse followed by its aux (tensors or None, for ``save_for_backward``)."""
+    saved: list[Tensor | None] = []
     for round_idx, kv_idx in enumerate(ctx.indices.kv):
         key, value = source.key_value(kv_idx)
         k_full, v_full = ctx.gather(key), ctx.gather(value)
@@ -169,8 +170,8 @@ def pipeline_forward(ctx: PipelineContext, source: StageSource, out: Tensor) -> 
         stages = ctx.indices.query[round_idx]
         for q_idx, (q_full,) in ctx.prefetched(stages, lambda idx: (ctx.start_gather(source.query(idx)),)):
             if ctx.uses_kernel:
-                o_full, lse = ctx.attention.forward(q_full, k_full, v_full)
-                lses.append(lse)
+                o_full, lse, aux = ctx.attention.forward(q_full, k_full, v_full)
+                saved += (lse, *aux)
             else:
                 o_full = ctx.call_generic(q_full, k_full, v_full)
             del q_full
@@ -178,7 +179,7 @@ def pipeline_forward(ctx: PipelineContext, source: StageSource, out: Tensor) -> 
             del o_full
             ctx.count_stage()
         del k_full, v_full
-    return lses
+    return saved
 
 
 def pipeline_backward(
@@ -186,15 +187,17 @@ def pipeline_backward(
     source: StageSource,
     out: Tensor,
     grad_out: Tensor | Callable[[Tensor], Tensor],
-    lses: list[Tensor],
+    saved: Sequence[Tensor | None],
 ) -> None:
-    """Replay every stage and hand q/k/v gradients (local layout) to ``source``.
+    """Replay every stage and hand q/k/v gradients (local layout) to ``source``; ``saved`` is what
+    ``pipeline_forward`` returned.
 
     ``grad_out`` is the output gradient ([b, s, H, d] view) or a function returning the gradient of
     the given heads ([b, s, n, d]): a caller that fuses the output projection computes each stage's
     slice on demand instead of materializing the full gradient."""
     dtype = out.dtype
     stage_number = 0
+    per_stage = len(saved) // ctx.plan.num_stages  # lse + the kernel's aux, the same for every stage
     for round_idx, kv_idx in enumerate(ctx.indices.kv):
         key, value = source.key_value(kv_idx)
         k_full, v_full = ctx.gather(key), ctx.gather(value)
@@ -215,7 +218,8 @@ def pipeline_backward(
 
         for q_idx, (q_full, dout_full, *o_full) in ctx.prefetched(ctx.indices.query[round_idx], start_stage):
             if ctx.uses_kernel:
-                dq, dk, dv = ctx.attention.backward(dout_full, q_full, k_full, v_full, o_full[0], lses[stage_number])
+                lse, *aux = saved[stage_number * per_stage : (stage_number + 1) * per_stage]
+                dq, dk, dv = ctx.attention.backward(dout_full, q_full, k_full, v_full, o_full[0], lse, tuple(aux))
                 del o_full
             else:
                 dq, dk, dv = _generic_backward(ctx, q_full, k_full, v_full, dout_full)
@@ -258,20 +262,19 @@ class UPipeAttentionFunction(torch.autograd.Function):
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         source = LocalTensorSource(_as_bshd(query, b_dim), _as_bshd(key, b_dim), _as_bshd(value, b_dim))
         with torch.no_grad():
-            lses = pipeline_forward(pctx, source, _as_bshd(out, b_dim))
+            saved = pipeline_forward(pctx, source, _as_bshd(out, b_dim))
         fctx.pctx = pctx
-        fctx.num_lse = len(lses)
-        fctx.save_for_backward(query, key, value, out, *lses)
+        fctx.save_for_backward(query, key, value, out, *saved)
         return out
 
     @staticmethod
     def backward(fctx, grad_out: Tensor):
-        query, key, value, out, *lses = fctx.saved_tensors
+        query, key, value, out, *saved = fctx.saved_tensors
         pctx: PipelineContext = fctx.pctx
         b_dim = pctx.batch_dim_idx
         source = LocalTensorSource(_as_bshd(query, b_dim), _as_bshd(key, b_dim), _as_bshd(value, b_dim))
         with torch.no_grad():
-            pipeline_backward(pctx, source, _as_bshd(out, b_dim), _as_bshd(grad_out, b_dim), lses)
+            pipeline_backward(pctx, source, _as_bshd(out, b_dim), _as_bshd(grad_out, b_dim), saved)
 
         def to_layout(g: Tensor | None) -> Tensor | None:
             return None if g is None else _as_bshd(g, b_dim)  # the transpose is its own inverse

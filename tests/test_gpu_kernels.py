@@ -1,39 +1,50 @@
-"""CUDA kernel paths (torch flash SDPA in bf16, flash-attn) against the float64 math reference.
+"""CUDA kernel paths (torch flash / memory-efficient SDPA, flash-attn) against the float64 math reference,
+and the GPU acceptance script's parity checks.
 
-Skipped on machines without CUDA (CI is CPU-only); run on a GPU machine with `pytest tests/test_gpu_kernels.py`."""
+The CUDA tests skip on machines without CUDA (CI is CPU-only); on a GPU machine run
+`pytest tests/test_gpu_kernels.py` or, for the whole acceptance, `python scripts/gpu_check.py`."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from ds_upipe.kernels import FlashAttnKernel, MathKernel, TorchSDPAKernel, flash_attn_available
 
+REPO = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _check(kernel, dtype, tol):
+def _check(kernel, dtype, tol, hkv):
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 8, 256, 64, device="cuda", generator=gen, dtype=dtype)
-    k, v = (torch.randn(2, 2, 256, 64, device="cuda", generator=gen, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(2, hkv, 256, 64, device="cuda", generator=gen, dtype=dtype) for _ in range(2))
     dout = torch.randn_like(q)
     ref = MathKernel(causal=True)
-    out_ref, lse_ref = ref.forward(q.double(), k.double(), v.double())
-    grads_ref = ref.backward(dout.double(), q.double(), k.double(), v.double(), out_ref, lse_ref)
-    out, lse = kernel.forward(q, k, v)
-    grads = kernel.backward(dout, q, k, v, out, lse)
+    out_ref, lse_ref, aux_ref = ref.forward(q.double(), k.double(), v.double())
+    grads_ref = ref.backward(dout.double(), q.double(), k.double(), v.double(), out_ref, lse_ref, aux_ref)
+    out, lse, aux = kernel.forward(q, k, v)
+    grads = kernel.backward(dout, q, k, v, out, lse, aux)
     for got, want in zip((out, *grads), (out_ref, *grads_ref)):
+        assert got.shape == want.shape
         assert ((got.double() - want).abs().max() / want.abs().max()).item() < tol
 
 
 @cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_torch_sdpa_cuda(dtype):
-    _check(TorchSDPAKernel(causal=True), dtype, 2e-2)
+@pytest.mark.parametrize("hkv", [2, 8])
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 5e-3), (torch.float32, 1e-4)])
+def test_torch_sdpa_cuda(dtype, tol, hkv):
+    _check(TorchSDPAKernel(causal=True), dtype, tol, hkv)
 
 
 @cuda
 @pytest.mark.skipif(not flash_attn_available(), reason="flash-attn not installed")
-def test_flash_attn():
-    _check(FlashAttnKernel(causal=True), torch.bfloat16, 2e-2)
+@pytest.mark.parametrize("hkv", [2, 8])
+def test_flash_attn(hkv):
+    _check(FlashAttnKernel(causal=True), torch.bfloat16, 2e-2, hkv)
 
 
 def test_flash_attn_refused_without_cuda_or_package():
@@ -41,3 +52,41 @@ def test_flash_attn_refused_without_cuda_or_package():
         pytest.skip("flash-attn is available here")
     with pytest.raises(ValueError, match="kernel 'flash_attn' needs a CUDA device and the flash-attn package"):
         FlashAttnKernel()
+
+
+# -- scripts/gpu_check.py's parity part, on CPU ------------------------------------------------------
+
+
+def _gpu_check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_kernel_parity_runs_on_cpu():
+    proc = subprocess.run(
+        [sys.executable, "scripts/gpu_check.py", "--cpu-smoke", "--only", "kernels"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    passed = [line for line in lines if line.startswith("PASS ")]
+    assert len(passed) == 6 and not [line for line in lines if line.startswith("FAIL")], lines
+    assert "PASS pipeline sdpa float32 gqa (H=8, KV=2, U=2: 4 stages) causal" in lines
+    assert lines[-1] == "6 passed, 0 failed"
+
+
+def test_gpu_check_reports_a_wrong_kernel_and_exits_nonzero(monkeypatch, capsys):
+    gpu_check = _gpu_check_module()
+    # a kernel that ignores the causal mask: its output and gradients differ from torch SDPA's
+    wrong = ("math-noncausal", lambda causal: MathKernel(causal=False, compute_dtype=torch.float32), "float32")
+    monkeypatch.setattr(gpu_check, "kernel_cases", lambda device: [wrong, ("sdpa", TorchSDPAKernel, "float32")])
+    assert gpu_check.main(["--cpu-smoke", "--only", "kernels"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert "FAIL kernel math-noncausal float32 gqa (H=8, KV=2) causal: out: max error" in "\n".join(lines)
+    assert "PASS kernel sdpa float32 gqa (H=8, KV=2) causal" in lines
+    assert lines[-1] == "3 passed, 3 failed"

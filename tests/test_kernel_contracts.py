@@ -1,0 +1,461 @@
+"""Contract tests of the CUDA kernel adapters, on CPU.
+
+No GPU here, so the CUDA aten ops the adapters call get CPU implementations for the length of this
+module (``torch.library``): each records the arguments it is handed, checks its inputs as the real
+CUDA kernel does, and computes exact attention in float64 from the lse it is given, so a wrong
+lse, a folded GQA layout or a dropped gradient shows in the numbers.  The same registered op is then
+driven by torch's *own* SDPA autograd formula (``out.backward`` through the aten op), so the tests
+compare what the adapters pass to each backward op with what torch itself passes there: the forward's
+outputs handed back unchanged (undefined cum_seq, the forward's RNG state, max_q/max_k), dropout 0,
+the causal flag and the scale.  A fake ``flash_attn`` package with the exact private signatures of
+flash-attn 2.6.3, 2.7.4.post1 and 2.8.3 does the same for ``FlashAttnKernel``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import types
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ds_upipe import kernels
+from ds_upipe.kernels import FlashAttnKernel, MathKernel, TorchSDPAKernel, sdpa_path
+from ds_upipe.pipeline import PipelineContext, PlanIndices, UPipeAttentionFunction
+from ds_upipe.schedule import build_plan
+
+aten = torch.ops.aten
+SCALE = 0.3
+
+
+# -- CPU stand-ins for the CUDA ops ----------------------------------------------------------------
+
+
+class Recorder:
+    """Every call of a registered op: (op name, args, kwargs, result)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple, dict, object]] = []
+
+    def of(self, name: str) -> list[tuple[tuple, dict, object]]:
+        return [(a, kw, r) for n, a, kw, r in self.calls if n == name]
+
+    def clear(self) -> None:
+        self.calls.clear()
+
+
+def _reference(causal: bool, scale: float | None) -> MathKernel:
+    return MathKernel(causal=causal, softmax_scale=scale, compute_dtype=torch.float64)
+
+
+def _check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        assert t.stride(-1) == 1, "CUDA attention kernels need a contiguous last dimension"
+
+
+def _flash_forward(rec: Recorder):
+    def impl(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+        assert query.dtype in (torch.float16, torch.bfloat16), "FlashAttention only supports fp16 and bf16"
+        assert query.shape[1] % key.shape[1] == 0, "key/value heads must divide query heads"
+        _check_last_dim_contiguous(query, key, value)
+        out, lse, _ = _reference(is_causal, scale).forward(query, key, value)
+        seq_q, seq_k = query.shape[2], key.shape[2]
+        rng_state = torch.tensor([1234, 0], dtype=torch.int64)  # distinct tensors, so their identity is traceable
+        unused = torch.tensor(0, dtype=torch.int64)
+        res = (out, lse.float(), None, None, seq_q, seq_k, rng_state, unused, torch.empty(0, dtype=query.dtype))
+        rec.calls.append(("flash", (query, key, value, dropout_p, is_causal, return_debug_mask), {"scale": scale}, res))
+        return res
+
+    return impl
+
+
+def _flash_backward(rec: Recorder):
+    def impl(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+             philox_seed, philox_offset, *, scale=None):  # fmt: skip
+        args = (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                is_causal, philox_seed, philox_offset)  # fmt: skip
+        rec.calls.append(("flash_backward", args, {"scale": scale}, None))
+        if cum_seq_q is not None:
+            raise RuntimeError("a defined cum_seq_q selects flash's varlen backward (mha_varlen_bwd)")
+        return _reference(is_causal, scale).backward(grad_out, query, key, value, out, logsumexp, ())
+
+    return impl
+
+
+def _padded_lse_len(seq: int) -> int:
+    return math.ceil(seq / 32) * 32  # the efficient kernel pads lse to its block size
+
+
+def _efficient_forward(rec: Recorder):
+    def impl(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
+        assert query.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        assert query.shape[1] == key.shape[1] == value.shape[1], "efficient attention needs equal head counts"
+        _check_last_dim_contiguous(query, key, value)
+        out, lse, _ = _reference(is_causal, scale).forward(query, key, value)
+        b, h, seq = lse.shape
+        lse_padded = torch.full((b, h, _padded_lse_len(seq) if compute_log_sumexp else 0), float("nan"))
+        lse_padded[..., :seq] = lse
+        res = (out, lse_padded, torch.tensor(99, dtype=torch.int64), torch.tensor(7, dtype=torch.int64))
+        args = (query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal)
+        rec.calls.append(("efficient", args, {"scale": scale}, res))
+        return res
+
+    return impl
+
+
+def _efficient_backward(rec: Recorder):
+    def impl(grad_out_, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset, dropout_p,
+             grad_input_mask, is_causal=False, *, scale=None):  # fmt: skip
+        args = (grad_out_, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset, dropout_p,
+                list(grad_input_mask), is_causal)  # fmt: skip
+        rec.calls.append(("efficient_backward", args, {"scale": scale}, None))
+        assert query.shape[1] == key.shape[1] == value.shape[1], "efficient attention needs equal head counts"
+        assert logsumexp.shape[-1] == _padded_lse_len(query.shape[2])
+        lse = logsumexp[..., : query.shape[2]]
+        dq, dk, dv = _reference(is_causal, scale).backward(grad_out_, query, key, value, out, lse, ())
+        # dense gradients of the inputs' shapes, as at::empty(key.sizes()) allocates them
+        return dq.contiguous(), dk.contiguous(), dv.contiguous(), None
+
+    return impl
+
+
+@pytest.fixture(scope="module")
+def cuda_ops() -> Recorder:
+    """CPU implementations of torch's CUDA flash and memory-efficient attention ops, for this module."""
+    rec = Recorder()
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_scaled_dot_product_flash_attention", _flash_forward(rec), "CPU")
+    lib.impl("_scaled_dot_product_flash_attention_backward", _flash_backward(rec), "CPU")
+    lib.impl("_scaled_dot_product_efficient_attention", _efficient_forward(rec), "CPU")
+    lib.impl("_scaled_dot_product_efficient_attention_backward", _efficient_backward(rec), "CPU")
+    yield rec
+    lib._destroy()
+
+
+@pytest.fixture
+def as_cuda(cuda_ops: Recorder, monkeypatch) -> Recorder:
+    """TorchSDPAKernel takes its CUDA decisions for these CPU tensors."""
+    monkeypatch.setattr(kernels, "sdpa_path", lambda device_type, dtype: sdpa_path("cuda", dtype))
+    cuda_ops.clear()
+    return cuda_ops
+
+
+def _inputs(hq: int, hkv: int, dtype: torch.dtype, seq: int = 40, d: int = 8, b: int = 2, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, seq, d, generator=gen, dtype=torch.float64).to(dtype)
+    k, v = (torch.randn(b, hkv, seq, d, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    dout = torch.randn(b, hq, seq, d, generator=gen, dtype=torch.float64).to(dtype)
+    return q, k, v, dout
+
+
+# -- describing arguments by where they came from ---------------------------------------------------
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _describe(value, roles: dict[tuple, str]):
+    """A recorded argument as its role: 'q', 'fwd[6]' (the forward op's 7th output), or a plain value."""
+    if isinstance(value, torch.Tensor):
+        return roles.get(_key(value), f"<other tensor {tuple(value.shape)}>")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_describe(x, roles) for x in value)
+    return value
+
+
+def _roles(inputs: dict[str, torch.Tensor], fwd_result: tuple) -> dict[tuple, str]:
+    roles = {_key(t): name for name, t in inputs.items()}
+    roles.update({_key(t): f"fwd[{i}]" for i, t in enumerate(fwd_result) if isinstance(t, torch.Tensor)})
+    return roles
+
+
+def _torch_autograd_backward_call(rec: Recorder, fwd_name: str, call, hq: int, hkv: int, dtype, causal: bool):
+    """Run the aten op under torch's own autograd and describe what its derivative passes to the backward op."""
+    q, k, v, dout = (t.requires_grad_(i < 3) for i, t in enumerate(_inputs(hq, hkv, dtype)))
+    rec.clear()
+    res = call(q, k, v, causal)
+    res[0].backward(dout)
+    (_, _, fwd_res), (bwd_args, bwd_kwargs, _) = rec.of(fwd_name)[0], rec.of(f"{fwd_name}_backward")[0]
+    roles = _roles({"q": q, "k": k, "v": v, "dout": dout}, fwd_res)
+    return _describe(bwd_args, roles), bwd_kwargs, (q.grad, k.grad, v.grad)
+
+
+def _adapter_backward_call(rec: Recorder, fwd_name: str, hq: int, hkv: int, dtype, causal: bool):
+    """The same through TorchSDPAKernel's forward and backward."""
+    q, k, v, dout = _inputs(hq, hkv, dtype)
+    kernel = TorchSDPAKernel(causal=causal, softmax_scale=SCALE)
+    rec.clear()
+    out, lse, aux = kernel.forward(q, k, v)
+    grads = kernel.backward(dout, q, k, v, out, lse, aux)
+    (fwd_args, fwd_kwargs, fwd_res), (bwd_args, bwd_kwargs, _) = rec.of(fwd_name)[0], rec.of(f"{fwd_name}_backward")[0]
+    roles = _roles({"q": q, "k": k, "v": v, "dout": dout}, fwd_res)
+    assert _key(out) == _key(fwd_res[0]) and _key(lse) == _key(fwd_res[1])  # the op's own out and lse
+    return _describe(fwd_args, roles), fwd_kwargs, _describe(bwd_args, roles), bwd_kwargs, grads
+
+
+# -- path selection ----------------------------------------------------------------------------------
+
+
+def test_sdpa_path_selection():
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        assert sdpa_path("cpu", dtype).name == "cpu_flash"
+    assert sdpa_path("cuda", torch.bfloat16).name == sdpa_path("cuda", torch.float16).name == "cuda_flash"
+    # float32 on CUDA has no flash kernel: memory-efficient attention, never the S x S math path
+    assert sdpa_path("cuda", torch.float32).name == "cuda_efficient"
+    assert not sdpa_path("cuda", torch.float32).quadratic_memory
+    assert sdpa_path("cuda", torch.float64).quadratic_memory  # the reference: no fused float64 CUDA kernel
+    with pytest.raises(ValueError, match="kernel 'sdpa' runs on cpu or cuda tensors, got device type 'xpu'"):
+        sdpa_path("xpu", torch.float32)
+
+
+# -- torch flash (fp16/bf16) ------------------------------------------------------------------------
+
+
+def _call_flash(q, k, v, causal):
+    return aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=SCALE)
+
+
+@pytest.mark.parametrize("hq, hkv, causal", [(4, 2, True), (4, 4, True), (4, 1, False)])
+def test_cuda_flash_passes_what_torch_autograd_passes(as_cuda, hq, hkv, causal):
+    want_bwd, want_kw, want_grads = _torch_autograd_backward_call(
+        as_cuda, "flash", _call_flash, hq, hkv, torch.bfloat16, causal
+    )
+    fwd, fwd_kw, got_bwd, got_kw, grads = _adapter_backward_call(as_cuda, "flash", hq, hkv, torch.bfloat16, causal)
+    # forward: q, k, v as given (native GQA: k, v keep hkv heads), dropout 0, no debug mask
+    assert fwd == ("q", "k", "v", 0.0, causal, False) and fwd_kw == {"scale": SCALE}
+    # backward: torch's derivative formula's arguments, the forward's outputs unchanged
+    assert got_bwd == want_bwd and got_kw == want_kw
+    assert got_bwd == (
+        "dout", "q", "k", "v", "fwd[0]", "fwd[1]", None, None, 40, 40, 0.0, causal, "fwd[6]", "fwd[7]",
+    )  # fmt: skip
+    for got, want in zip(grads, want_grads):
+        assert got.shape == want.shape and torch.equal(got, want)
+
+
+# -- torch memory-efficient attention (fp32) ----------------------------------------------------------
+
+
+def _call_efficient(q, k, v, causal):
+    return aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=SCALE)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_efficient_passes_what_torch_autograd_passes(as_cuda, causal):
+    want_bwd, want_kw, want_grads = _torch_autograd_backward_call(
+        as_cuda, "efficient", _call_efficient, 4, 4, torch.float32, causal
+    )
+    fwd, fwd_kw, got_bwd, got_kw, grads = _adapter_backward_call(as_cuda, "efficient", 4, 4, torch.float32, causal)
+    assert fwd == ("q", "k", "v", None, True, 0.0, causal) and fwd_kw == {"scale": SCALE}
+    assert got_bwd == want_bwd and got_kw == want_kw
+    assert got_bwd == (
+        "dout", "q", "k", "v", None, "fwd[0]", "fwd[1]", "fwd[2]", "fwd[3]", 0.0, [True, True, True, False], causal,
+    )  # fmt: skip
+    for got, want in zip(grads, want_grads):
+        assert torch.equal(got, want)
+
+
+def test_cuda_efficient_gqa_broadcasts_kv_without_copies(as_cuda):
+    """Efficient attention needs equal head counts: each KV head is broadcast over its query heads with
+    head stride 0 (no copy), the forward's seed/offset and lse reach the backward, dK/dV sum the group."""
+    q, k, v, dout = _inputs(8, 2, torch.float32)
+    kernel = TorchSDPAKernel(causal=True, softmax_scale=SCALE)
+    out, lse, aux = kernel.forward(q, k, v)
+    grads = kernel.backward(dout, q, k, v, out, lse, aux)
+    (fwd_args, _, fwd_res), (bwd_args, _, _) = as_cuda.of("efficient")[0], as_cuda.of("efficient_backward")[0]
+    for kv, folded in zip((k, v), fwd_args[1:3]):
+        assert folded.shape == (2 * 2, 4, 40, 8) and folded.stride(1) == 0 and folded.data_ptr() == kv.data_ptr()
+    assert bwd_args[7] is fwd_res[2] and bwd_args[8] is fwd_res[3]  # philox seed, offset: the forward's
+    assert bwd_args[6].data_ptr() == fwd_res[1].data_ptr()  # the forward's padded lse, per folded head
+    ref = _reference(True, SCALE)
+    out_ref, lse_ref, _ = ref.forward(q.double(), k.double(), v.double())
+    grads_ref = ref.backward(dout.double(), q.double(), k.double(), v.double(), out_ref, lse_ref, ())
+    for got, want in zip((out, *grads), (out_ref, *grads_ref)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+class _LargestOutput(TorchDispatchMode):
+    """Records every aten op the adapter issues and the largest tensor any of them returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        res = func(*args, **(kwargs or {}))
+        self.ops.add(func.__name__)
+        for t in res if isinstance(res, (tuple, list)) else (res,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return res
+
+
+@pytest.mark.parametrize("hkv", [4, 1])
+def test_float32_on_cuda_never_materializes_scores(as_cuda, hkv):
+    seq = 64
+    q, k, v, dout = _inputs(4, hkv, torch.float32, seq=seq, b=1)
+    kernel = TorchSDPAKernel(causal=True)
+    with _LargestOutput() as mode:
+        out, lse, aux = kernel.forward(q, k, v)
+        kernel.backward(dout, q, k, v, out, lse, aux)
+    assert {"_scaled_dot_product_efficient_attention.default"} <= mode.ops
+    assert "_scaled_dot_product_efficient_attention_backward.default" in mode.ops
+    # scores of one head alone would be seq * seq = 4096 elements; q is 1 * 4 * 64 * 8 = 2048
+    assert mode.largest <= q.numel() < seq * seq, (mode.largest, sorted(mode.ops))
+
+
+# -- through the pipeline: each stage's aux reaches that stage's backward ------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype, fwd_name, aux_at", [(torch.bfloat16, "flash", (6, 7)), (torch.float32, "efficient", (2, 3))]
+)
+def test_pipeline_threads_each_stages_aux(as_cuda, dtype, fwd_name, aux_at):
+    plan = build_plan(8, 2, 1, 2)  # one rank, 2 query heads per stage: 4 stages in 2 rounds
+    pctx = PipelineContext(plan=plan, indices=PlanIndices.build(plan, torch.device("cpu")), group=None,
+                           attention=TorchSDPAKernel(causal=True))  # fmt: skip
+    q, k, v, dout = (t.transpose(1, 2).contiguous() for t in _inputs(8, 2, dtype, seq=32))  # [b, s, h, d]
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = UPipeAttentionFunction.apply(q, k, v, pctx)
+    out.backward(dout)
+    fwd, bwd = as_cuda.of(fwd_name), as_cuda.of(f"{fwd_name}_backward")
+    assert len(fwd) == len(bwd) == plan.num_stages == 4
+    for (_, _, res), (args, _, _) in zip(fwd, bwd):  # stages run in the same order both ways
+        for fwd_i, bwd_i in zip(aux_at, (-2, -1) if fwd_name == "flash" else (7, 8)):
+            assert args[bwd_i] is res[fwd_i]
+    if fwd_name == "flash":
+        assert all(args[6] is None and args[7] is None for args, _, _ in bwd)  # cum_seq: undefined, as returned
+    ref = _reference(True, None)
+    qh, kh, vh, dh = (t.detach().transpose(1, 2).double() for t in (q, k, v, dout))
+    out_ref, lse_ref, _ = ref.forward(qh, kh, vh)
+    grads_ref = ref.backward(dh, qh, kh, vh, out_ref, lse_ref, ())
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for got, want in zip((out, q.grad, k.grad, v.grad), (out_ref, *grads_ref)):
+        torch.testing.assert_close(got.transpose(1, 2).double(), want, rtol=tol, atol=tol)
+
+
+# -- flash-attn 2: a fake package with each supported release's exact private signatures ------------
+
+
+# the parameter lists of flash_attn/flash_attn_interface.py's _flash_attn_forward/_flash_attn_backward,
+# copied from the v2.6.3 and v2.7.0 / v2.7.4.post1 / v2.8.3 sources (2.7 and 2.8 agree)
+def _fa_forward_26(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax): ...
+def _fa_backward_26(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
+                    softcap, alibi_slopes, deterministic, rng_state=None): ...  # fmt: skip
+def _fa_forward_27(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                   alibi_slopes, return_softmax): ...  # fmt: skip
+def _fa_backward_27(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,
+                    window_size_right, softcap, alibi_slopes, deterministic, rng_state=None): ...  # fmt: skip
+
+
+def _fake_flash_attn(version: str, rec: Recorder) -> types.ModuleType:
+    """flash_attn with ``__version__`` and an interface whose private functions bind their arguments
+    with the release's signature, record them, and compute exact attention on [b, S, h, d]."""
+    old = version.startswith("2.6")
+    fwd_sig = inspect.signature(_fa_forward_26 if old else _fa_forward_27)
+    bwd_sig = inspect.signature(_fa_backward_26 if old else _fa_backward_27)
+
+    def forward(*args, **kwargs):
+        a = fwd_sig.bind(*args, **kwargs).arguments
+        q, k, v = a["q"], a["k"], a["v"]
+        assert q.dtype in (torch.float16, torch.bfloat16) and q.shape[2] % k.shape[2] == 0
+        _check_last_dim_contiguous(q, k, v)
+        out, lse, _ = _reference(a["causal"], a["softmax_scale"]).forward(*(t.transpose(1, 2) for t in (q, k, v)))
+        out = out.transpose(1, 2)
+        rng_state = torch.tensor([5, 6], dtype=torch.int64)
+        res = (
+            (out, q, k, v, out, lse.float(), torch.empty(0), rng_state)
+            if old
+            else (out, lse.float(), torch.empty(0), rng_state)
+        )
+        rec.calls.append(("fa_forward", (), a, res))
+        return res
+
+    def backward(*args, **kwargs):
+        a = bwd_sig.bind(*args, **kwargs)
+        a.apply_defaults()
+        a = a.arguments
+        rec.calls.append(("fa_backward", (), a, None))
+        q, k, v, out, dout = (a[n].transpose(1, 2) for n in ("q", "k", "v", "out", "dout"))
+        grads = _reference(a["causal"], a["softmax_scale"]).backward(dout, q, k, v, out, a["softmax_lse"], ())
+        for buf, g in zip((a["dq"], a["dk"], a["dv"]), grads):
+            assert buf.shape == g.transpose(1, 2).shape  # dk, dv: the hkv heads of k, v
+            buf.copy_(g.transpose(1, 2))  # the real kernels fill the buffers they are given
+        softmax_d = torch.empty(0)
+        return (a["dq"], a["dk"], a["dv"], softmax_d) if old else softmax_d
+
+    iface = types.ModuleType("flash_attn.flash_attn_interface")
+    iface._flash_attn_forward, iface._flash_attn_backward = forward, backward
+    pkg = types.ModuleType("flash_attn")
+    pkg.__version__, pkg.flash_attn_interface = version, iface
+    return pkg
+
+
+@pytest.fixture
+def install_flash_attn(monkeypatch):
+    def install(version: str) -> Recorder:
+        rec = Recorder()
+        pkg = _fake_flash_attn(version, rec)
+        monkeypatch.setitem(sys.modules, "flash_attn", pkg)
+        monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", pkg.flash_attn_interface)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        return rec
+
+    return install
+
+
+@pytest.mark.parametrize("version", ["2.6.3", "2.7.4.post1", "2.8.3"])
+def test_flash_attn_adapter_matches_release_signature(install_flash_attn, version):
+    rec = install_flash_attn(version)
+    kernel = FlashAttnKernel(causal=True, softmax_scale=SCALE)
+    q, k, v, dout = _inputs(4, 2, torch.bfloat16, d=16)
+    out, lse, aux = kernel.forward(q, k, v)
+    grads = kernel.backward(dout, q, k, v, out, lse, aux)
+    (_, fwd, fwd_res), (_, bwd, _) = rec.of("fa_forward")[0], rec.of("fa_backward")[0]
+    old = version.startswith("2.6")
+    window = {"window_size": (-1, -1)} if old else {"window_size_left": -1, "window_size_right": -1}
+    rng_state = fwd_res[-1]
+    # forward: [b, S, h, d] views of the kernel's tensors, no dropout, window, softcap, alibi or softmax
+    assert all(fwd[n].data_ptr() == t.data_ptr() and fwd[n].shape == t.transpose(1, 2).shape
+               for n, t in (("q", q), ("k", k), ("v", v)))  # fmt: skip
+    assert {n: fwd[n] for n in fwd if n not in ("q", "k", "v")} == {
+        "dropout_p": 0.0, "softmax_scale": SCALE, "causal": True, **window, "softcap": 0.0, "alibi_slopes": None,
+        "return_softmax": False,
+    }  # fmt: skip
+    assert aux == (rng_state,) and lse is fwd_res[5 if old else 1]
+    # backward: what flash-attn's own FlashAttnFunc passes, the forward's rng_state among it
+    assert bwd["rng_state"] is rng_state and bwd["softmax_lse"] is lse
+    tensors = ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "rng_state")
+    assert {n: bwd[n] for n in bwd if n not in tensors} == {
+        "dropout_p": 0.0, "softmax_scale": SCALE, "causal": True, **window, "softcap": 0.0, "alibi_slopes": None,
+        "deterministic": False,
+    }  # fmt: skip
+    ref = _reference(True, SCALE)
+    out_ref, lse_ref, _ = ref.forward(q.double(), k.double(), v.double())
+    grads_ref = ref.backward(dout.double(), q.double(), k.double(), v.double(), out_ref, lse_ref, ())
+    for got, want in zip((out, *grads), (out_ref, *grads_ref)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("version", ["2.5.9", "2.9.0", "3.0.0b1", "unknown"])
+def test_flash_attn_outside_supported_range_is_refused(install_flash_attn, version):
+    install_flash_attn(version)
+    with pytest.raises(ValueError, match=rf"supports flash-attn>=2\.6,<2\.9, found flash-attn {version}"):
+        FlashAttnKernel()
+
+
+def test_flash_attn_refuses_inputs_it_cannot_run(install_flash_attn):
+    install_flash_attn("2.8.3")
+    kernel = FlashAttnKernel()
+    q, k, v, _ = _inputs(4, 2, torch.float32, d=16)
+    with pytest.raises(ValueError, match="runs float16 or bfloat16, got torch.float32"):
+        kernel.forward(q, k, v)
+    q, k, v, _ = _inputs(4, 2, torch.bfloat16, d=12)
+    with pytest.raises(ValueError, match="head_dim a multiple of 8 and at most 256, got 12"):
+        kernel.forward(q, k, v)
