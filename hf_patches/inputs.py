@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .rope import set_last_position
+
 _MASK_NONE, _MASK_2D, _MASK_OTHER = 0, 1, 2
 
 
@@ -82,6 +84,7 @@ def check_and_prepare(
     shards = _gather(torch.stack([pos, keep.to(device)]), group, group_size)
     full = torch.cat(shards, dim=2)  # [2, b, S] in rank order
     _check_positions_and_mask(full[0], full[1])
+    set_last_position(model, full[0].max())  # RoPE scaling decided by the whole sequence, as unsharded
 
     call["attention_mask"] = None  # honoured: right padding needs no mask under causal attention
     call["use_cache"] = False

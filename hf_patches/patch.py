@@ -15,6 +15,7 @@ from ds_upipe.schedule import build_plan
 from .attention import ATTN_IMPLEMENTATION, fused_attention_forward, register_attention_function
 from .fused import FusedProjections
 from .inputs import check_and_prepare
+from .rope import use_global_positions
 from .state import UPipeState
 
 logger = logging.getLogger("hf_patches")
@@ -174,6 +175,7 @@ def apply_upipe(
             attn.forward = types.MethodType(fused_attention_forward, attn)
             _register_zero3_external(attn)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    use_global_positions(base)
     base._upipe_input_hook = base.register_forward_pre_hook(
         lambda module, args, kwargs: check_and_prepare(module, args, kwargs, process_group, group_size),
         with_kwargs=True,

@@ -164,6 +164,90 @@ def parity_matrix(rank, world):
     return failures, count, pipeline.STAGE_RUNS[0]
 
 
+# RoPE types and their scaling threshold T = 12 tokens (dynamic: max_position_embeddings; the others:
+# original_max_position_embeddings). Steps of 16 tokens (beyond T: at C=2 rank 0's shard, positions
+# 0-7, stays below it; at C=4 ranks 0-2 do) and then 8 tokens (below T: dynamic resets).
+ROPE_THRESHOLD = 12
+ROPE_STEPS = (16, 8)
+_ROPE_BASE = {"rope_theta": 10000.0, "original_max_position_embeddings": ROPE_THRESHOLD}
+ROPE_TYPES = {
+    "dynamic": dict(
+        max_position_embeddings=ROPE_THRESHOLD,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+    ),
+    "longrope": dict(
+        max_position_embeddings=4 * ROPE_THRESHOLD,
+        rope_parameters={
+            **_ROPE_BASE,
+            "rope_type": "longrope",
+            "factor": 4.0,
+            "short_factor": [1.0, 1.1, 1.2, 1.3],  # head_dim / 2 factors (Llama 8, Qwen3 16: repeated below)
+            "long_factor": [1.5, 2.0, 3.0, 4.0],
+        },
+    ),
+    "yarn": dict(
+        max_position_embeddings=4 * ROPE_THRESHOLD, rope_parameters={**_ROPE_BASE, "rope_type": "yarn", "factor": 4.0}
+    ),
+    "llama3": dict(
+        max_position_embeddings=4 * ROPE_THRESHOLD,
+        rope_parameters={
+            **_ROPE_BASE,
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        },
+    ),
+    "linear": dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+}
+
+
+def rope_overrides(arch: str, rope: str) -> dict:
+    overrides = copy.deepcopy(ROPE_TYPES[rope])
+    params = overrides["rope_parameters"]
+    head_dim = ARCH_CONFIGS[arch].get("head_dim", 64 // ARCH_CONFIGS[arch]["num_attention_heads"])
+    for key in ("short_factor", "long_factor"):
+        if key in params:
+            params[key] = (params[key] * head_dim)[: head_dim // 2]
+    return overrides
+
+
+def rope_case(arch: str, rope: str, fused: bool, group) -> dict[str, float]:
+    """The same models through ROPE_STEPS (the dynamic RoPE state carries over between the steps)."""
+    world = dist.get_world_size(group)
+    model = build_model(arch, torch.float64, num_hidden_layers=1, **rope_overrides(arch, rope))
+    assert model.config.rope_parameters["rope_type"] == rope
+    ref_model = copy.deepcopy(model)
+    hf_patches.apply_upipe(model, group, fused_projections=fused)
+    errors = {}
+    for step, seq in enumerate(ROPE_STEPS):
+        data = make_batch(20 + step, 2, seq)
+        got = compare(reference_step(ref_model, data), sharded_step(model, data, group), seq)
+        errors.update({f"{k}_{step}": v for k, v in got.items()})
+    errors["shards_below_threshold"] = float(ROPE_STEPS[0] // world > ROPE_THRESHOLD)
+    return errors
+
+
+#: (architecture, RoPE type): every type on Llama; on Qwen3 the types whose frequencies depend on the input
+ROPE_CASES = [("llama", rope) for rope in ROPE_TYPES] + [("qwen3", "dynamic"), ("qwen3", "longrope")]
+
+
+def rope_cases(rank, world):
+    """ROPE_CASES fused and unfused at C=4 (the world) and C=2 (two subgroups of it, explicit groups
+    as ds_upipe.initialize creates); returns (failures, count)."""
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    groups = {world: dist.group.WORLD, 2: pairs[rank // 2]}
+    failures, count = [], 0
+    for size, group in groups.items():
+        for arch, rope in ROPE_CASES:
+            for fused in (True, False):
+                errors = rope_case(arch, rope, fused, group)
+                count += 1
+                if max(errors.values()) > TOLERANCE[torch.float64]:
+                    failures.append((size, arch, rope, fused, {k: v for k, v in errors.items() if v > 1e-10}))
+    return failures, count
+
+
 def misc_cases(rank, world):
     """Padding, base models, save/reload, gradient checkpointing (no DeepSpeed), PEFT fallback."""
     results = {}

@@ -50,3 +50,12 @@ def test_group_of_two():
 @pytest.mark.parametrize("world", [4])
 def test_group_of_four(world):
     _check_parity(run_ranks(hf_cases.parity_matrix, world), world)
+
+
+def test_rope_scaling():
+    """Dynamic, longrope, yarn, llama3 and linear RoPE at C=4 and C=2 (one spawn of 4 ranks), with
+    shards that stay below the scaling threshold while the whole sequence exceeds it."""
+    results = run_ranks(hf_cases.rope_cases, 4)
+    for rank, (failures, count) in enumerate(results):
+        assert count == 2 * 2 * len(hf_cases.ROPE_CASES)
+        assert not failures, f"rank {rank}: {failures}"
