@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .rope import set_last_position
+from .state import UPipeState
 
 _MASK_NONE, _MASK_2D, _MASK_OTHER = 0, 1, 2
 
@@ -45,10 +46,9 @@ def _as_kwargs(forward: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     return {**dict(zip(names, args)), **kwargs}
 
 
-def check_and_prepare(
-    model: nn.Module, args: tuple, kwargs: dict, group: dist.ProcessGroup | None, group_size: int
-) -> tuple[tuple, dict]:
+def check_and_prepare(model: nn.Module, args: tuple, kwargs: dict, state: UPipeState) -> tuple[tuple, dict]:
     """Validate one forward call's inputs on all ranks; return (args, kwargs) to run it with."""
+    group, group_size = state.group, state.group_size
     call = _as_kwargs(model.forward, args, kwargs)
     tokens = call.get("input_ids")
     if tokens is None:

@@ -176,12 +176,15 @@ def apply_upipe(
             _register_zero3_external(attn)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
     use_global_positions(base)
-    base._upipe_input_hook = base.register_forward_pre_hook(
-        lambda module, args, kwargs: check_and_prepare(module, args, kwargs, process_group, group_size),
-        with_kwargs=True,
-    )
-    hf_model._upipe_state = state
+    base._upipe_state = hf_model._upipe_state = state
+    base._upipe_input_hook = base.register_forward_pre_hook(_check_inputs, with_kwargs=True)
     return model
+
+
+def _check_inputs(base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook of the base model.  It reads the state from the module it runs on, so a
+    ``copy.deepcopy`` of the model (whose hooks are the same functions) runs with its own state."""
+    return check_and_prepare(base, args, kwargs, base._upipe_state)
 
 
 def _qwen3_norm_class() -> type:

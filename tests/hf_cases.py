@@ -264,7 +264,34 @@ def misc_cases(rank, world):
     results["peft_lora"] = peft_case(world)
     results["right_padding_mask"] = right_padding_case(world)
     results["autocast_fallback"] = autocast_case(world)
+    results["deepcopy"] = deepcopy_case(world)
     return results
+
+
+def deepcopy_case(world):
+    """copy.deepcopy of a model patched with an explicit group (as ds_upipe.initialize and the Trainer
+    hook pass one): the copy shares the group object, has its own UPipe state and parameters, and its
+    forward/backward equal the original's."""
+    group = dist.new_group(list(range(world)))
+    seq = 6 * world
+    data = make_batch(7, 2, seq)
+    errors = {}
+    for fused in (True, False):
+        model = build_model("llama", torch.float64, rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+        hf_patches.apply_upipe(model, group, fused_projections=fused)
+        clone = copy.deepcopy(model)
+        want = sharded_step(model, data, group)
+        model.zero_grad(set_to_none=True)
+        state, clone_state = hf_patches.upipe_state(model), hf_patches.upipe_state(clone)
+        runs = state.stage_runs[0]
+        got = sharded_step(clone, data, group)
+        errors[f"own_counter_fused={fused}"] = float(state.stage_runs[0] != runs or clone_state.stage_runs[0] != runs)
+        attention_states = {id(m._upipe_state) for m in clone.modules() if hasattr(m, "q_proj")}
+        errors.update({f"{k}_fused={fused}": v for k, v in compare(want, got, seq).items()})
+        errors[f"shares_group_fused={fused}"] = float(clone_state.group is not group)
+        errors[f"own_state_fused={fused}"] = float(clone_state is state or attention_states != {id(clone_state)})
+        errors[f"original_untouched_fused={fused}"] = float(any(p.grad is not None for p in model.parameters()))
+    return errors
 
 
 def autocast_case(world):
