@@ -26,6 +26,15 @@ from .state import UPipeState
 
 _MASK_NONE, _MASK_2D, _MASK_OTHER = 0, 1, 2
 
+#: why a patched model cannot generate, and what to do instead (also used by the input check)
+GENERATION_UNSUPPORTED = (
+    "generation (KV cache / incremental decoding) is not supported under UPipe sequence parallelism: a model "
+    "patched by hf_patches.apply_upipe runs training forward/backward on a sequence sharded over its group's "
+    "ranks. Generate without sequence parallelism, on a model with the same weights that apply_upipe has not "
+    "patched: e.g. save_pretrained(path), then from_pretrained(path, attn_implementation='sdpa') (a copy.deepcopy "
+    "of a patched model is patched too)"
+)
+
 
 def _gather(t: Tensor, group: dist.ProcessGroup | None, group_size: int) -> list[Tensor]:
     if group_size == 1:
@@ -95,11 +104,11 @@ def _check_meta(rows: list[list[int]]) -> None:
     per_rank = lambda i: [r[i] for r in rows]  # noqa: E731
     if any(per_rank(4)):
         raise ValueError(
-            f"a KV cache was passed (ranks {[r for r, v in enumerate(per_rank(4)) if v]}); UPipe sequence parallelism "
-            "supports training forward/backward only: pass cache=None, use_cache=False"
+            f"a KV cache was passed (ranks {[r for r, v in enumerate(per_rank(4)) if v]}): {GENERATION_UNSUPPORTED}. "
+            "For training, pass cache=None, use_cache=False"
         )
     if any(per_rank(5)):
-        raise ValueError("use_cache=True is not supported under UPipe sequence parallelism; pass use_cache=False")
+        raise ValueError(f"use_cache=True: {GENERATION_UNSUPPORTED}. For training, pass use_cache=False")
     if any(k == _MASK_OTHER for k in per_rank(3)):
         raise ValueError(
             f"attention_mask kinds per rank {per_rank(3)} (2 = not a [batch, local_seq] 2-D mask): UPipe attention is "

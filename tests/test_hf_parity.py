@@ -21,7 +21,10 @@ REFUSALS = {  # case -> words its message must contain (the offending value and 
     "packed_positions": ["not consecutive", "packed"],
     "left_padding": ["left padding", "right padding"],
     "mask_4d": ["attention_mask", "2-D"],
-    "use_cache": ["use_cache=True"],
+    "use_cache": ["use_cache=True", "generation (KV cache / incremental decoding) is not supported"],
+    "generate": ["LlamaForCausalLM.generate()", "generation (KV cache / incremental decoding) is not supported"]
+    + ["without sequence parallelism", "attn_implementation='sdpa'"],
+    "generate_use_cache": ["Qwen2ForCausalLM.generate()", "is not supported under UPipe sequence parallelism"],
     "uneven_shards": ["[5, 4]", "equal"],
 }
 
