@@ -80,12 +80,15 @@ def check_and_prepare(model: nn.Module, args: tuple, kwargs: dict, state: UPipeS
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
         pos_batch = int(position_ids.shape[0]) if position_ids.shape[-1] == seq else -2
+    settings = _settings(state)
     meta = torch.tensor(
-        [batch, seq, pos_batch, mask_kind, int(cache is not None), int(bool(call.get("use_cache")))],
+        [batch, seq, pos_batch, mask_kind, int(cache is not None), int(bool(call.get("use_cache")))]
+        + list(settings.values()),
         dtype=torch.long,
         device=device,
     )
     rows = [m.tolist() for m in _gather(meta, group, group_size)]
+    _check_settings(list(settings), [row[-len(settings) :] for row in rows])
     _check_meta(rows)
 
     pos = position_ids.to(device=device, dtype=torch.long).expand(batch, seq)
@@ -98,6 +101,34 @@ def check_and_prepare(model: nn.Module, args: tuple, kwargs: dict, state: UPipeS
     call["attention_mask"] = None  # honoured: right padding needs no mask under causal attention
     call["use_cache"] = False
     return (), call
+
+
+def _settings(state: UPipeState) -> dict[str, int]:
+    """What every rank of the group must agree on: any difference changes the stage plan or the
+    order of the all-to-alls, which would leave the ranks' collectives mismatched (abort or hang)."""
+    return {
+        "head_chunk_size (U)": state.plan.head_chunk_size,
+        "fused projections": int(state.fused),
+        "overlap_comm": int(state.overlap_comm),
+        "num_attention_heads": state.plan.num_heads,
+        "num_key_value_heads": state.plan.num_kv_heads,
+    }
+
+
+def _check_settings(names: list[str], rows: list[list[int]]) -> None:
+    """rows: each rank's values of ``_settings``, in rank order."""
+    differ = []
+    for i, name in enumerate(names):
+        values = [row[i] for row in rows]
+        if len(set(values)) > 1:
+            shown = [bool(v) for v in values] if name in ("fused projections", "overlap_comm") else values
+            differ.append(f"{name} per rank {shown}")
+    if differ:
+        raise ValueError(
+            f"UPipe settings differ across the ranks of the sequence-parallel group: {'; '.join(differ)}. Every rank "
+            "must patch the same model with the same apply_upipe arguments (head_chunk_size, fused_projections, "
+            "overlap_comm); fused projections also need plain nn.Linear projections on every rank"
+        )
 
 
 def _check_meta(rows: list[list[int]]) -> None:

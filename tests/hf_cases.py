@@ -444,10 +444,18 @@ def refusal_cases(rank, world):
     uneven = torch.randint(0, 101, (1, seq + (rank == 0)))
     uneven_pos = torch.arange(uneven.shape[1])[None] + rank * (seq + 1)
     expect("uneven_shards", lambda: model(input_ids=uneven, position_ids=uneven_pos))
+    expect("rank_head_chunk", lambda: _patched_per_rank(rank, head_chunk_size=2 if rank == 0 else 4)(ids, pos))
+    expect("rank_flags", lambda: _patched_per_rank(rank, fused_projections=rank == 0, overlap_comm=rank == 1)(ids, pos))
     # the model still works after the refused calls (no rank left behind in a collective)
     out = model(input_ids=ids, position_ids=pos)
     messages["still_works"] = str(tuple(out.logits.shape))
     return messages
+
+
+def _patched_per_rank(rank, **settings):
+    """A Llama patched with this rank's apply_upipe arguments; returns a call on (ids, position_ids)."""
+    model = hf_patches.apply_upipe(build_model("llama"), dist.group.WORLD, **settings)
+    return lambda ids, pos: model(input_ids=ids, position_ids=pos)
 
 
 ZERO3_CONFIG = {
