@@ -1,8 +1,10 @@
 """Model-level input check of a UPipe-patched model, run as a forward pre-hook on the base model.
 
-Every rank of the sequence group exchanges a few numbers about its inputs and then the global
-position_ids and attention mask (two small all_gathers), so all ranks evaluate the same rules on
-the same data and raise the same ValueError (no rank is left waiting in a collective).
+Every rank of the sequence group exchanges a few numbers about its inputs and its UPipe settings
+(head chunk size, fused/overlap flags, head counts) and then the global position_ids and attention
+mask (two small all_gathers), so all ranks evaluate the same rules on the same data and raise the
+same ValueError (no rank is left waiting in a collective).  The global last position then sets the
+RoPE frequencies of the whole sequence (``hf_patches.rope``).
 
 What we can honour: each rank holds a contiguous, equally long shard of the sequence (ALST's
 convention), with position_ids = the global positions of its tokens, consecutive over the whole
