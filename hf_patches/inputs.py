@@ -1,8 +1,10 @@
 """Model-level input check of a UPipe-patched model, run as a forward pre-hook on the base model.
 
-Every rank of the sequence group exchanges a few numbers about its inputs and then the global
-position_ids and attention mask (two small all_gathers), so all ranks evaluate the same rules on
-the same data and raise the same ValueError (no rank is left waiting in a collective).
+Every rank of the sequence group exchanges a few numbers about its inputs and its UPipe settings
+(head chunk size, fused/overlap flags, head counts) and then the global position_ids and attention
+mask (two small all_gathers), so all ranks evaluate the same rules on the same data and raise the
+same ValueError (no rank is left waiting in a collective).  The global last position then sets the
+RoPE frequencies of the whole sequence (``hf_patches.rope``).
 
 What we can honour: each rank holds a contiguous, equally long shard of the sequence (ALST's
 convention), with position_ids = the global positions of its tokens, consecutive over the whole
@@ -21,7 +23,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .rope import set_last_position
+from .state import UPipeState
+
 _MASK_NONE, _MASK_2D, _MASK_OTHER = 0, 1, 2
+
+#: why a patched model cannot generate, and what to do instead (also used by the input check)
+GENERATION_UNSUPPORTED = (
+    "generation (KV cache / incremental decoding) is not supported under UPipe sequence parallelism: a model "
+    "patched by hf_patches.apply_upipe runs training forward/backward on a sequence sharded over its group's "
+    "ranks. Generate without sequence parallelism, on a model with the same weights that apply_upipe has not "
+    "patched: e.g. save_pretrained(path), then from_pretrained(path, attn_implementation='sdpa') (a copy.deepcopy "
+    "of a patched model is patched too)"
+)
 
 
 def _gather(t: Tensor, group: dist.ProcessGroup | None, group_size: int) -> list[Tensor]:
@@ -43,10 +57,9 @@ def _as_kwargs(forward: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     return {**dict(zip(names, args)), **kwargs}
 
 
-def check_and_prepare(
-    model: nn.Module, args: tuple, kwargs: dict, group: dist.ProcessGroup | None, group_size: int
-) -> tuple[tuple, dict]:
+def check_and_prepare(model: nn.Module, args: tuple, kwargs: dict, state: UPipeState) -> tuple[tuple, dict]:
     """Validate one forward call's inputs on all ranks; return (args, kwargs) to run it with."""
+    group, group_size = state.group, state.group_size
     call = _as_kwargs(model.forward, args, kwargs)
     tokens = call.get("input_ids")
     if tokens is None:
@@ -69,12 +82,15 @@ def check_and_prepare(
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
         pos_batch = int(position_ids.shape[0]) if position_ids.shape[-1] == seq else -2
+    settings = _settings(state)
     meta = torch.tensor(
-        [batch, seq, pos_batch, mask_kind, int(cache is not None), int(bool(call.get("use_cache")))],
+        [batch, seq, pos_batch, mask_kind, int(cache is not None), int(bool(call.get("use_cache")))]
+        + list(settings.values()),
         dtype=torch.long,
         device=device,
     )
     rows = [m.tolist() for m in _gather(meta, group, group_size)]
+    _check_settings(list(settings), [row[-len(settings) :] for row in rows])
     _check_meta(rows)
 
     pos = position_ids.to(device=device, dtype=torch.long).expand(batch, seq)
@@ -82,21 +98,50 @@ def check_and_prepare(
     shards = _gather(torch.stack([pos, keep.to(device)]), group, group_size)
     full = torch.cat(shards, dim=2)  # [2, b, S] in rank order
     _check_positions_and_mask(full[0], full[1])
+    set_last_position(model, full[0].max())  # RoPE scaling decided by the whole sequence, as unsharded
 
     call["attention_mask"] = None  # honoured: right padding needs no mask under causal attention
     call["use_cache"] = False
     return (), call
 
 
+def _settings(state: UPipeState) -> dict[str, int]:
+    """What every rank of the group must agree on: any difference changes the stage plan or the
+    order of the all-to-alls, which would leave the ranks' collectives mismatched (abort or hang)."""
+    return {
+        "head_chunk_size (U)": state.plan.head_chunk_size,
+        "fused projections": int(state.fused),
+        "overlap_comm": int(state.overlap_comm),
+        "num_attention_heads": state.plan.num_heads,
+        "num_key_value_heads": state.plan.num_kv_heads,
+    }
+
+
+def _check_settings(names: list[str], rows: list[list[int]]) -> None:
+    """rows: each rank's values of ``_settings``, in rank order."""
+    differ = []
+    for i, name in enumerate(names):
+        values = [row[i] for row in rows]
+        if len(set(values)) > 1:
+            shown = [bool(v) for v in values] if name in ("fused projections", "overlap_comm") else values
+            differ.append(f"{name} per rank {shown}")
+    if differ:
+        raise ValueError(
+            f"UPipe settings differ across the ranks of the sequence-parallel group: {'; '.join(differ)}. Every rank "
+            "must patch the same model with the same apply_upipe arguments (head_chunk_size, fused_projections, "
+            "overlap_comm); fused projections also need plain nn.Linear projections on every rank"
+        )
+
+
 def _check_meta(rows: list[list[int]]) -> None:
     per_rank = lambda i: [r[i] for r in rows]  # noqa: E731
     if any(per_rank(4)):
         raise ValueError(
-            f"a KV cache was passed (ranks {[r for r, v in enumerate(per_rank(4)) if v]}); UPipe sequence parallelism "
-            "supports training forward/backward only: pass cache=None, use_cache=False"
+            f"a KV cache was passed (ranks {[r for r, v in enumerate(per_rank(4)) if v]}): {GENERATION_UNSUPPORTED}. "
+            "For training, pass cache=None, use_cache=False"
         )
     if any(per_rank(5)):
-        raise ValueError("use_cache=True is not supported under UPipe sequence parallelism; pass use_cache=False")
+        raise ValueError(f"use_cache=True: {GENERATION_UNSUPPORTED}. For training, pass use_cache=False")
     if any(k == _MASK_OTHER for k in per_rank(3)):
         raise ValueError(
             f"attention_mask kinds per rank {per_rank(3)} (2 = not a [batch, local_seq] 2-D mask): UPipe attention is "

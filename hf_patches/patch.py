@@ -14,7 +14,8 @@ from ds_upipe.schedule import build_plan
 
 from .attention import ATTN_IMPLEMENTATION, fused_attention_forward, register_attention_function
 from .fused import FusedProjections
-from .inputs import check_and_prepare
+from .inputs import GENERATION_UNSUPPORTED, check_and_prepare
+from .rope import use_global_positions
 from .state import UPipeState
 
 logger = logging.getLogger("hf_patches")
@@ -174,12 +175,24 @@ def apply_upipe(
             attn.forward = types.MethodType(fused_attention_forward, attn)
             _register_zero3_external(attn)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    base._upipe_input_hook = base.register_forward_pre_hook(
-        lambda module, args, kwargs: check_and_prepare(module, args, kwargs, process_group, group_size),
-        with_kwargs=True,
-    )
-    hf_model._upipe_state = state
+    use_global_positions(base)
+    base._upipe_state = hf_model._upipe_state = state
+    base._upipe_input_hook = base.register_forward_pre_hook(_check_inputs, with_kwargs=True)
+    if hasattr(hf_model, "generate"):
+        hf_model.generate = types.MethodType(_refuse_generate, hf_model)
     return model
+
+
+def _refuse_generate(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+    """``generate`` of a patched model: refused at once, before any collective, so every rank that
+    calls it raises the same error and no rank waits for another."""
+    raise ValueError(f"{type(self).__name__}.generate(): {GENERATION_UNSUPPORTED}")
+
+
+def _check_inputs(base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook of the base model.  It reads the state from the module it runs on, so a
+    ``copy.deepcopy`` of the model (whose hooks are the same functions) runs with its own state."""
+    return check_and_prepare(base, args, kwargs, base._upipe_state)
 
 
 def _qwen3_norm_class() -> type:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +35,16 @@ class UPipeState:
     #: stages run by this model's attention layers (forward + backward), for tests and launch checks
     stage_runs: list[int] = field(default_factory=lambda: [0])
     _indices: dict[torch.device, PlanIndices] = field(default_factory=dict, repr=False)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> UPipeState:
+        """A copy of a patched model (reference model, EMA) joins the same sequence-parallel group:
+        a process group cannot be copied, and the copy must run its collectives with the same ranks."""
+        memo.setdefault(id(self.group), self.group)
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        for f in fields(self):
+            setattr(clone, f.name, copy.deepcopy(getattr(self, f.name), memo))
+        return clone
 
     @property
     def head_chunk_size(self) -> int:

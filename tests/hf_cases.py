@@ -164,6 +164,90 @@ def parity_matrix(rank, world):
     return failures, count, pipeline.STAGE_RUNS[0]
 
 
+# RoPE types and their scaling threshold T = 12 tokens (dynamic: max_position_embeddings; the others:
+# original_max_position_embeddings). Steps of 16 tokens (beyond T: at C=2 rank 0's shard, positions
+# 0-7, stays below it; at C=4 ranks 0-2 do) and then 8 tokens (below T: dynamic resets).
+ROPE_THRESHOLD = 12
+ROPE_STEPS = (16, 8)
+_ROPE_BASE = {"rope_theta": 10000.0, "original_max_position_embeddings": ROPE_THRESHOLD}
+ROPE_TYPES = {
+    "dynamic": dict(
+        max_position_embeddings=ROPE_THRESHOLD,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+    ),
+    "longrope": dict(
+        max_position_embeddings=4 * ROPE_THRESHOLD,
+        rope_parameters={
+            **_ROPE_BASE,
+            "rope_type": "longrope",
+            "factor": 4.0,
+            "short_factor": [1.0, 1.1, 1.2, 1.3],  # head_dim / 2 factors (Llama 8, Qwen3 16: repeated below)
+            "long_factor": [1.5, 2.0, 3.0, 4.0],
+        },
+    ),
+    "yarn": dict(
+        max_position_embeddings=4 * ROPE_THRESHOLD, rope_parameters={**_ROPE_BASE, "rope_type": "yarn", "factor": 4.0}
+    ),
+    "llama3": dict(
+        max_position_embeddings=4 * ROPE_THRESHOLD,
+        rope_parameters={
+            **_ROPE_BASE,
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        },
+    ),
+    "linear": dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+}
+
+
+def rope_overrides(arch: str, rope: str) -> dict:
+    overrides = copy.deepcopy(ROPE_TYPES[rope])
+    params = overrides["rope_parameters"]
+    head_dim = ARCH_CONFIGS[arch].get("head_dim", 64 // ARCH_CONFIGS[arch]["num_attention_heads"])
+    for key in ("short_factor", "long_factor"):
+        if key in params:
+            params[key] = (params[key] * head_dim)[: head_dim // 2]
+    return overrides
+
+
+def rope_case(arch: str, rope: str, fused: bool, group) -> dict[str, float]:
+    """The same models through ROPE_STEPS (the dynamic RoPE state carries over between the steps)."""
+    world = dist.get_world_size(group)
+    model = build_model(arch, torch.float64, num_hidden_layers=1, **rope_overrides(arch, rope))
+    assert model.config.rope_parameters["rope_type"] == rope
+    ref_model = copy.deepcopy(model)
+    hf_patches.apply_upipe(model, group, fused_projections=fused)
+    errors = {}
+    for step, seq in enumerate(ROPE_STEPS):
+        data = make_batch(20 + step, 2, seq)
+        got = compare(reference_step(ref_model, data), sharded_step(model, data, group), seq)
+        errors.update({f"{k}_{step}": v for k, v in got.items()})
+    errors["shards_below_threshold"] = float(ROPE_STEPS[0] // world > ROPE_THRESHOLD)
+    return errors
+
+
+#: (architecture, RoPE type): every type on Llama; on Qwen3 the types whose frequencies depend on the input
+ROPE_CASES = [("llama", rope) for rope in ROPE_TYPES] + [("qwen3", "dynamic"), ("qwen3", "longrope")]
+
+
+def rope_cases(rank, world):
+    """ROPE_CASES fused and unfused at C=4 (the world) and C=2 (two subgroups of it, explicit groups
+    as ds_upipe.initialize creates); returns (failures, count)."""
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    groups = {world: dist.group.WORLD, 2: pairs[rank // 2]}
+    failures, count = [], 0
+    for size, group in groups.items():
+        for arch, rope in ROPE_CASES:
+            for fused in (True, False):
+                errors = rope_case(arch, rope, fused, group)
+                count += 1
+                if max(errors.values()) > TOLERANCE[torch.float64]:
+                    failures.append((size, arch, rope, fused, {k: v for k, v in errors.items() if v > 1e-10}))
+    return failures, count
+
+
 def misc_cases(rank, world):
     """Padding, base models, save/reload, gradient checkpointing (no DeepSpeed), PEFT fallback."""
     results = {}
@@ -180,7 +264,34 @@ def misc_cases(rank, world):
     results["peft_lora"] = peft_case(world)
     results["right_padding_mask"] = right_padding_case(world)
     results["autocast_fallback"] = autocast_case(world)
+    results["deepcopy"] = deepcopy_case(world)
     return results
+
+
+def deepcopy_case(world):
+    """copy.deepcopy of a model patched with an explicit group (as ds_upipe.initialize and the Trainer
+    hook pass one): the copy shares the group object, has its own UPipe state and parameters, and its
+    forward/backward equal the original's."""
+    group = dist.new_group(list(range(world)))
+    seq = 6 * world
+    data = make_batch(7, 2, seq)
+    errors = {}
+    for fused in (True, False):
+        model = build_model("llama", torch.float64, rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+        hf_patches.apply_upipe(model, group, fused_projections=fused)
+        clone = copy.deepcopy(model)
+        want = sharded_step(model, data, group)
+        model.zero_grad(set_to_none=True)
+        state, clone_state = hf_patches.upipe_state(model), hf_patches.upipe_state(clone)
+        runs = state.stage_runs[0]
+        got = sharded_step(clone, data, group)
+        errors[f"own_counter_fused={fused}"] = float(state.stage_runs[0] != runs or clone_state.stage_runs[0] != runs)
+        attention_states = {id(m._upipe_state) for m in clone.modules() if hasattr(m, "q_proj")}
+        errors.update({f"{k}_fused={fused}": v for k, v in compare(want, got, seq).items()})
+        errors[f"shares_group_fused={fused}"] = float(clone_state.group is not group)
+        errors[f"own_state_fused={fused}"] = float(clone_state is state or attention_states != {id(clone_state)})
+        errors[f"original_untouched_fused={fused}"] = float(any(p.grad is not None for p in model.parameters()))
+    return errors
 
 
 def autocast_case(world):
@@ -327,13 +438,24 @@ def refusal_cases(rank, world):
     expect("left_padding", lambda: model(input_ids=ids, position_ids=pos, attention_mask=left))
     expect("mask_4d", lambda: model(input_ids=ids, position_ids=pos, attention_mask=torch.ones(1, 1, seq, seq)))
     expect("use_cache", lambda: model(input_ids=ids, position_ids=pos, use_cache=True))
+    expect("generate", lambda: model.generate(input_ids=ids, position_ids=pos, max_new_tokens=2))
+    cached = hf_patches.apply_upipe(build_model("qwen2", use_cache=True), group)
+    expect("generate_use_cache", lambda: cached.generate(input_ids=ids, max_new_tokens=2))
     uneven = torch.randint(0, 101, (1, seq + (rank == 0)))
     uneven_pos = torch.arange(uneven.shape[1])[None] + rank * (seq + 1)
     expect("uneven_shards", lambda: model(input_ids=uneven, position_ids=uneven_pos))
+    expect("rank_head_chunk", lambda: _patched_per_rank(rank, head_chunk_size=2 if rank == 0 else 4)(ids, pos))
+    expect("rank_flags", lambda: _patched_per_rank(rank, fused_projections=rank == 0, overlap_comm=rank == 1)(ids, pos))
     # the model still works after the refused calls (no rank left behind in a collective)
     out = model(input_ids=ids, position_ids=pos)
     messages["still_works"] = str(tuple(out.logits.shape))
     return messages
+
+
+def _patched_per_rank(rank, **settings):
+    """A Llama patched with this rank's apply_upipe arguments; returns a call on (ids, position_ids)."""
+    model = hf_patches.apply_upipe(build_model("llama"), dist.group.WORLD, **settings)
+    return lambda ids, pos: model(input_ids=ids, position_ids=pos)
 
 
 ZERO3_CONFIG = {

@@ -21,7 +21,12 @@ REFUSALS = {  # case -> words its message must contain (the offending value and 
     "packed_positions": ["not consecutive", "packed"],
     "left_padding": ["left padding", "right padding"],
     "mask_4d": ["attention_mask", "2-D"],
-    "use_cache": ["use_cache=True"],
+    "use_cache": ["use_cache=True", "generation (KV cache / incremental decoding) is not supported"],
+    "generate": ["LlamaForCausalLM.generate()", "generation (KV cache / incremental decoding) is not supported"]
+    + ["without sequence parallelism", "attn_implementation='sdpa'"],
+    "rank_head_chunk": ["UPipe settings differ", "head_chunk_size (U) per rank [2, 4]"],
+    "rank_flags": ["fused projections per rank [True, False]", "overlap_comm per rank [False, True]"],
+    "generate_use_cache": ["Qwen2ForCausalLM.generate()", "is not supported under UPipe sequence parallelism"],
     "uneven_shards": ["[5, 4]", "equal"],
 }
 
@@ -50,3 +55,12 @@ def test_group_of_two():
 @pytest.mark.parametrize("world", [4])
 def test_group_of_four(world):
     _check_parity(run_ranks(hf_cases.parity_matrix, world), world)
+
+
+def test_rope_scaling():
+    """Dynamic, longrope, yarn, llama3 and linear RoPE at C=4 and C=2 (one spawn of 4 ranks), with
+    shards that stay below the scaling threshold while the whole sequence exceeds it."""
+    results = run_ranks(hf_cases.rope_cases, 4)
+    for rank, (failures, count) in enumerate(results):
+        assert count == 2 * 2 * len(hf_cases.ROPE_CASES)
+        assert not failures, f"rank {rank}: {failures}"
