@@ -14,7 +14,8 @@ What it adds to DeepSpeed's own initialize, in order:
    (DeepSpeed's checkpoint function, optionally with CPU offload of the checkpointed inputs);
 5. shards the training data over the sequence ranks (``hf_patches.sequence_parallel_dataloader``:
    padding, then DeepSpeed's ``UlyssesSPDataLoaderAdapter``) in the sample order of a non-SP run;
-6. corrects the ZeRO gradient average so gradients equal the non-SP run at ZeRO 1, 2 and 3.
+6. corrects the ZeRO gradient average so gradients equal the non-SP run at ZeRO 1, 2 and 3 (and the
+   average and norm of DeepSpeed's BF16_Optimizer, ZeRO-1 with bf16 and float32 gradient accumulation).
 
 Each rank must backpropagate the full-sequence loss computed from its shard, so that a sequence
 group's gradients sum to sp times the sample's: ``hf_patches.sequence_parallel_loss`` (default
