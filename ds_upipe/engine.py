@@ -14,7 +14,8 @@ What it adds to DeepSpeed's own initialize, in order:
    (DeepSpeed's checkpoint function, optionally with CPU offload of the checkpointed inputs);
 5. shards the training data over the sequence ranks (``hf_patches.sequence_parallel_dataloader``:
    padding, then DeepSpeed's ``UlyssesSPDataLoaderAdapter``) in the sample order of a non-SP run;
-6. corrects the ZeRO gradient average so gradients equal the non-SP run at ZeRO 1, 2 and 3.
+6. corrects the ZeRO gradient average so gradients equal the non-SP run at ZeRO 1, 2 and 3 (and the
+   average and norm of DeepSpeed's BF16_Optimizer, ZeRO-1 with bf16 and float32 gradient accumulation).
 
 Each rank must backpropagate the full-sequence loss computed from its shard, so that a sequence
 group's gradients sum to sp times the sample's: ``hf_patches.sequence_parallel_loss`` (default
@@ -354,7 +355,7 @@ def _sequence_parallel_loader(
 
 
 def average_gradients_over_all_ranks(engine: Any) -> None:
-    """Make ZeRO divide the summed gradients by the world size at every stage.
+    """Make DeepSpeed divide the summed gradients by the world size, and measure their norm right.
 
     With the full-sequence loss on every rank (module docstring), a sequence group's gradients sum
     to sp times the sample's gradient, and the average that gives the non-SP gradient is
@@ -366,7 +367,32 @@ def average_gradients_over_all_ranks(engine: Any) -> None:
     too large, DeepSpeed issue #5248.  That divisor is the optimizer's ``sequence_parallel_size``
     attribute; the only other reader is a switch that forces float32 communication in ZeRO-1/2's
     non-reduce-scatter all-reduce (which then uses the configured communication dtype).  Setting it
-    to 1 fixes the average at every stage, in one place."""
+    to 1 fixes the average at every ZeRO stage, in one place.
+
+    DeepSpeed's ``BF16_Optimizer`` (ZeRO-1 with bf16 and ``data_types.grad_accum_dtype: fp32``) is
+    not a ZeRO optimizer: see ``_fix_bf16_optimizer``."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
     optimizer = engine.optimizer
-    if hasattr(optimizer, "sequence_parallel_size"):
+    if isinstance(optimizer, BF16_Optimizer):
+        _fix_bf16_optimizer(engine, optimizer)
+    elif hasattr(optimizer, "sequence_parallel_size"):
         optimizer.sequence_parallel_size = 1
+
+
+def _fix_bf16_optimizer(engine: Any, optimizer: Any) -> None:
+    """Gradient scale and norm of DeepSpeed's BF16_Optimizer under the sequence-parallel mpu.
+
+    Scale: its gradients are all-reduced by the engine (``_reduce_non_expert_gradients``), which
+    divides by ``world_size / engine.sequence_parallel_size``, the same sp-times error as ZeRO-1/2;
+    after initialize that division is the attribute's only reader (engine.py), so it is set to 1.
+
+    Norm: every rank then holds the whole averaged float32 gradient.  The optimizer counts a
+    gradient only on "tensor-model-parallel rank 0" and sums over the "model-parallel group"
+    (``get_grads_for_norm``, ``get_global_norm_of_tensors``), and parallel_state_sp reports the
+    sequence-parallel rank and group as those: ranks 1.. of a group count nothing (an empty stack
+    raises there).  Without an mpu each rank takes the norm of its own full, identical gradient,
+    which is the non-SP norm; the mpu is read nowhere else in the optimizer except Muon's check at
+    construction."""
+    engine.sequence_parallel_size = 1
+    optimizer.mpu = None

@@ -13,7 +13,7 @@ from torch import Tensor
 from .kernels import AttentionKernel
 from .pipeline import PipelineContext, PlanIndices, UPipeAttentionFunction
 from .schedule import StagePlan, build_plan
-from .validation import check_inputs, gather_shapes
+from .validation import LayerSettings, check_inputs, gather_inputs
 
 
 class UPipeDistributedAttention(DistributedAttention):
@@ -33,8 +33,10 @@ class UPipeDistributedAttention(DistributedAttention):
     stage computes (two stages' input buffers alive instead of one).  DeepSpeed's ``sp_stream`` is
     accepted for signature compatibility; the asynchronous collectives use the backend's own stream.
 
-    ``validate_inputs`` exchanges every rank's shapes once per forward (one tiny all_gather) so a bad
-    input raises the same ValueError on all ranks instead of hanging some of them.
+    ``validate_inputs`` exchanges every rank's shapes, dtypes and settings (head_chunk_size,
+    overlap_comm, scatter_idx, the kernel's causal and softmax_scale) once per forward (one tiny
+    all_gather) so a bad input, or ranks configured differently, raise the same ValueError on all
+    ranks instead of hanging some of them.  It must itself be the same on every rank.
     """
 
     def __init__(
@@ -68,6 +70,18 @@ class UPipeDistributedAttention(DistributedAttention):
     def group_size(self) -> int:
         return dist.get_world_size(self.spg) if dist.is_initialized() else 1
 
+    def layer_settings(self) -> LayerSettings:
+        """What the ranks of the group must agree on (checked in the input exchange)."""
+        kernel = self.local_attn if isinstance(self.local_attn, AttentionKernel) else None
+        return LayerSettings(
+            head_chunk_size=self.head_chunk_size,
+            scatter_idx=self.scatter_idx,
+            overlap_comm=self.overlap_comm,
+            uses_kernel=kernel is not None,
+            causal=None if kernel is None else bool(kernel.causal),
+            softmax_scale=None if kernel is None else kernel.softmax_scale,
+        )
+
     def plan_for(self, num_heads: int, num_kv_heads: int) -> StagePlan:
         return build_plan(num_heads, num_kv_heads, self.group_size, self.head_chunk_size)
 
@@ -88,8 +102,8 @@ class UPipeDistributedAttention(DistributedAttention):
         **kwargs: Any,
     ) -> Tensor:
         if self.validate_inputs:
-            shapes = gather_shapes(query, key, value, batch_dim_idx, self.spg)
-            num_heads, num_kv_heads, _ = check_inputs(shapes, self.scatter_idx, self.head_chunk_size)
+            rows = gather_inputs(query, key, value, batch_dim_idx, self.layer_settings(), self.spg)
+            num_heads, num_kv_heads, _ = check_inputs(rows)
         else:
             num_heads, num_kv_heads = query.shape[2], key.shape[2]
         plan = self.plan_for(num_heads, num_kv_heads)

@@ -1,11 +1,19 @@
 """Input checks that fail identically on every rank.
 
-A check that only some ranks fail would leave the others blocked in the next collective.  So the
-shapes of all ranks are exchanged first (one tiny all_gather), and every rank evaluates the same
-rules on the same gathered data, raising the same ValueError.
+A check that only some ranks fail would leave the others blocked in the next collective.  So every
+rank's shapes, dtypes and module settings are exchanged first (one tiny all_gather), and every rank
+evaluates the same rules on the same gathered data, raising the same ValueError.
+
+The settings are exchanged because ranks that disagree on them would issue different sequences of
+all-to-alls (head_chunk_size sets the stage plan, overlap_comm the order of the exchanges, a kernel's
+backward gathers the output where a generic callable's recompute does not), which hangs or aborts
+the group; or would compute a different function on each rank (causal, softmax_scale).
 """
 
 from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -13,69 +21,178 @@ from torch import Tensor
 
 from .schedule import resolve_head_chunk_size
 
-_FIELDS = 1 + 3 * 5  # batch_dim_idx, then (ndim, 4 dims) for q, k, v
+#: every torch dtype in a fixed order, so a dtype travels as its index (same torch on every rank)
+_DTYPES: list[torch.dtype] = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+_NONE = -1
+
+
+@dataclass(frozen=True)
+class LayerSettings:
+    """What all ranks' UPipeDistributedAttention modules of a group must agree on."""
+
+    head_chunk_size: int | None
+    scatter_idx: int
+    overlap_comm: bool
+    #: the local attention is an AttentionKernel (lse-based backward) rather than a generic callable
+    uses_kernel: bool
+    causal: bool | None = None  # None for a generic callable
+    softmax_scale: float | None = None
+
+    def encode(self) -> list[int]:
+        scale = _NONE if self.softmax_scale is None else struct.unpack("<q", struct.pack("<d", self.softmax_scale))[0]
+        return [
+            _NONE if self.head_chunk_size is None else self.head_chunk_size,
+            self.scatter_idx,
+            int(self.overlap_comm),
+            int(self.uses_kernel),
+            _NONE if self.causal is None else int(self.causal),
+            int(self.softmax_scale is not None),
+            scale,
+        ]
+
+    @staticmethod
+    def decode(row: list[int]) -> LayerSettings:
+        u, scatter_idx, overlap, kernel, causal, has_scale, scale = row
+        return LayerSettings(
+            head_chunk_size=None if u == _NONE else u,
+            scatter_idx=scatter_idx,
+            overlap_comm=bool(overlap),
+            uses_kernel=bool(kernel),
+            causal=None if causal == _NONE else bool(causal),
+            softmax_scale=struct.unpack("<d", struct.pack("<q", scale))[0] if has_scale else None,
+        )
+
+
+_SETTINGS_FIELDS = len(LayerSettings(None, 2, False, True).encode())
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    ndim: int
+    dims: list[int]  # [-1] * 4 unless 4-D
+    dtype: str
+
+
+@dataclass(frozen=True)
+class RankInputs:
+    """One rank's row of the exchange, decoded."""
+
+    batch_dim_idx: int
+    query: TensorInfo
+    key: TensorInfo
+    value: TensorInfo
+    settings: LayerSettings
 
 
 def _describe(t: Tensor) -> list[int]:
     dims = list(t.shape) if t.dim() == 4 else [-1] * 4
-    return [t.dim(), *dims]
+    return [t.dim(), *dims, _DTYPES.index(t.dtype)]
 
 
-def gather_shapes(
-    query: Tensor, key: Tensor, value: Tensor, batch_dim_idx: int, group: dist.ProcessGroup | None
-) -> list[list[int]]:
-    """Every rank's [batch_dim_idx, q ndim, q dims, k ndim, k dims, v ndim, v dims]."""
+def _decode_tensor(row: list[int]) -> TensorInfo:
+    return TensorInfo(ndim=row[0], dims=row[1:5], dtype=str(_DTYPES[row[5]]).removeprefix("torch."))
+
+
+def _decode(row: list[int]) -> RankInputs:
+    q, k, v = (_decode_tensor(row[1 + 6 * i : 7 + 6 * i]) for i in range(3))
+    return RankInputs(row[0], q, k, v, LayerSettings.decode(row[19 : 19 + _SETTINGS_FIELDS]))
+
+
+def gather_inputs(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    batch_dim_idx: int,
+    settings: LayerSettings,
+    group: dist.ProcessGroup | None,
+) -> list[RankInputs]:
+    """Every rank's batch_dim_idx, q/k/v shapes and dtypes, and module settings (one all_gather)."""
     mine = torch.tensor(
-        [batch_dim_idx, *_describe(query), *_describe(key), *_describe(value)], dtype=torch.long, device=query.device
+        [batch_dim_idx, *_describe(query), *_describe(key), *_describe(value), *settings.encode()],
+        dtype=torch.long,
+        device=query.device,
     )
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
-        return [mine.tolist()]
+        return [_decode(mine.tolist())]
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
-    return [t.tolist() for t in everyone]
+    return [_decode(t.tolist()) for t in everyone]
 
 
-def check_inputs(shapes: list[list[int]], scatter_idx: int, head_chunk_size: int | None) -> tuple[int, int, int]:
-    """Validate all ranks' shapes; returns (num_heads, num_kv_heads, resolved head_chunk_size)."""
-    group_size = len(shapes)
-    if scatter_idx != 2:
-        raise ValueError(
-            f"scatter_idx={scatter_idx} is not supported: heads must be dim 2 ([b, s, h, d] or [s, b, h, d])"
-        )
-    for rank, row in enumerate(shapes):
-        batch_dim_idx = row[0]
-        if batch_dim_idx not in (0, 1):
+def _per_rank(values: list[object]) -> str:
+    return ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+
+
+def check_settings(rows: list[RankInputs]) -> LayerSettings:
+    """The group's common settings; ValueError listing the per-rank values of any that differ."""
+    names = {
+        "head_chunk_size": "head_chunk_size",
+        "scatter_idx": "scatter_idx",
+        "overlap_comm": "overlap_comm",
+        "uses_kernel": "local_attention is an AttentionKernel",
+        "causal": "the kernel's causal",
+        "softmax_scale": "the kernel's softmax_scale",
+    }
+    for field, label in names.items():
+        values = [getattr(row.settings, field) for row in rows]
+        if len(set(values)) != 1:
             raise ValueError(
-                f"batch_dim_idx={batch_dim_idx} (rank {rank}): must be 0 for [b, s, h, d] or 1 for [s, b, h, d]"
+                f"{label} differs across the ranks of the sequence-parallel group ({_per_rank(values)}): every rank "
+                f"must construct UPipeDistributedAttention with the same {field} (and an equally configured "
+                "local_attention), since it decides the stage plan, the order of the all-to-alls or the result"
             )
-        q, k, v = row[1:6], row[6:11], row[11:16]
-        for name, desc in (("query", q), ("key", k), ("value", v)):
-            if desc[0] != 4:
-                raise ValueError(f"{name} must be 4-D ([b, s, h, d] or [s, b, h, d]); rank {rank} got {desc[0]}-D")
-        if k[1:] != v[1:]:
-            raise ValueError(f"key shape {k[1:]} and value shape {v[1:]} differ on rank {rank}")
-        if q[1:3] != k[1:3] or q[4] != k[4]:
-            raise ValueError(f"query {q[1:]} and key {k[1:]} must agree on batch, sequence and head_dim (rank {rank})")
-    if any(row[0] != shapes[0][0] for row in shapes):
-        raise ValueError(f"batch_dim_idx differs across ranks: {[row[0] for row in shapes]}")
-    # positions in a row: [batch_dim_idx, q ndim, q d0, q d1, ...]; layout 0 = [b, s, ...], 1 = [s, b, ...]
-    seq_dim = 3 - shapes[0][0]
-    batch_dim = 2 + shapes[0][0]
-    seq_lens = [row[seq_dim] for row in shapes]
+    settings = rows[0].settings
+    if settings.scatter_idx != 2:
+        raise ValueError(
+            f"scatter_idx={settings.scatter_idx} is not supported: heads must be dim 2 ([b, s, h, d] or [s, b, h, d])"
+        )
+    return settings
+
+
+def check_inputs(rows: list[RankInputs]) -> tuple[int, int, int]:
+    """Validate all ranks' inputs and settings; returns (num_heads, num_kv_heads, resolved head_chunk_size)."""
+    group_size = len(rows)
+    settings = check_settings(rows)
+    for rank, row in enumerate(rows):
+        if row.batch_dim_idx not in (0, 1):
+            raise ValueError(
+                f"batch_dim_idx={row.batch_dim_idx} (rank {rank}): must be 0 for [b, s, h, d] or 1 for [s, b, h, d]"
+            )
+        q, k, v = row.query, row.key, row.value
+        for name, info in (("query", q), ("key", k), ("value", v)):
+            if info.ndim != 4:
+                raise ValueError(f"{name} must be 4-D ([b, s, h, d] or [s, b, h, d]); rank {rank} got {info.ndim}-D")
+        if k.dims != v.dims:
+            raise ValueError(f"key shape {k.dims} and value shape {v.dims} differ on rank {rank}")
+        if q.dims[:2] != k.dims[:2] or q.dims[3] != k.dims[3]:
+            raise ValueError(
+                f"query {q.dims} and key {k.dims} must agree on batch, sequence and head_dim (rank {rank})"
+            )
+    layouts = [row.batch_dim_idx for row in rows]
+    if len(set(layouts)) != 1:
+        raise ValueError(f"batch_dim_idx differs across ranks: {layouts}")
+    for name in ("query", "key", "value"):
+        dtypes = [getattr(row, name).dtype for row in rows]
+        if len(set(dtypes)) != 1:
+            raise ValueError(
+                f"{name} dtype differs across the ranks of the sequence-parallel group ({_per_rank(dtypes)}): "
+                "the all-to-alls need one dtype on every rank"
+            )
+    layout = layouts[0]  # 0 = [b, s, ...], 1 = [s, b, ...]
+    seq_lens = [row.query.dims[1 - layout] for row in rows]
     if len(set(seq_lens)) != 1:
         raise ValueError(
             f"sequence shard lengths differ across ranks: {seq_lens}. Every rank must hold an equal shard "
             "(pad the sequence to a multiple of the sequence-parallel size), and batch_dim_idx must match "
-            f"the tensor layout (batch_dim_idx={shapes[0][0]} means "
-            f"{'[b, s, h, d]' if shapes[0][0] == 0 else '[s, b, h, d]'})"
+            f"the tensor layout (batch_dim_idx={layout} means {'[b, s, h, d]' if layout == 0 else '[s, b, h, d]'})"
         )
-    batches = [row[batch_dim] for row in shapes]
+    batches = [row.query.dims[layout] for row in rows]
     if len(set(batches)) != 1:
         raise ValueError(f"batch sizes differ across ranks: {batches} (or batch_dim_idx does not match the layout)")
-    heads = {(row[4], row[9]) for row in shapes}
+    heads = {(row.query.dims[2], row.key.dims[2]) for row in rows}
     if len(heads) != 1:
         raise ValueError(f"head counts differ across ranks: {sorted(heads)}")
     num_heads, num_kv_heads = heads.pop()
-    u = resolve_head_chunk_size(num_heads, num_kv_heads, group_size, head_chunk_size)
+    u = resolve_head_chunk_size(num_heads, num_kv_heads, group_size, settings.head_chunk_size)
     return num_heads, num_kv_heads, u

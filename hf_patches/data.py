@@ -13,7 +13,7 @@ it lacks; ``shard_batch`` does the same for one batch that every rank already ho
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -105,18 +105,124 @@ def gather_sequence(shard: Tensor, group: dist.ProcessGroup | None, dim: int = 1
     return torch.cat(parts, dim=dim)
 
 
-class _PaddedLoader:
-    """Wraps a DataLoader (or any re-iterable of dict batches) with ``pad_batch``."""
+#: keys DeepSpeed's UlyssesSPDataLoaderAdapter needs in every batch (position_ids: pad_batch adds them)
+_REQUIRED_KEYS = ("input_ids", "labels")
+_OK, _EXHAUSTED, _FAILED = 0, 1, 2
+_PAD_ADVICE = (
+    "Pad every sample to one length L (labels -100 at the padding): in the dataset, or with a collate_fn such as "
+    "transformers' DataCollatorForSeq2Seq(tokenizer, padding='max_length', max_length=L), or, with one sample "
+    "per batch, collate_fn=lambda samples: hf_patches.pad_batch(default_collate(samples), L)"
+)
 
-    def __init__(self, loader: Iterable[dict[str, Any]], multiple: int, pad_token_id: int) -> None:
-        self.loader, self.multiple, self.pad_token_id = loader, multiple, pad_token_id
+
+class _CheckedLoader:
+    """Wraps a DataLoader (or any re-iterable of dict batches) with ``pad_batch``, and checks that the
+    ranks' batches can go through ``UlyssesSPDataLoaderAdapter``.
+
+    The adapter all_gathers every rank's batch over the group, so a rank whose batch is unusable
+    (or that has run out of batches) would leave the others blocked or fail inside a collective with
+    an error that names none of the data.  Each batch's status, keys, batch size and length are
+    exchanged first (one tiny all_gather), and every rank raises the same ValueError on the same
+    gathered data."""
+
+    def __init__(
+        self, loader: Iterable[dict[str, Any]], group: dist.ProcessGroup, device: torch.device | str, pad_token_id: int
+    ) -> None:
+        self.loader, self.group, self.device, self.pad_token_id = loader, group, torch.device(device), pad_token_id
+        self.multiple = _group_info(group)[1]
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        for batch in self.loader:
-            yield pad_batch(dict(batch), self.multiple, pad_token_id=self.pad_token_id)
+        batches = iter(self.loader)
+        while True:
+            batch, length, status, error = None, -1, _OK, None
+            try:
+                batch = next(batches)
+                if _has_required_keys(batch):
+                    length = batch["input_ids"].shape[1]
+                    batch = pad_batch(dict(batch), self.multiple, pad_token_id=self.pad_token_id)
+            except StopIteration:
+                status = _EXHAUSTED
+            except Exception as err:  # noqa: BLE001 - reported on every rank by _check_group
+                status, error = _FAILED, err
+            self._check_group(batch, _describe_batch(batch, length, status), error)
+            if status == _EXHAUSTED:
+                return
+            yield batch
+
+    def _check_group(self, batch: Any, row: list[int], error: Exception | None) -> None:
+        """The same ValueError on every rank unless all ranks' batches (rows: status, has input_ids,
+        has labels, length, batch size, padded length) can be gathered and sharded together."""
+        _, size = _group_info(self.group)
+        mine = torch.tensor(row, dtype=torch.long, device=self.device)
+        rows = [mine]
+        if size > 1:
+            rows = [torch.empty_like(mine) for _ in range(size)]
+            dist.all_gather(rows, mine, group=self.group)
+        rows = [r.tolist() for r in rows]
+        statuses = [r[0] for r in rows]
+        if _FAILED in statuses:
+            problems = self._gather_objects("" if error is None else f"{type(error).__name__}: {error}")
+            raise ValueError(
+                "could not build this step's batches on every rank of the sequence-parallel group ("
+                + "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+                + "). If the samples have different lengths, a batch cannot be stacked: "
+                + _PAD_ADVICE
+            ) from error
+        if _EXHAUSTED in statuses:
+            if len(set(statuses)) != 1:
+                ran_out = [r for r, s in enumerate(statuses) if s == _EXHAUSTED]
+                raise ValueError(
+                    f"ranks {ran_out} of the sequence-parallel group ran out of batches before the others: the "
+                    "group trains its ranks' batches together, so every rank's loader must give the same number of "
+                    "batches (equal dataset shards, drop_last=True)"
+                )
+            return
+        if not all(all(r[1 : 1 + len(_REQUIRED_KEYS)]) for r in rows):
+            keys = self._gather_objects(sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__)
+            raise ValueError(
+                f"every training batch must be a dict (mapping) with {' and '.join(_REQUIRED_KEYS)} "
+                "(labels: the token ids to predict, usually a copy of input_ids, -100 where no loss is wanted); "
+                "got keys " + "; ".join(f"rank {r}: {k}" for r, k in enumerate(keys))
+            )
+        lengths, padded, batch_sizes = [r[3] for r in rows], [r[5] for r in rows], [r[4] for r in rows]
+        if len(set(batch_sizes)) != 1:
+            raise ValueError(
+                f"the ranks' batches have different batch sizes ({_per_rank(batch_sizes)}): the sequence-parallel "
+                "group trains them together; use the same batch size on every rank and drop_last=True"
+            )
+        if len(set(padded)) != 1 and dist.get_backend(self.group) == "gloo":
+            raise ValueError(
+                f"samples of different lengths meet in one step of the sequence-parallel group (input_ids lengths "
+                f"{_per_rank(lengths)}; padded to a multiple of {self.multiple}: {padded}). DeepSpeed's "
+                "UlyssesSPDataLoaderAdapter all_gathers every rank's batch, and the gloo backend cannot all_gather "
+                "tensors of different sizes. " + _PAD_ADVICE
+            )
+
+    def _gather_objects(self, mine: Any) -> list[Any]:
+        _, size = _group_info(self.group)
+        if size == 1:
+            return [mine]
+        everyone: list[Any] = [None] * size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return everyone
+
+
+def _has_required_keys(batch: Any) -> bool:
+    return isinstance(batch, Mapping) and all(k in batch for k in _REQUIRED_KEYS)
+
+
+def _describe_batch(batch: Any, length: int, status: int) -> list[int]:
+    has = [int(isinstance(batch, Mapping) and k in batch) for k in _REQUIRED_KEYS]
+    if status != _OK or not all(has):
+        return [status, *has, -1, -1, -1]
+    return [status, *has, length, *batch["input_ids"].shape[:2]]
+
+
+def _per_rank(values: list[Any]) -> str:
+    return ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
 
 
 def sequence_parallel_dataloader(
@@ -129,8 +235,12 @@ def sequence_parallel_dataloader(
     """Wrap a per-rank DataLoader for UPipe: pad to a multiple of the group size, then DeepSpeed's
     ``UlyssesSPDataLoaderAdapter`` (needs ``deepspeed.comm`` initialized, e.g. by
     ``deepspeed.init_distributed``).  Each yielded micro-batch is one rank's shard with
-    input_ids, position_ids and shift_labels; the group processes the ranks' samples in turn."""
+    input_ids, position_ids and shift_labels; the group processes the ranks' samples in turn.
+
+    Batches must be dicts with input_ids and labels ([batch, seq]).  A batch that cannot be built,
+    lacks those keys, differs in batch size from the other ranks', or (on gloo, which cannot gather
+    tensors of different sizes) in length, raises the same ValueError on every rank."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
 
     rank, size = _group_info(group)
-    return UlyssesSPDataLoaderAdapter(_PaddedLoader(loader, size, pad_token_id), rank, group, size, device)
+    return UlyssesSPDataLoaderAdapter(_CheckedLoader(loader, group, device, pad_token_id), rank, group, size, device)

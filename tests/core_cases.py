@@ -165,9 +165,11 @@ def bad_input_errors(rank, world):
     """Each bad input must raise ValueError on every rank with the same message, and leave no rank
     blocked (a barrier follows every case)."""
 
-    def attempt(make, layout=0, u=None):
+    def attempt(make, layout=0, u=None, kernel=None, **module_kwargs):
         try:
-            attn = UPipeDistributedAttention(TorchSDPAKernel(), dist.group.WORLD, head_chunk_size=u)
+            attn = UPipeDistributedAttention(
+                kernel or TorchSDPAKernel(), dist.group.WORLD, head_chunk_size=u, **module_kwargs
+            )
             q, k, v = make()
             attn(q, k, v, layout).sum().backward()
             result = "no error"
@@ -176,10 +178,13 @@ def bad_input_errors(rank, world):
         dist.barrier()
         return result
 
-    def tensors(seq=6, heads=16, kv=4, batch=2, kv_seq=None, layout_dims=None):
+    def tensors(seq=6, heads=16, kv=4, batch=2, kv_seq=None, layout_dims=None, dtype=torch.float32):
         shape_q = layout_dims or (batch, seq, heads, 8)
         shape_k = (batch, kv_seq or seq, kv, 8) if layout_dims is None else (*layout_dims[:2], kv, 8)
-        return lambda: tuple(torch.randn(s, requires_grad=True) for s in (shape_q, shape_k, shape_k))
+        return lambda: tuple(torch.randn(s, dtype=dtype, requires_grad=True) for s in (shape_q, shape_k, shape_k))
+
+    def generic(q, k, v, *args, **kwargs):  # DistributedAttention's callable contract, [b, S, h, d]
+        return reference_attention(q, k, v, True)
 
     return {
         "u_not_multiple_of_c": attempt(tensors(), u=world + 1),
@@ -191,6 +196,15 @@ def bad_input_errors(rank, world):
         "batch_dim_idx": attempt(tensors(), layout=2),
         "key_query_mismatch": attempt(tensors(kv_seq=5)),
         "constructor_bad_u": attempt(tensors(), u=0),
+        # ranks configured differently: each setting alone would change the collectives or the result
+        "u_differs_across_ranks": attempt(tensors(), u=world * (1 + rank % 2)),
+        "u_none_vs_int": attempt(tensors(), u=None if rank == 0 else 2 * world),
+        "overlap_differs": attempt(tensors(), overlap_comm=rank == 0),
+        "kernel_vs_callable": attempt(tensors(), kernel=generic if rank == 0 else None),
+        "causal_differs": attempt(tensors(), kernel=TorchSDPAKernel(causal=rank != 0)),
+        "scale_differs": attempt(tensors(), kernel=TorchSDPAKernel(softmax_scale=0.5 if rank == 0 else None)),
+        "scatter_idx_on_one_rank": attempt(tensors(), scatter_idx=3 if rank == 0 else 2),
+        "dtype_differs": attempt(tensors(dtype=torch.float64 if rank == 0 else torch.float32)),
         "ok_after_errors": attempt(tensors()),
     }
 

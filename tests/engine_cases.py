@@ -151,9 +151,48 @@ def tiny_llama(**changes: Any) -> Any:
     return LlamaForCausalLM(LlamaConfig(**{**fields, **changes}))
 
 
+def _samples(lengths: list[int], labels: bool = True) -> list[dict[str, Any]]:
+    import torch
+
+    out = []
+    for n in lengths:
+        ids = torch.arange(n) % 64
+        out.append({"input_ids": ids, "labels": ids.clone()} if labels else {"input_ids": ids})
+    return out
+
+
+#: name -> (dataset, config changes): training data that fails at the first batch of the loader
+LOADER_CASES: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {
+    # one sample per batch: the two ranks' samples differ in length (gloo cannot gather them)
+    "samples_of_different_lengths": (_samples([8, 10, 12, 14]), {}),
+    # two samples per batch: the default collate cannot stack them, on each rank
+    "batch_of_different_lengths": (_samples([8, 10, 12, 14]), {"train_micro_batch_size_per_gpu": 2}),
+    "no_labels": (_samples([8, 8, 8, 8], labels=False), {}),
+}
+
+
+def loader_error(dataset: list[dict[str, Any]], config_changes: dict[str, Any]) -> str | None:
+    """The ValueError text of the first batch of ds_upipe.initialize's training loader (None if none)."""
+    import ds_upipe
+
+    model = tiny_llama()
+    config = {**BASE, **config_changes}
+    engine, _, loader, _ = ds_upipe.initialize(
+        model=model, model_parameters=model.parameters(), config=config, training_data=dataset
+    )
+    try:
+        next(iter(loader))
+        return None
+    except ValueError as err:
+        return str(err)
+    finally:
+        engine.destroy()
+
+
 def config_errors(rank: int, world: int) -> dict[str, Any]:
     """Each error case through ds_upipe.initialize on this rank: the ValueError text (None if none),
-    then one valid initialize, to show that no rank was left inside a collective."""
+    each loader error case (key "loader:NAME"), then one valid initialize, to show that no rank was
+    left inside a collective."""
     import ds_upipe
 
     out: dict[str, Any] = {}
@@ -164,6 +203,8 @@ def config_errors(rank: int, world: int) -> dict[str, Any]:
             out[name] = None
         except ValueError as err:
             out[name] = str(err)
+    for name, (dataset, config_changes) in LOADER_CASES.items():
+        out[f"loader:{name}"] = loader_error(dataset, config_changes)
     model = tiny_llama()
     engine, *_ = ds_upipe.initialize(model=model, model_parameters=model.parameters(), config=BASE)
     out["valid_head_chunk_size"] = engine.upipe_head_chunk_size

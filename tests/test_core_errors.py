@@ -6,6 +6,7 @@ from ds_upipe import build_plan, valid_head_chunk_sizes
 from tests import core_cases
 from tests.dist_harness import run_ranks
 
+DIFFERS = "differs across the ranks of the sequence-parallel group ("
 EXPECTED = {
     "u_not_multiple_of_c": "multiple of the sequence-parallel size",
     "u_not_dividing_h": "must divide num_heads=12",
@@ -16,6 +17,15 @@ EXPECTED = {
     "batch_dim_idx": "batch_dim_idx=2",
     "key_query_mismatch": "must agree on batch, sequence and head_dim",
     "constructor_bad_u": "head_chunk_size must be a positive int or None, got 0",
+    # settings every rank must share: the per-rank values are listed
+    "u_differs_across_ranks": f"head_chunk_size {DIFFERS}rank 0: 4, rank 1: 8, rank 2: 4, rank 3: 8)",
+    "u_none_vs_int": f"head_chunk_size {DIFFERS}rank 0: None, rank 1: 8, rank 2: 8, rank 3: 8)",
+    "overlap_differs": f"overlap_comm {DIFFERS}rank 0: True, rank 1: False,",
+    "kernel_vs_callable": f"local_attention is an AttentionKernel {DIFFERS}rank 0: False, rank 1: True,",
+    "causal_differs": f"the kernel's causal {DIFFERS}rank 0: False, rank 1: True,",
+    "scale_differs": f"the kernel's softmax_scale {DIFFERS}rank 0: 0.5, rank 1: None,",
+    "scatter_idx_on_one_rank": f"scatter_idx {DIFFERS}rank 0: 3, rank 1: 2,",
+    "dtype_differs": f"query dtype {DIFFERS}rank 0: 'float64', rank 1: 'float32',",
     "ok_after_errors": "no error",
 }
 

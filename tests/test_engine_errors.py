@@ -1,7 +1,9 @@
-"""Config errors of ds_upipe.initialize: each one a ValueError naming the key, raised identically on
-every rank (2 gloo ranks, one spawn for all cases)."""
+"""Config and training-data errors of ds_upipe.initialize: each one a ValueError naming the key or the
+data, raised identically on every rank (2 gloo ranks, one spawn for all cases)."""
 
 import re
+
+import pytest
 
 from ds_upipe.schedule import valid_head_chunk_sizes
 from tests import engine_cases
@@ -20,17 +22,54 @@ EXPECTED = {  # case -> pieces every rank's message must contain
     "data_parallel_size": ["data_parallel_size: got 2", "allowed: 1"],
     "not_hf_model": ["HuggingFace transformers model", "Linear"],
 }
+PAD_HOW = ["Pad every sample to one length L", "DataCollatorForSeq2Seq", "hf_patches.pad_batch(default_collate"]
+LOADER_EXPECTED = {
+    # the loader gives rank 0 and rank 1 different samples (8, 10, 12 or 14 tokens; shuffled, seed 0)
+    "samples_of_different_lengths": [
+        "samples of different lengths meet in one step of the sequence-parallel group (input_ids lengths rank 0: ",
+        "the gloo backend cannot all_gather tensors of different sizes",
+        *PAD_HOW,
+    ],
+    "batch_of_different_lengths": [
+        "could not build this step's batches on every rank of the sequence-parallel group (rank 0: RuntimeError: "
+        "stack expects each tensor to be equal size",
+        "; rank 1: RuntimeError: stack expects each tensor to be equal size",
+        *PAD_HOW,
+    ],
+    "no_labels": [
+        "every training batch must be a dict (mapping) with input_ids and labels",
+        "got keys rank 0: ['input_ids']; rank 1: ['input_ids']",
+    ],
+}
 
 
-def test_config_errors_raised_on_every_rank():
+@pytest.fixture(scope="module")
+def results():
     assert set(EXPECTED) == set(engine_cases.ERROR_CASES)
-    results = run_ranks(engine_cases.config_errors, 2, use_deepspeed=True, timeout=300)
+    assert set(LOADER_EXPECTED) == set(engine_cases.LOADER_CASES)
+    return run_ranks(engine_cases.config_errors, 2, use_deepspeed=True, timeout=300)
+
+
+def _check(results, expected, prefix=""):
     for rank, out in enumerate(results):
-        for case, pieces in EXPECTED.items():
-            msg = out[case]
+        for case, pieces in expected.items():
+            msg = out[prefix + case]
             assert msg is not None, f"rank {rank}: {case} raised no ValueError"
             for piece in pieces:
                 assert piece in msg, f"rank {rank}: {case}: {piece!r} not in {msg!r}"
+
+
+def test_config_errors_raised_on_every_rank(results):
+    _check(results, EXPECTED)
+    for out in results:
         assert out["valid_head_chunk_size"] == 2  # null -> U = C, after all the refused configs
     assert results[0] == results[1]  # the same error, word for word, on both ranks
     assert all(re.match(r"invalid ds_config|sequence_parallel_size > 1 needs", results[0][c]) for c in EXPECTED)
+
+
+def test_training_data_errors_raised_on_every_rank(results):
+    _check(results, LOADER_EXPECTED, prefix="loader:")
+    lengths = re.search(
+        r"input_ids lengths rank 0: (\d+), rank 1: (\d+)", results[0]["loader:samples_of_different_lengths"]
+    )
+    assert lengths and lengths[1] != lengths[2] and {int(lengths[1]), int(lengths[2])} <= {8, 10, 12, 14}

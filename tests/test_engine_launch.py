@@ -7,11 +7,12 @@ Two launches, each running many configurations in sequence (--runs):
   so a step covers the same samples), UPipe and DeepSpeed ALST's Ulysses at ZeRO 1, 2 and 3; the
   ds_configs with optimizer offload, unfused projections, overlapped all-to-alls, HF gradient
   checkpointing, "auto" head chunk size, a local HF checkpoint (--model) on a text file (--data);
-  save / resume, and checkpoints loaded across SP and non-SP runs.
+  save / resume, and checkpoints loaded across SP and non-SP runs; bf16 with float32 gradient
+  accumulation at ZeRO-1 (DeepSpeed's BF16_Optimizer), UPipe and ALST.
 * 4 processes: SP=4 (fewer KV heads than ranks) and SP=2 x 2 data-parallel replicas against the
   non-SP run on 4 ranks; the main job's ds_config unmodified (bf16); a config error.
 
-Loss trajectories and gradient norms must agree within 1e-5 relative.
+Loss trajectories and gradient norms must agree within 1e-5 relative (float32 runs).
 """
 
 import pytest
@@ -49,7 +50,7 @@ def _local_checkpoint(path) -> str:
 
 
 @pytest.fixture(scope="module")
-def two_procs(tmp_path_factory):
+def two_procs_launch(tmp_path_factory):
     work = tmp_path_factory.mktemp("launch2")
     ref_ckpt, up_ckpt = str(work / "ckpt_ref"), str(work / "ckpt_upipe")
     auto = f'upipe={{"head_chunk_size": "auto", "memory_budget_gib": {_auto_budget()!r}, "seq_length": 256}}'
@@ -81,9 +82,21 @@ def two_procs(tmp_path_factory):
         run("ref_from_upipe", resume=up_ckpt, resume_tag="step2"),
     ]
     runs.append(run("upipe_z3_overlap", sp=2, gas=2, extra=("upipe.overlap_comm=true",)))
+    # bf16 with float32 gradient accumulation at ZeRO-1: DeepSpeed's BF16_Optimizer, not a ZeRO optimizer
+    bf16_acc = dict(stage=1, fp32=False, extra=("data_types.grad_accum_dtype=fp32",))
+    runs += [
+        run("ref_z1_bf16_fp32acc", "upipe_zero2", **bf16_acc),
+        run("upipe_z1_bf16_fp32acc", "upipe_zero2", sp=2, gas=2, **bf16_acc),
+        run("alst_z1_bf16_fp32acc", "ulysses_alst_zero3", sp=2, gas=2, **bf16_acc),
+    ]
     rc, output, metrics = launch(2, runs, work, steps=STEPS)
     assert rc == 0 and metrics["error"] is None, output[-6000:]
-    return metrics["by_name"]
+    return metrics["by_name"], output
+
+
+@pytest.fixture(scope="module")
+def two_procs(two_procs_launch):
+    return two_procs_launch[0]
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +178,25 @@ def test_overlap_comm(two_procs):
 def test_offload_config(two_procs):
     _check_same(two_procs, "upipe_z3_offload", "ref_z3_offload")
     _check_same(two_procs, "ref_z3_offload", "ref_z3")
+
+
+@pytest.mark.parametrize("name", ["upipe_z1_bf16_fp32acc", "alst_z1_bf16_fp32acc"])
+def test_bf16_optimizer_equals_non_sp(two_procs_launch, name):
+    """ZeRO-1 + bf16 + grad_accum_dtype fp32 selects DeepSpeed's BF16_Optimizer, whose gradient average
+    and norm ds_upipe.initialize corrects separately (engine.py, _fix_bf16_optimizer): without that the
+    SP run stops at the first step (rank 1 has no gradient to measure), or its norm is 2.00x.  bf16
+    rounding differs between sharded and unsharded compute (measured: up to 1.4e-4 at the first step,
+    6e-4 over five), so the first step (same weights) is compared to 1e-3 and all steps to 5e-3."""
+    runs, output = two_procs_launch
+    got, want = runs[name], runs["ref_z1_bf16_fp32acc"]
+    assert (got["sequence_parallel_size"], got["zero_stage"], want["zero_stage"]) == (2, 1, 1)
+    assert output.count("begin bf16_optimizer") == 3  # the three runs above, and only they, used it
+    for key in ("losses", "grad_norms"):
+        assert len(got[key]) == len(want[key]) == STEPS
+        assert max_rel(got[key][:1], want[key][:1]) <= 1e-3, (name, key, got[key], want[key])
+        assert max_rel(got[key], want[key]) <= 5e-3, (name, key, got[key], want[key])
+    assert min(want["grad_norms"]) > 1.0  # clipping (1.0) is active: the unclipped norm is compared
+    assert (got["upipe_stage_runs"] > 0) == name.startswith("upipe")
 
 
 @pytest.mark.parametrize(
