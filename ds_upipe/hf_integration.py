@@ -7,15 +7,16 @@ time*, calls its ``register_with_transformers`` (which builds the sequence-paral
 returns the mpu) and wraps the data loaders in ``UlyssesSPDataLoaderAdapter``; the Trainer then
 computes the loss across the sequence ranks (``deepspeed_sp_compute_loss``).
 
-``enable()`` keeps all of that and changes three things, process-wide, until ``disable()``:
+``enable()`` keeps all of that and changes four things, process-wide, until ``disable()``:
 
-1. ``ulysses_sp.UlyssesSPAttentionHF`` becomes ``UPipeSPAttentionHF``.  Its
+1. ``ulysses_sp.UlyssesSPAttentionHF`` becomes ``UPipeSPAttentionHF``.  Called by accelerate, its
    ``register_with_transformers`` reads the ds_config from the accelerator's DeepSpeed plugin and,
-   when its ``"upipe"`` block is enabled, sets up the same mpu (``parallel_state_sp``) and patches
-   the model with ``hf_patches.apply_upipe`` (head chunk size, fused projections and kernel from the
-   block).  With ``"upipe": {"enabled": false}`` it runs ALST's own registration.  Either way the
-   ds_config's ``activation_checkpointing`` section / ``upipe.offload_checkpoints`` then apply to the
-   model's layers, as in ``ds_upipe.initialize``.
+   unless its ``"upipe"`` block says ``"enabled": false``, applies UPipe (``_register_upipe``:
+   head chunk size, fused projections and kernel from the block); otherwise it runs ALST's own
+   registration.  Either way the ds_config's ``activation_checkpointing`` section /
+   ``upipe.offload_checkpoints`` then apply to the model's layers, as in ``ds_upipe.initialize``.
+   Called directly (DeepSpeed's ALST recipe), it is ALST's registration, argument for argument,
+   unless an active plugin's ds_config has a ``"upipe"`` block that enables UPipe.
 2. Evaluation runs under sequence parallelism.  (accelerate registers ALST with
    ``disable_in_eval=True`` because the Trainer's eval batches are not sharded: every rank would run
    attention over the full sequence.)  Here the Trainer's eval/test loaders are sharded over the
@@ -25,6 +26,8 @@ computes the loss across the sequence ranks (``deepspeed_sp_compute_loss``).
    registered through (1) keeps SP in eval too (``disable_in_eval=False``).
 3. The engine built with that mpu averages gradients over all ranks (``ds_upipe.engine``'s
    correction of DeepSpeed issue #5248), so ZeRO-1/2 gradients equal the non-SP run's as ZeRO-3's do.
+4. ``TrainingArguments(deepspeed=...)`` brings up ``deepspeed.comm`` on CPU, so that
+   ``from_pretrained`` under ZeRO-3's ``zero.Init`` works there (``_wrap_trainer_config_process``).
 
 Call ``enable()`` once before ``Trainer(...)`` / ``accelerator.prepare(...)``.  Docs:
 docs/trainer_accelerate.md.
@@ -33,6 +36,7 @@ docs/trainer_accelerate.md.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,12 +45,11 @@ import torch
 from deepspeed.runtime.sequence_parallel import ulysses_sp
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-from .config import SPSettings, check_heads, choose_head_chunk_size, parse_config
+from .config import SPSettings, choose_head_chunk_size, parse_config
 from .engine import (
     apply_upipe_settings,
     average_gradients_over_all_ranks,
     configure_activation_checkpointing,
-    sequence_parallel_mpu,
 )
 
 #: what enable() replaced, to restore in disable(): (owner, attribute) -> original
@@ -60,8 +63,14 @@ def enable() -> None:
     if _ORIGINALS:
         return
     from transformers import Trainer
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
     _patch(ulysses_sp, "UlyssesSPAttentionHF", UPipeSPAttentionHF)
+    _patch(
+        HfTrainerDeepSpeedConfig,
+        "trainer_config_process",
+        _wrap_trainer_config_process(HfTrainerDeepSpeedConfig.trainer_config_process),
+    )
     _patch(deepspeed, "initialize", _wrap_initialize(deepspeed.initialize))
     _patch(Trainer, "get_eval_dataloader", _wrap_eval_loader(Trainer.get_eval_dataloader))
     _patch(Trainer, "get_test_dataloader", _wrap_eval_loader(Trainer.get_test_dataloader))
@@ -89,18 +98,24 @@ def _patch(owner: Any, name: str, value: Any) -> None:
 # registration (point 1)
 
 
-def ds_config_from_accelerate() -> dict[str, Any]:
-    """The ds_config of the active accelerate DeepSpeed plugin (Trainer: ``TrainingArguments.deepspeed``)."""
+def _active_ds_config() -> dict[str, Any] | None:
+    """The ds_config of the active accelerate DeepSpeed plugin, None when there is none."""
     from accelerate.state import AcceleratorState, is_initialized
 
     plugin = AcceleratorState().deepspeed_plugin if is_initialized() else None
-    if plugin is None:
+    return None if plugin is None else plugin.deepspeed_config
+
+
+def ds_config_from_accelerate() -> dict[str, Any]:
+    """The ds_config of the active accelerate DeepSpeed plugin (Trainer: ``TrainingArguments.deepspeed``)."""
+    ds_config = _active_ds_config()
+    if ds_config is None:
         raise ValueError(
             "ds_upipe.hf_integration: no accelerate DeepSpeed plugin is active, so there is no ds_config to read the "
             '"upipe" block from; use TrainingArguments(deepspeed=...) or an accelerate config with distributed_type: '
             "DEEPSPEED"
         )
-    return plugin.deepspeed_config
+    return ds_config
 
 
 def upipe_settings(ds_config: dict[str, Any], sequence_parallel_size: int) -> SPSettings:
@@ -117,7 +132,15 @@ def upipe_settings(ds_config: dict[str, Any], sequence_parallel_size: int) -> SP
 
 
 class UPipeSPAttentionHF(UlyssesSPAttentionHF):
-    """ALST's ``UlyssesSPAttentionHF`` whose registration applies UPipe when the ds_config enables it."""
+    """ALST's ``UlyssesSPAttentionHF`` whose registration applies UPipe when the ds_config asks for it.
+
+    ``register_with_transformers`` keeps ALST's signature, checks, messages and return (the mpu).
+    Called by accelerate (its ``ParallelismConfig(sp_backend="deepspeed")`` is active), it reads the
+    plugin's ds_config as ``ds_upipe.initialize`` does: UPipe unless ``"upipe": {"enabled": false}``,
+    and sequence parallelism stays on in evaluation (module docstring, points 1 and 2).  Called
+    directly (DeepSpeed's own ALST recipe), it is ALST's registration, argument for argument,
+    unless an active accelerate DeepSpeed plugin's ds_config has a ``"upipe"`` block that enables
+    UPipe; then UPipe honours the same arguments (``_register_upipe``)."""
 
     @classmethod
     def register_with_transformers(
@@ -131,51 +154,232 @@ class UPipeSPAttentionHF(UlyssesSPAttentionHF):
         disable_in_eval: bool = False,
         max_length: int | None = None,
     ) -> Any:
-        """Same arguments and return (the mpu) as ALST's.  ``disable_in_eval`` is ignored: evaluation
-        runs under sequence parallelism on sharded batches (module docstring, point 2)."""
+        args = {
+            "model_name_or_path": model_name_or_path,
+            "core_attn_implementation": core_attn_implementation,
+            "sequence_parallel_size": sequence_parallel_size,
+            "micro_batch_size": micro_batch_size,
+            "seq_length": seq_length,
+            "seq_length_is_variable": seq_length_is_variable,
+            "disable_in_eval": disable_in_eval,
+            "max_length": max_length,
+        }
         if sequence_parallel_size == 1:
-            return None
-        ds_config = ds_config_from_accelerate()
-        settings = upipe_settings(ds_config, sequence_parallel_size)
-        _init_deepspeed_comm()
-        if not settings.upipe.enabled:
-            mpu = super().register_with_transformers(
-                model_name_or_path,
-                core_attn_implementation,
-                sequence_parallel_size,
-                micro_batch_size,
-                seq_length=seq_length,
-                seq_length_is_variable=seq_length_is_variable,
-                disable_in_eval=False,
-                max_length=max_length,
-            )
-            configure_activation_checkpointing(model_name_or_path, ds_config, settings, mpu)
-            _REGISTERED["mpu"] = mpu
-            return mpu
+            return _alst_register(args)  # None
+        if _accelerate_runs_deepspeed_sp():
+            return _register_for_accelerate(args)
+        return _register_direct(args)
 
-        model = model_name_or_path
-        if not hasattr(model, "config") or not hasattr(model.config, "get_text_config"):
-            raise ValueError(
-                f"upipe.enabled=true needs the model object (a transformers model), got {type(model).__name__}: "
-                "UPipe patches the model's attention modules in place"
-            )
-        text = model.config.get_text_config()
-        sp = sequence_parallel_size
-        check_heads(text.num_attention_heads, text.num_key_value_heads, sp)
-        mpu = sequence_parallel_mpu(sp)  # the same parallel_state_sp groups ALST builds
-        head_chunk_size = choose_head_chunk_size(
-            settings.upipe,
-            num_heads=text.num_attention_heads,
-            num_kv_heads=text.num_key_value_heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-            group_size=sp,
-            micro_batch_size=micro_batch_size or 1,
-            dtype_bytes=settings.dtype_bytes,
+
+def _alst_register(args: dict[str, Any]) -> Any:
+    """DeepSpeed ALST's own ``register_with_transformers`` (the class enable() replaced)."""
+    return UlyssesSPAttentionHF.register_with_transformers(**args)
+
+
+def _accelerate_runs_deepspeed_sp() -> bool:
+    """Whether accelerate (or the Trainer) runs DeepSpeed sequence parallelism in this process."""
+    from accelerate.state import AcceleratorState, is_initialized
+
+    if not is_initialized():
+        return False
+    pc = getattr(AcceleratorState(), "parallelism_config", None)
+    return pc is not None and pc.sp_backend == "deepspeed" and pc.sp_enabled
+
+
+def _register_for_accelerate(args: dict[str, Any]) -> Any:
+    ds_config = ds_config_from_accelerate()
+    settings = upipe_settings(ds_config, args["sequence_parallel_size"])
+    _init_deepspeed_comm()
+    # accelerate shards every loader it prepares, and enable() the Trainer's eval loaders: eval
+    # batches are sequence shards, so SP must stay on in evaluation (accelerate asks for
+    # disable_in_eval=True because without enable() the Trainer's eval batches are not sharded)
+    args = {**args, "disable_in_eval": False}
+    mpu = _register_upipe(args, settings) if settings.upipe.enabled else _alst_register(args)
+    configure_activation_checkpointing(args["model_name_or_path"], ds_config, settings, mpu)
+    _REGISTERED["mpu"] = mpu
+    return mpu
+
+
+def _register_direct(args: dict[str, Any]) -> Any:
+    """A direct call: ALST's registration unchanged unless the active plugin's "upipe" block enables UPipe."""
+    ds_config = _active_ds_config()
+    settings = None
+    if ds_config is not None and ds_config.get("upipe") is not None:
+        settings = upipe_settings(ds_config, args["sequence_parallel_size"])
+    if settings is None or not settings.upipe.enabled:
+        _REGISTERED.pop("mpu", None)  # the engine built with ALST's mpu keeps DeepSpeed's own gradient average
+        return _alst_register(args)
+    _init_deepspeed_comm()
+    mpu = _register_upipe(args, settings)
+    if isinstance(args["model_name_or_path"], torch.nn.Module):
+        configure_activation_checkpointing(args["model_name_or_path"], ds_config, settings, mpu)
+    _REGISTERED["mpu"] = mpu
+    return mpu
+
+
+def _register_upipe(args: dict[str, Any], settings: SPSettings) -> Any:
+    """UPipe where ALST's registration would put Ulysses; returns the mpu.
+
+    ALST's own registration runs first, for its checks and messages (seq_length, eager and unknown
+    implementations, the model's implementation against ``core_attn_implementation``, head counts),
+    the hub-kernel loading and the sequence-parallel groups; its attention wrapper is then replaced.
+    As in ALST, the function registered under ``core_attn_implementation`` runs sequence-parallel
+    attention (UPipe's stage loop, unfused) for every model using that implementation, and a model
+    or path given only for its config works.  A model object is moreover patched in place
+    (``hf_patches.apply_upipe``: fused projections, input checks).  ``disable_in_eval=True``: in
+    eval mode both run the plain core attention on the ranks' full inputs, as ALST's does."""
+    model, core = args["model_name_or_path"], args["core_attn_implementation"]
+    mpu, core_function = _alst_checks_and_groups(args)
+    # ALST's way to the config: the model's (duck-typed, PEFT wrappers too), or loaded from the name/path
+    if hasattr(model, "config"):
+        config = model.config
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model)
+    text = config.get_text_config()
+    sp = args["sequence_parallel_size"]
+    head_chunk_size = choose_head_chunk_size(
+        settings.upipe,
+        num_heads=text.num_attention_heads,
+        num_kv_heads=text.num_key_value_heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        group_size=sp,
+        micro_batch_size=args["micro_batch_size"] or 1,
+        dtype_bytes=settings.dtype_bytes,
+    )
+    group = mpu.get_sequence_parallel_group()
+    if isinstance(model, torch.nn.Module):
+        apply_upipe_settings(model, group, head_chunk_size, settings)
+        if args["disable_in_eval"]:
+            _sequence_parallel_in_training_only(model, core)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    state = _unfused_state(text, group, head_chunk_size, settings)
+    ALL_ATTENTION_FUNCTIONS[core] = _upipe_core_attention(state, core, core_function, args["disable_in_eval"])
+    return mpu
+
+
+def _alst_checks_and_groups(args: dict[str, Any]) -> tuple[Any, Callable[..., Any]]:
+    """ALST's registration with its attention wrapper taken out again: (mpu, the core function it wrapped)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    core = args["core_attn_implementation"]
+    before = ALL_ATTENTION_FUNCTIONS.get(core)  # None for a hub kernel: ALST registers it
+    mpu = _alst_register(args)
+    del ALL_ATTENTION_FUNCTIONS[core]  # ALST's wrapper, set by item assignment (the local override)
+    if before is not None and ALL_ATTENTION_FUNCTIONS.get(core) is not before:
+        ALL_ATTENTION_FUNCTIONS[core] = before  # an earlier local override
+    return mpu, ALL_ATTENTION_FUNCTIONS[core]
+
+
+def _unfused_state(text_config: Any, group: Any, head_chunk_size: int, settings: SPSettings) -> Any:
+    """The UPipe settings of the registered core attention function (the unfused path)."""
+    from hf_patches import UPipeState
+
+    from .kernels import make_kernel
+    from .schedule import build_plan
+
+    group_size = torch.distributed.get_world_size(group)
+    return UPipeState(
+        group=group,
+        group_size=group_size,
+        plan=build_plan(text_config.num_attention_heads, text_config.num_key_value_heads, group_size, head_chunk_size),
+        kernel=make_kernel(settings.upipe.kernel, causal=True),
+        fused=False,
+        fallback_reason=None,
+        architecture=getattr(text_config, "model_type", ""),
+        overlap_comm=settings.upipe.overlap_comm,
+    )
+
+
+def _upipe_core_attention(
+    state: Any, core: str, core_function: Callable[..., Any], disable_in_eval: bool
+) -> Callable[..., Any]:
+    """The function registered under ``core``: what ALST's ``uattn_wrapper`` is to ALST, with UPipe."""
+    from hf_patches.attention import upipe_attention_function
+
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, Any]:
+        if disable_in_eval and not module.training:
+            # ALST's bypass: the core function on the local (full) sequence, without the 4-D mask
+            # ALST drops (flex_attention's BlockMask is kept)
+            return core_function(module, query, key, value, _alst_mask(core, attention_mask), *args, **kwargs)
+        _check_global_positions(module, kwargs.get("position_ids"), state)
+        if getattr(module, "_upipe_state", None) is None:
+            module._upipe_state = state  # upipe_attention_function reads the plan, group and kernel here
+        # HF built the mask for the local shard; UPipe's kernel is causal over the gathered sequence
+        return upipe_attention_function(module, query, key, value, None, *args, **kwargs)
+
+    return attention
+
+
+def _alst_mask(core: str, attention_mask: Any) -> Any:
+    if core == "flex_attention":
+        from torch.nn.attention.flex_attention import BlockMask
+
+        if isinstance(attention_mask, BlockMask):
+            return attention_mask
+    return None
+
+
+def _check_global_positions(module: torch.nn.Module, position_ids: torch.Tensor | None, state: Any) -> None:
+    """UPipe's causal kernel needs one sequence in rank order: gather the positions (as ALST does in
+    every attention call) and refuse packed or shuffled ones; the same data gives the same error on
+    every rank."""
+    if position_ids is None:
+        raise ValueError(
+            f"{type(module).__name__}: position_ids are required under sequence parallelism: pass the global "
+            "positions of each rank's shard (UlyssesSPDataLoaderAdapter adds them)"
         )
-        apply_upipe_settings(model, mpu.get_sequence_parallel_group(), head_chunk_size, settings)
-        configure_activation_checkpointing(model, ds_config, settings, mpu)
-        _REGISTERED["mpu"] = mpu
-        return mpu
+    pos = position_ids.reshape(-1, position_ids.shape[-1]).contiguous()
+    parts = [torch.empty_like(pos) for _ in range(state.group_size)]
+    torch.distributed.all_gather(parts, pos, group=state.group)
+    full = torch.cat(parts, dim=-1)
+    if bool((full[:, 1:] - full[:, :-1] != 1).any()):
+        raise ValueError(
+            f"{type(module).__name__}: position_ids are not consecutive over the whole sequence (in rank order); "
+            "UPipe's causal attention cannot honour packed sequences (positions that restart)"
+        )
+
+
+def _sequence_parallel_in_training_only(model: torch.nn.Module, core: str) -> None:
+    """``disable_in_eval=True`` for a model patched in place: in eval mode it runs with attention
+    implementation ``core`` (the registered function, which bypasses SP in eval) and skips UPipe's
+    sequence-shard input check; in training it is UPipe as patched."""
+    from hf_patches import ATTN_IMPLEMENTATION, upipe_state
+    from hf_patches.inputs import check_and_prepare
+
+    state = upipe_state(model)
+    group, group_size = state.group, state.group_size
+    for module in model.modules():
+        handle = module.__dict__.get("_upipe_input_hook")  # apply_upipe's hook on the base model
+        if handle is not None:
+            handle.remove()
+
+            def prepare(base: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+                impl = ATTN_IMPLEMENTATION if base.training else core
+                if base.config._attn_implementation != impl:
+                    base.set_attn_implementation(impl)
+                return check_and_prepare(base, args, kwargs, group, group_size) if base.training else None
+
+            module._upipe_input_hook = module.register_forward_pre_hook(prepare, with_kwargs=True)
+        if module.__dict__.get("_upipe_state") is state and "forward" in module.__dict__:  # fused attention
+            module._upipe_fused_forward = module.forward
+            module.forward = types.MethodType(_fused_forward_in_training_only, module)
+
+
+def _fused_forward_in_training_only(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if self.training:
+        return self._upipe_fused_forward(*args, **kwargs)
+    return type(self).forward(self, *args, **kwargs)
 
 
 def _init_deepspeed_comm() -> None:
@@ -187,6 +391,25 @@ def _init_deepspeed_comm() -> None:
 
     if not ds_comm.is_initialized():
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+
+
+def _wrap_trainer_config_process(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Bring up ``deepspeed.comm`` as soon as ``TrainingArguments(deepspeed=...)`` has started torch.distributed.
+
+    With ``use_cpu=True`` accelerate starts torch.distributed (gloo) but not ``deepspeed.comm``.
+    ``from_pretrained`` under ZeRO-3 then runs ``deepspeed.zero.Init``, whose DeepSpeed config cannot
+    ask deepspeed.comm for the world size, takes 1 and refuses the Trainer's ``train_batch_size``
+    (world size x micro batch x accumulation): ``train_batch_size ... 2 != 1 * 1 * 1``.  On GPU
+    accelerate initializes deepspeed.comm itself and this is a no-op."""
+
+    @functools.wraps(original)
+    def trainer_config_process(self: Any, args: Any, *rest: Any, **kwargs: Any) -> Any:
+        result = original(self, args, *rest, **kwargs)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            _init_deepspeed_comm()
+        return result
+
+    return trainer_config_process
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -10,9 +10,10 @@ the usual ``ParallelismConfig(sp_backend="deepspeed", sp_size=N)``; the one line
 ``hf_integration.enable()``.  ``--sp_size 1`` trains without sequence parallelism.
 
 By default the model is a tiny Llama built from a config and the data are random tokens (nothing is
-downloaded); ``--model PATH`` fine-tunes a local HF checkpoint instead.  Runs on CPU (float32, gloo)
-and on GPU (bf16) without changes.  ``--metrics_out`` writes the per-step training losses, the eval
-loss and how many UPipe stages ran (rank 0) as JSON.
+downloaded); ``--model PATH`` fine-tunes a local HF checkpoint instead (with ZeRO-3 it is loaded
+under ``deepspeed.zero.Init``, already partitioned, so ``TrainingArguments`` comes first).  Runs on
+CPU (float32, gloo) and on GPU (bf16) without changes.  ``--metrics_out`` writes the per-step
+training losses, the eval loss and how many UPipe stages ran (rank 0) as JSON.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def main() -> None:
 
     parallelism = None
     if opts.sp_size > 1:
-        # ALST needs the attention implementation it wraps; UPipe replaces attention and ignores it
+        # the model's attention implementation: ALST wraps it, UPipe checks it the same way and replaces it
         sp_handler = DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")
         parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=opts.sp_size, sp_handler=sp_handler)
     args = TrainingArguments(

@@ -6,7 +6,8 @@ same with ``"upipe": {"enabled": false}`` (DeepSpeed ALST's Ulysses) and without
 relative; the UPipe launches must have run UPipe stages on every rank, in training and in
 evaluation, on sequence-sharded eval batches; the ALST launches none.  A ZeRO-2 UPipe Trainer launch
 checks the gradient average (DeepSpeed issue #5248: without ds_upipe's correction its gradient norms
-come out 2x).
+come out 2x).  Two Trainer launches with ``--model PATH`` (a checkpoint saved with ``save_pretrained``,
+loaded under ZeRO-3's ``zero.Init``), with SP 2 and without SP, must agree the same way.
 
 The Trainer's eval set has 5 sequences on 2 ranks, so accelerate pads one rank's last batch with a
 duplicate and ``gather_for_metrics`` drops it again: the SP eval loss must still equal the non-SP one.
@@ -60,12 +61,29 @@ def _accelerate(out: Path, *flags: str) -> dict[str, Any]:
     return _launch([*cmd, "examples/train_accelerate.py", "--metrics_out", str(out)], out)
 
 
+def _save_checkpoint(path: Path) -> Path:
+    """A tiny Llama checkpoint (save_pretrained) with other weights than the examples' config-built model."""
+    import importlib.util
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    spec = importlib.util.spec_from_file_location("tiny_llama", ROOT / "examples/tiny_llama.py")
+    tiny_llama = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny_llama)
+    torch.manual_seed(1)  # the examples build theirs after manual_seed(0)
+    LlamaForCausalLM(tiny_llama.tiny_llama_config(SEQ_LEN)).save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
     work = tmp_path_factory.mktemp("trainer")
     zero2 = json.loads((ROOT / "examples/ds_config_upipe.json").read_text())
     zero2["zero_optimization"]["stage"] = 2
     (work / "ds_config_upipe_zero2.json").write_text(json.dumps(zero2))
+    model = str(_save_checkpoint(work / "checkpoint"))
+    upipe = ("--deepspeed", "examples/ds_config_upipe.json")
     return {
         "upipe": _torchrun(2, work / "upipe.json", "--deepspeed", "examples/ds_config_upipe.json", "--sp_size", "2"),
         "alst": _torchrun(2, work / "alst.json", "--deepspeed", "examples/ds_config_alst.json", "--sp_size", "2"),
@@ -73,6 +91,9 @@ def trainer_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
         "upipe_zero2": _torchrun(
             2, work / "upipe_zero2.json", "--deepspeed", str(work / "ds_config_upipe_zero2.json"), "--sp_size", "2"
         ),
+        # --model PATH: from_pretrained runs under ZeRO-3's zero.Init
+        "upipe_model": _torchrun(2, work / "upipe_model.json", *upipe, "--sp_size", "2", "--model", model),
+        "no_sp_model": _torchrun(1, work / "no_sp_model.json", *upipe, "--sp_size", "1", "--model", model),
     }
 
 
@@ -132,6 +153,18 @@ def test_trainer_runs_upipe_attention(trainer_runs):
     # 2 layers x 2 stages x (forward + backward) x 5 steps; eval: 2 layers x 2 stages x 6 micro-batches
     assert trainer_runs["upipe"]["stage_runs_train"] == [40, 40]
     assert trainer_runs["upipe"]["stage_runs_eval"] == [24, 24]
+
+
+@pytest.mark.slow
+def test_trainer_model_path_under_zero3(trainer_runs):
+    """``--model PATH`` with ZeRO-3 and sp_size 2 (the documented Trainer path; on CPU zero.Init used to
+    refuse the batch size): the non-SP run's losses of the same checkpoint, whose weights were loaded
+    (its losses differ from the config-built model's)."""
+    _check_parity({"no_sp": trainer_runs["no_sp_model"], "upipe_model": trainer_runs["upipe_model"]}, ("upipe_model",))
+    assert trainer_runs["upipe_model"]["upipe"] == {"fused": True, "head_chunk_size": 2}
+    assert min(trainer_runs["upipe_model"]["stage_runs_train"]) > 0
+    loaded, built = trainer_runs["no_sp_model"]["train_losses"], trainer_runs["no_sp"]["train_losses"]
+    assert min(abs(a - b) for a, b in zip(loaded, built)) > 1e-3, (loaded, built)
 
 
 @pytest.mark.slow
