@@ -66,7 +66,7 @@ def validation_table(path: Path) -> str:
 
 
 def paper_tables() -> str:
-    from ds_upipe import planner
+    from ds_upipe.tools import planner
 
     out = []
     for (model, gpus), paper in PAPER.items():

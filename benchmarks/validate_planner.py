@@ -1,4 +1,4 @@
-"""Planner vs measurement: the decoder-layer replay of ``ds_upipe.planner`` against the per-rank peak
+"""Planner vs measurement: the decoder-layer replay of ``ds_upipe.tools.planner`` against the per-rank peak
 that ``ds-upipe bench`` measures with MemTracker on CPU, for every method and U at a few lengths.
 
     python benchmarks/validate_planner.py                       # C=4, H=32, KV=8, d=16, hidden 512
@@ -16,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
-    from ds_upipe import planner
-    from ds_upipe.bench import BenchSpec, run_bench
-    from ds_upipe.cli import _token_list
+    from ds_upipe.tools import planner
+    from ds_upipe.tools.bench import BenchSpec, run_bench
+    from ds_upipe.tools.cli import _token_list
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=4)

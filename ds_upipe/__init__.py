@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 #: public name -> submodule that defines it
 _LAZY = {
-    "initialize": "engine",  # deepspeed.initialize with sequence parallelism from the ds_config
+    "initialize": "integration.engine",  # deepspeed.initialize with sequence parallelism from the ds_config
     "AttentionKernel": "kernels",
     "FlashAttnKernel": "kernels",
     "MathKernel": "kernels",
@@ -21,7 +21,7 @@ _LAZY = {
     "StagePlan": "schedule",
     "build_plan": "schedule",
     "valid_head_chunk_sizes": "schedule",
-    "exit_process": "process_exit",
+    "exit_process": "integration.process_exit",
 }
 
 __all__ = [
@@ -40,10 +40,10 @@ __all__ = [
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from .engine import initialize
+    from .integration.engine import initialize
+    from .integration.process_exit import exit_process
     from .kernels import AttentionKernel, FlashAttnKernel, MathKernel, TorchSDPAKernel, make_kernel
     from .layer import UPipeDistributedAttention
-    from .process_exit import exit_process
     from .schedule import StagePlan, build_plan, valid_head_chunk_sizes
 
 

@@ -63,7 +63,7 @@ def main() -> None:
     from accelerate import Accelerator, PartialState
     from transformers import LlamaForCausalLM
 
-    from ds_upipe import hf_integration
+    from ds_upipe.integration import hf_integration
     from ds_upipe.pipeline import STAGE_RUNS
 
     hf_integration.enable()  # the one line: UPipe (or ALST) from the ds_config's "upipe" block
@@ -136,7 +136,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from ds_upipe.process_exit import exit_process
+    from ds_upipe.integration.process_exit import exit_process
 
     main()
     exit_process(0)  # success: exit 0 without the gloo race of interpreter finalization (see its docstring)

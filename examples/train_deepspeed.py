@@ -323,6 +323,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from ds_upipe.process_exit import exit_process
+    from ds_upipe.integration.process_exit import exit_process
 
     exit_process(main())  # destroys the process groups; no gloo race at interpreter finalization

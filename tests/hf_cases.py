@@ -598,7 +598,7 @@ MEMORY_TEST_SHAPES = dict(seq_local=2048, head_dim=8, hidden_size=256, intermedi
 
 
 def memory_case(rank, world):
-    from hf_patches.memory import measure_peak_activation
+    from ds_upipe.tools.hf_memory import measure_peak_activation
 
     return {
         (method, part): measure_peak_activation(method, part, **MEMORY_TEST_SHAPES).units

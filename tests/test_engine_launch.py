@@ -17,7 +17,7 @@ Loss trajectories and gradient norms must agree within 1e-5 relative (float32 ru
 
 import pytest
 
-from ds_upipe.config import UPipeConfig, attention_stage_bytes, choose_head_chunk_size
+from ds_upipe.integration.config import UPipeConfig, attention_stage_bytes, choose_head_chunk_size
 from tests.engine_cases import FP32_RTOL, REPO, TORCH_ADAM, launch, max_rel, run
 
 pytestmark = pytest.mark.slow

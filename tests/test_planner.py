@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from ds_upipe import planner
-from ds_upipe.cli import main, parse_tokens
+from ds_upipe.tools import planner
+from ds_upipe.tools.cli import main, parse_tokens
+from ds_upipe.tools.ranks import run_ranks
 from tests import bench_cases
-from tests.dist_harness import run_ranks
 
 LLAMA = planner.PRESETS["llama3-8b"]
 QWEN = planner.PRESETS["qwen3-32b"]

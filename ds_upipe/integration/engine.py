@@ -3,7 +3,7 @@
 What it adds to DeepSpeed's own initialize, in order:
 
 1. reads the ds_config (path, dict, or ``args.deepspeed_config``) and validates our part of it
-   (ds_upipe.config) before any collective, so a bad config raises the same ValueError on every rank;
+   (ds_upipe.integration.config) before any collective, so a bad config raises the same ValueError on every rank;
 2. creates the sequence-parallel groups with DeepSpeed's ``parallel_state_sp`` (contiguous ranks form
    a group; ZeRO shards and reduces over all ranks, its "sequence data parallel" group) and passes
    that module as the engine's mpu, as ALST does;
@@ -312,7 +312,7 @@ def configure_activation_checkpointing(
     HF layers then checkpoint through ``deepspeed.checkpointing.checkpoint``, which keeps only each
     layer's input (sequence-sharded under SP) and, with ``cpu_checkpointing`` or
     ``upipe.offload_checkpoints``, keeps it in host memory until backward.  Partitioning checkpoints
-    across the sequence group is refused in ds_upipe.config.  Without either setting a model's own
+    across the sequence group is refused in ds_upipe.integration.config.  Without either setting a model's own
     HF gradient checkpointing (``gradient_checkpointing_enable``) is left as the user set it."""
     section = ds_config.get("activation_checkpointing")
     offload = settings.upipe.offload_checkpoints

@@ -68,7 +68,7 @@ class BenchSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        from .schedule import valid_head_chunk_sizes
+        from ..schedule import valid_head_chunk_sizes
 
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device!r}: must be 'cpu' or 'cuda'")
@@ -104,7 +104,7 @@ class BenchSpec:
 
     @property
     def chunk_sizes(self) -> list[int]:
-        from .schedule import valid_head_chunk_sizes
+        from ..schedule import valid_head_chunk_sizes
 
         return self.head_chunk_sizes or valid_head_chunk_sizes(self.heads, self.kv_heads, self.world)
 
@@ -229,8 +229,8 @@ def _core_attention(method: Method, spec: BenchSpec, group: Any) -> Callable[...
     """A function (q, k, v [b, s, h, d] local shards, position_ids) -> local output [b, s, h, d]."""
     from deepspeed.sequence.layer import DistributedAttention
 
-    from .kernels import TorchSDPAKernel
-    from .layer import UPipeDistributedAttention
+    from ..kernels import TorchSDPAKernel
+    from ..layer import UPipeDistributedAttention
 
     kernel = TorchSDPAKernel(causal=True)
     if method.kind == "deepspeed":

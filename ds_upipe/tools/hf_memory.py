@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .patch import apply_upipe
+from hf_patches import apply_upipe
 
 Method = Literal["upipe_fused", "upipe_unfused", "alst"]
 Part = Literal["attention", "layer"]

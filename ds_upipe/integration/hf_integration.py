@@ -23,7 +23,7 @@ computes the loss across the sequence ranks (``deepspeed_sp_compute_loss``).
    computes the loss across the sequence ranks, reporting each batch's loss once so that
    ``eval_loss`` equals the non-SP run's (also with accelerate's even-batches padding).  ALST
    registered through (1) keeps SP in eval too (``disable_in_eval=False``).
-3. The engine built with that mpu averages gradients over all ranks (``ds_upipe.engine``'s
+3. The engine built with that mpu averages gradients over all ranks (``ds_upipe.integration.engine``'s
    correction of DeepSpeed issue #5248), so ZeRO-1/2 gradients equal the non-SP run's as ZeRO-3's do.
 
 Call ``enable()`` once before ``Trainer(...)`` / ``accelerator.prepare(...)``.  Docs:

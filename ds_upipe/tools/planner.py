@@ -38,7 +38,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .schedule import build_plan, valid_head_chunk_sizes
+from ..schedule import build_plan, valid_head_chunk_sizes
 
 GiB = 2**30
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
