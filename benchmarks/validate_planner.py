@@ -51,9 +51,9 @@ def main() -> int:
     print(f"{'method':<22}{'seq':>7}{'measured MiB':>14}{'planner MiB':>13}{'error':>9}  peak set by")
     for r in rows:
         m = (
-            planner.Method("ulysses")
+            planner.AttentionScheme("ulysses")
             if r.kind == "alst"
-            else planner.Method("upipe", r.head_chunk_size, r.fused, args.overlap_comm)
+            else planner.AttentionScheme("upipe", r.head_chunk_size, r.fused, args.overlap_comm)
         )
         pred, where = planner.layer_peak_bytes(
             dims, m, r.seq_len, args.world, {"float32": "fp32", "bfloat16": "bf16"}[args.dtype], tiled_mlp=tiled

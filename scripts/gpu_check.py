@@ -263,9 +263,9 @@ def run_layer_checks(args: argparse.Namespace, device_name: str) -> tuple[list[b
                     layers[m.name] = build_layer(m, spec, device)
                 res = layer_case(*layers[m.name], spec, seq, 0, device)
                 pm = (
-                    planner.Method("ulysses")
+                    planner.AttentionScheme("ulysses")
                     if m.kind == "alst"
-                    else planner.Method("upipe", m.head_chunk_size, m.fused)
+                    else planner.AttentionScheme("upipe", m.head_chunk_size, m.fused)
                 )
                 pred, _ = planner.layer_peak_bytes(
                     dims,

@@ -19,7 +19,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, ValidationError, model_validator
 
-from ..schedule import build_plan, check_head_counts, resolve_head_chunk_size, valid_head_chunk_sizes
+from ..schedule import (
+    build_plan,
+    check_head_counts,
+    resolve_head_chunk_size,
+    valid_group_sizes,
+    valid_head_chunk_sizes,
+)
 
 #: what each key accepts, quoted in error messages (and in docs/config.md)
 ALLOWED: dict[str, str] = {
@@ -169,11 +175,7 @@ def check_heads(num_heads: int, num_kv_heads: int, sequence_parallel_size: int) 
     try:
         check_head_counts(num_heads, num_kv_heads, sequence_parallel_size)
     except ValueError as err:
-        valid = [
-            c
-            for c in range(1, num_heads + 1)
-            if num_heads % c == 0 and (num_kv_heads % c == 0 or c % num_kv_heads == 0)
-        ]
+        valid = valid_group_sizes(num_heads, num_kv_heads)
         raise ValueError(
             f"invalid ds_config: sequence_parallel_size: got {sequence_parallel_size} for a model with "
             f"num_attention_heads={num_heads}, num_key_value_heads={num_kv_heads}: {err}. "

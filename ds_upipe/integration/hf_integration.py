@@ -41,13 +41,8 @@ import torch
 from deepspeed.runtime.sequence_parallel import ulysses_sp
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-from .config import SPSettings, check_heads, choose_head_chunk_size, parse_config
-from .engine import (
-    apply_upipe_settings,
-    average_gradients_over_all_ranks,
-    configure_activation_checkpointing,
-    sequence_parallel_mpu,
-)
+from .config import SPSettings, parse_config
+from .sp_setup import average_gradients_over_all_ranks, configure_activation_checkpointing, setup_upipe
 
 #: what enable() replaced, to restore in disable(): (owner, attribute) -> original
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
@@ -159,20 +154,7 @@ class UPipeSPAttentionHF(UlyssesSPAttentionHF):
                 f"upipe.enabled=true needs the model object (a transformers model), got {type(model).__name__}: "
                 "UPipe patches the model's attention modules in place"
             )
-        text = model.config.get_text_config()
-        sp = sequence_parallel_size
-        check_heads(text.num_attention_heads, text.num_key_value_heads, sp)
-        mpu = sequence_parallel_mpu(sp)  # the same parallel_state_sp groups ALST builds
-        head_chunk_size = choose_head_chunk_size(
-            settings.upipe,
-            num_heads=text.num_attention_heads,
-            num_kv_heads=text.num_key_value_heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-            group_size=sp,
-            micro_batch_size=micro_batch_size or 1,
-            dtype_bytes=settings.dtype_bytes,
-        )
-        apply_upipe_settings(model, mpu.get_sequence_parallel_group(), head_chunk_size, settings)
+        mpu, _ = setup_upipe(model, settings, micro_batch_size or 1)
         configure_activation_checkpointing(model, ds_config, settings, mpu)
         _REGISTERED["mpu"] = mpu
         return mpu
