@@ -12,19 +12,9 @@ if TYPE_CHECKING:
 
 
 def tiny_llama_config(seq_len: int) -> LlamaConfig:
-    from transformers import LlamaConfig  # lazily: transformers is heavy to import
+    from ds_upipe.tools.models import tiny_config
 
-    return LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=seq_len,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
+    return tiny_config(max_position_embeddings=seq_len)
 
 
 class RandomTokens(torch.utils.data.Dataset):

@@ -134,21 +134,17 @@ ERROR_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # name -> (co
 
 def tiny_llama(**changes: Any) -> Any:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from ds_upipe.tools.models import tiny_config
 
     if changes.pop("_linear", False):
         return torch.nn.Linear(4, 4)
     fields = dict(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        attn_implementation="sdpa",
+        vocab_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=8, max_position_embeddings=2048
     )
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**{**fields, **changes}))
+    return LlamaForCausalLM(tiny_config(**{**fields, **changes}))
 
 
 def _samples(lengths: list[int], labels: bool = True) -> list[dict[str, Any]]:
