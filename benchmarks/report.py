@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 
-PAPER = {  # the paper's max context (tokens, K = 1024) on 80 GB GPUs; see /work/shared/PAPER.md
+PAPER = {  # the paper's max context (tokens, K = 1024) on 80 GB GPUs; from the UPipe paper's context-length table
     ("llama3-8b", 8): {"ulysses": 3 * 2**20, "upipe": 5 * 2**20},
     ("qwen3-32b", 16): {"ulysses": 2 * 2**20, "upipe": 4 * 2**20},
 }

@@ -18,11 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> int:
     from ds_upipe.tools import planner
     from ds_upipe.tools.bench import BenchSpec, run_bench
-    from ds_upipe.tools.cli import _token_list
+    from ds_upipe.tools.cli import parse_token_list
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=4)
-    p.add_argument("--seq", type=_token_list, default=[4096, 8192])
+    p.add_argument("--seq", type=parse_token_list, default=[4096, 8192])
     p.add_argument("--shape", default="32,8,16,512,512", help="heads,kv_heads,head_dim,hidden,intermediate")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--no-tiled-mlp", action="store_true")

@@ -54,10 +54,10 @@ FLOOR = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from ds_upipe.tools.cli import _token_list
+    from ds_upipe.tools.cli import parse_token_list
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=_token_list, default=None, help="global lengths (default 128K,256K,512K,1M)")
+    p.add_argument("--seq", type=parse_token_list, default=None, help="global lengths (default 128K,256K,512K,1M)")
     p.add_argument("--methods", default="alst,upipe-fused-8,upipe-fused-16,upipe-unfused-8")
     p.add_argument("--repeats", type=int, default=1, help="timed steps after one warm-up step (0: memory only)")
     p.add_argument("--budget-s", type=float, default=240.0, help="start no new length after this many seconds")
