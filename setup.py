@@ -25,5 +25,5 @@ setup(
         "bench": ["matplotlib>=3.7"],
         "test": ["pytest>=8", "ruff>=0.6", "matplotlib>=3.7", "peft>=0.13"],
     },
-    entry_points={"console_scripts": ["ds-upipe=ds_upipe.cli:main"]},
+    entry_points={"console_scripts": ["ds-upipe=ds_upipe.tools.cli:main"]},
 )

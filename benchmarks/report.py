@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 
-PAPER = {  # the paper's max context (tokens, K = 1024) on 80 GB GPUs; see /work/shared/PAPER.md
+PAPER = {  # the paper's max context (tokens, K = 1024) on 80 GB GPUs; from the UPipe paper's context-length table
     ("llama3-8b", 8): {"ulysses": 3 * 2**20, "upipe": 5 * 2**20},
     ("qwen3-32b", 16): {"ulysses": 2 * 2**20, "upipe": 4 * 2**20},
 }
@@ -66,7 +66,7 @@ def validation_table(path: Path) -> str:
 
 
 def paper_tables() -> str:
-    from ds_upipe import planner
+    from ds_upipe.tools import planner
 
     out = []
     for (model, gpus), paper in PAPER.items():

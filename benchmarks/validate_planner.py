@@ -1,4 +1,4 @@
-"""Planner vs measurement: the decoder-layer replay of ``ds_upipe.planner`` against the per-rank peak
+"""Planner vs measurement: the decoder-layer replay of ``ds_upipe.tools.planner`` against the per-rank peak
 that ``ds-upipe bench`` measures with MemTracker on CPU, for every method and U at a few lengths.
 
     python benchmarks/validate_planner.py                       # C=4, H=32, KV=8, d=16, hidden 512
@@ -16,13 +16,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
-    from ds_upipe import planner
-    from ds_upipe.bench import BenchSpec, run_bench
-    from ds_upipe.cli import _token_list
+    from ds_upipe.tools import planner
+    from ds_upipe.tools.bench import BenchSpec, run_bench
+    from ds_upipe.tools.cli import parse_token_list
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=4)
-    p.add_argument("--seq", type=_token_list, default=[4096, 8192])
+    p.add_argument("--seq", type=parse_token_list, default=[4096, 8192])
     p.add_argument("--shape", default="32,8,16,512,512", help="heads,kv_heads,head_dim,hidden,intermediate")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--no-tiled-mlp", action="store_true")
@@ -51,9 +51,9 @@ def main() -> int:
     print(f"{'method':<22}{'seq':>7}{'measured MiB':>14}{'planner MiB':>13}{'error':>9}  peak set by")
     for r in rows:
         m = (
-            planner.Method("ulysses")
+            planner.AttentionScheme("ulysses")
             if r.kind == "alst"
-            else planner.Method("upipe", r.head_chunk_size, r.fused, args.overlap_comm)
+            else planner.AttentionScheme("upipe", r.head_chunk_size, r.fused, args.overlap_comm)
         )
         pred, where = planner.layer_peak_bytes(
             dims, m, r.seq_len, args.world, {"float32": "fp32", "bfloat16": "bf16"}[args.dtype], tiled_mlp=tiled

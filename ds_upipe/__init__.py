@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 #: public name -> submodule that defines it
 _LAZY = {
-    "initialize": "engine",  # deepspeed.initialize with sequence parallelism from the ds_config
+    "initialize": "integration.engine",  # deepspeed.initialize with sequence parallelism from the ds_config
     "AttentionKernel": "kernels",
     "FlashAttnKernel": "kernels",
     "MathKernel": "kernels",
@@ -21,7 +21,7 @@ _LAZY = {
     "StagePlan": "schedule",
     "build_plan": "schedule",
     "valid_head_chunk_sizes": "schedule",
-    "exit_process": "process_exit",
+    "exit_process": "integration.process_exit",
 }
 
 __all__ = [
@@ -40,21 +40,27 @@ __all__ = [
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from .engine import initialize
+    from .integration.engine import initialize
+    from .integration.process_exit import exit_process
     from .kernels import AttentionKernel, FlashAttnKernel, MathKernel, TorchSDPAKernel, make_kernel
     from .layer import UPipeDistributedAttention
-    from .process_exit import exit_process
     from .schedule import StagePlan, build_plan, valid_head_chunk_sizes
 
 
+#: public submodules under a short name: ``from ds_upipe import hf_integration`` (the Trainer hook)
+_SUBMODULES = {"hf_integration": "integration.hf_integration"}
+
+
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    if name in _SUBMODULES:
+        value = importlib.import_module(f".{_SUBMODULES[name]}", __name__)
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    else:
         raise AttributeError(f"module 'ds_upipe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value  # later lookups skip this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+    return sorted([*globals(), *_LAZY, *_SUBMODULES])

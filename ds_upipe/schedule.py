@@ -88,6 +88,18 @@ def check_head_counts(num_heads: int, num_kv_heads: int, group_size: int) -> Non
         )
 
 
+def valid_group_sizes(num_heads: int, num_kv_heads: int) -> list[int]:
+    """Every sequence-parallel size that ``check_head_counts`` accepts for these head counts."""
+    valid = []
+    for c in range(1, num_heads + 1):
+        try:
+            check_head_counts(num_heads, num_kv_heads, c)
+        except ValueError:
+            continue
+        valid.append(c)
+    return valid
+
+
 def _head_chunk_problem(num_heads: int, num_kv_heads: int, group_size: int, head_chunk_size: int) -> str | None:
     """Why ``head_chunk_size`` is invalid for these head counts, or None when it is valid."""
     u_total, c = head_chunk_size, group_size

@@ -1,9 +1,11 @@
-"""Shared by the Trainer and accelerate examples: a tiny Llama config and random-token data that
-need no download.  (Imported by path: the examples' own folder is on sys.path when they run.)"""
+"""Shared by the Trainer and accelerate examples: a tiny Llama config (ds_upipe.tools.models), random-token
+data that need no download, and the metrics report.  (Imported by path: the examples' own folder is on
+sys.path when they run.)"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -12,19 +14,19 @@ if TYPE_CHECKING:
 
 
 def tiny_llama_config(seq_len: int) -> LlamaConfig:
-    from transformers import LlamaConfig  # lazily: transformers is heavy to import
+    from ds_upipe.tools.models import tiny_config
 
-    return LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=seq_len,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
+    return tiny_config(max_position_embeddings=seq_len)
+
+
+def report_metrics(result: dict[str, Any], path: str | None, main_process: bool) -> None:
+    """The main process prints the run's metrics as one JSON line and, given a path, writes them there."""
+    if not main_process:
+        return
+    print(json.dumps(result))
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
 
 
 class RandomTokens(torch.utils.data.Dataset):

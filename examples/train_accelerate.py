@@ -19,12 +19,11 @@ changes.  ``--metrics_out`` writes the per-step losses, the eval loss and the UP
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 import torch
-from tiny_llama import RandomTokens, tiny_llama_config
+from tiny_llama import RandomTokens, report_metrics, tiny_llama_config
 
 CPU = not torch.cuda.is_available()
 if CPU:
@@ -127,16 +126,12 @@ def main() -> None:
         "eval_local_seq_lens": sorted(eval_lengths),
         "wall_s": wall,
     }
-    if accelerator.is_main_process:
-        print(json.dumps(result))
-        if opts.metrics_out:
-            with open(opts.metrics_out, "w", encoding="utf-8") as f:
-                json.dump(result, f, indent=1)
+    report_metrics(result, opts.metrics_out, accelerator.is_main_process)
     accelerator.end_training()
 
 
 if __name__ == "__main__":
-    from ds_upipe.process_exit import exit_process
+    from ds_upipe import exit_process
 
     main()
     exit_process(0)  # success: exit 0 without the gloo race of interpreter finalization (see its docstring)

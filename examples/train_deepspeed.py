@@ -133,7 +133,7 @@ def build_ds_config(opts: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_model_and_tokens(opts: argparse.Namespace, num_tokens: int) -> tuple[torch.nn.Module, torch.Tensor]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     text = open(opts.data, encoding="utf-8").read() if opts.data else generated_text(num_tokens)
     torch.manual_seed(opts.seed)
@@ -145,19 +145,18 @@ def build_model_and_tokens(opts: argparse.Namespace, num_tokens: int) -> tuple[t
         except (OSError, ValueError):  # no tokenizer files: bytes
             tokens = torch.tensor(list(text.encode("utf-8")), dtype=torch.long) % model.config.vocab_size
     else:
+        from ds_upipe.tools.models import tiny_config
+
         fields = dict(
             vocab_size=256,  # byte-level text: no tokenizer to download
             hidden_size=128,
             intermediate_size=256,
-            num_hidden_layers=2,
             num_attention_heads=8,
-            num_key_value_heads=2,
             max_position_embeddings=opts.seq_len,
             rope_theta=10000.0,
-            tie_word_embeddings=False,
         )
-        fields.update(json.loads(opts.model_config))
-        model = LlamaForCausalLM(LlamaConfig(**fields, attn_implementation="sdpa"))
+        config = tiny_config(**{**fields, **json.loads(opts.model_config)})
+        model = LlamaForCausalLM(config)
         tokens = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
     return model, tokens
 
@@ -323,6 +322,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from ds_upipe.process_exit import exit_process
+    from ds_upipe import exit_process
 
     exit_process(main())  # destroys the process groups; no gloo race at interpreter finalization

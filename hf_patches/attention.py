@@ -113,7 +113,3 @@ def register_attention_function() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, upipe_attention_function)
-
-
-def is_patched(module: nn.Module) -> bool:
-    return getattr(module, "_upipe_state", None) is not None

@@ -9,6 +9,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from ds_upipe.heads import HeadLayout
 from ds_upipe.kernels import make_kernel
 from ds_upipe.schedule import build_plan
 
@@ -145,9 +146,8 @@ def apply_upipe(
     _check_config(arch, config, attentions)
 
     group_size = dist.get_world_size(process_group)
-    num_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    plan = build_plan(num_heads, num_kv_heads, group_size, head_chunk_size)  # validates U, H, Hkv, C
+    heads = HeadLayout.from_config(config)
+    plan = build_plan(heads.num_heads, heads.num_kv_heads, group_size, head_chunk_size)  # validates U, H, Hkv, C
     scaling = attentions[0].scaling
     attn_kernel = make_kernel(kernel, causal=True, softmax_scale=scaling)
 

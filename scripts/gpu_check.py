@@ -54,10 +54,10 @@ FLOOR = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from ds_upipe.cli import _token_list
+    from ds_upipe.tools.cli import parse_token_list
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=_token_list, default=None, help="global lengths (default 128K,256K,512K,1M)")
+    p.add_argument("--seq", type=parse_token_list, default=None, help="global lengths (default 128K,256K,512K,1M)")
     p.add_argument("--methods", default="alst,upipe-fused-8,upipe-fused-16,upipe-unfused-8")
     p.add_argument("--repeats", type=int, default=1, help="timed steps after one warm-up step (0: memory only)")
     p.add_argument("--budget-s", type=float, default=240.0, help="start no new length after this many seconds")
@@ -189,7 +189,7 @@ def _check(name: str, run: Callable, *parity_args) -> bool:
 
 
 def _method(name: str):
-    from ds_upipe.bench import Method
+    from ds_upipe.tools.bench import Method
 
     if name == "alst":
         return Method("alst", "alst")
@@ -217,8 +217,8 @@ def run_layer_checks(args: argparse.Namespace, device_name: str) -> tuple[list[b
     """The layer table's rows, one line per (method, length); returns the results and the table."""
     import torch
 
-    from ds_upipe import planner
-    from ds_upipe.bench import BenchSpec, build_layer, layer_case
+    from ds_upipe.tools import planner
+    from ds_upipe.tools.bench import BenchSpec, build_layer, layer_case
 
     smoke = args.cpu_smoke
     seqs = args.seq or ([1024, 2048] if smoke else [2**17, 2**18, 2**19, 2**20])
@@ -263,9 +263,9 @@ def run_layer_checks(args: argparse.Namespace, device_name: str) -> tuple[list[b
                     layers[m.name] = build_layer(m, spec, device)
                 res = layer_case(*layers[m.name], spec, seq, 0, device)
                 pm = (
-                    planner.Method("ulysses")
+                    planner.AttentionScheme("ulysses")
                     if m.kind == "alst"
-                    else planner.Method("upipe", m.head_chunk_size, m.fused)
+                    else planner.AttentionScheme("upipe", m.head_chunk_size, m.fused)
                 )
                 pred, _ = planner.layer_peak_bytes(
                     dims,
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _table(rows: list[dict], gpu: str) -> str:
-    from ds_upipe.planner import fmt_tokens
+    from ds_upipe.tools.planner import fmt_tokens
 
     base = {r["seq_len"]: r for r in rows if r["method"] == "alst" and "error" not in r}
     ok = [r for r in rows if "error" not in r]

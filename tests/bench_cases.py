@@ -24,7 +24,7 @@ CALIBRATION_POINTS = [
 
 def measure_layer_peaks(rank: int, world: int, points: list[tuple]) -> list[int]:
     """Per-rank peak bytes of one decoder layer forward+backward (MemTracker), one per point."""
-    from ds_upipe.bench import BenchSpec, Method, build_layer, layer_case
+    from ds_upipe.tools.bench import BenchSpec, Method, build_layer, layer_case
 
     peaks = []
     for kind, u, fused, seq, dtype, tiled, overlap in points:

@@ -213,8 +213,8 @@ def memory_by_head_chunk(rank, world, seq_per_rank=64, batch=1, heads=32, kv_hea
     """Intermediate peak (bytes) of DeepSpeed's DistributedAttention and UPipe at each valid U, float32."""
     from deepspeed.sequence.layer import DistributedAttention
 
-    from ds_upipe.memory import measure_attention
     from ds_upipe.schedule import valid_head_chunk_sizes
+    from ds_upipe.tools.memory import measure_attention
 
     kernel = TorchSDPAKernel(causal=True)
     gen = torch.Generator().manual_seed(rank)

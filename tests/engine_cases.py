@@ -1,6 +1,6 @@
 """Shared pieces of the engine tests: launches of examples/train_deepspeed.py through the real
 ``deepspeed`` launcher (one launch runs many configurations with ``--runs``), and the rank body of
-the config-error test (run with tests/dist_harness.run_ranks)."""
+the config-error test (run with ds_upipe.tools.ranks.run_ranks)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.dist_harness import free_port
+from ds_upipe.tools.ranks import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_deepspeed.py"
@@ -60,7 +60,7 @@ def launch(
 ) -> tuple[int, str, dict[str, Any]]:
     """``deepspeed --num_gpus N examples/train_deepspeed.py --runs ...`` on CPU; returns
     (exit code, combined output, metrics JSON with runs by name).  Every launch must leave no
-    DeepSpeed shm-allreduce segment behind (see ds_upipe/process_exit.py)."""
+    DeepSpeed shm-allreduce segment behind (see ds_upipe/integration/process_exit.py)."""
     workdir.mkdir(parents=True, exist_ok=True)
     runs_file, metrics_file, log_file = workdir / "runs.json", workdir / "metrics.json", workdir / "launch.log"
     runs_file.write_text(json.dumps(runs, indent=1))
@@ -134,21 +134,17 @@ ERROR_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # name -> (co
 
 def tiny_llama(**changes: Any) -> Any:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from ds_upipe.tools.models import tiny_config
 
     if changes.pop("_linear", False):
         return torch.nn.Linear(4, 4)
     fields = dict(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        attn_implementation="sdpa",
+        vocab_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=8, max_position_embeddings=2048
     )
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**{**fields, **changes}))
+    return LlamaForCausalLM(tiny_config(**{**fields, **changes}))
 
 
 def _samples(lengths: list[int], labels: bool = True) -> list[dict[str, Any]]:

@@ -30,27 +30,10 @@ ARCH_CONFIGS = {
 
 
 def make_config(arch: str, **overrides):
-    import transformers
+    from ds_upipe.tools.models import tiny_config
 
-    cls = {
-        "llama": transformers.LlamaConfig,
-        "mistral": transformers.MistralConfig,
-        "qwen2": transformers.Qwen2Config,
-        "qwen3": transformers.Qwen3Config,
-    }[arch]
-    kwargs = dict(
-        vocab_size=101,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-        attn_implementation="sdpa",
-        use_cache=False,
-        **ARCH_CONFIGS[arch],
-    )
-    kwargs.update(overrides)
-    return cls(**kwargs)
+    fields = dict(vocab_size=101, intermediate_size=96, initializer_range=0.1, use_cache=False)
+    return tiny_config(arch, **{**fields, **ARCH_CONFIGS[arch], **overrides})
 
 
 def build_model(arch: str, dtype=torch.float64, seed: int = 0, base: bool = False, **overrides):
@@ -598,7 +581,7 @@ MEMORY_TEST_SHAPES = dict(seq_local=2048, head_dim=8, hidden_size=256, intermedi
 
 
 def memory_case(rank, world):
-    from hf_patches.memory import measure_peak_activation
+    from ds_upipe.tools.hf_memory import measure_peak_activation
 
     return {
         (method, part): measure_peak_activation(method, part, **MEMORY_TEST_SHAPES).units

@@ -38,7 +38,7 @@ import pytest
 import torch
 from torch import tensor
 
-from tests.dist_harness import run_ranks
+from ds_upipe.tools.ranks import run_ranks
 
 WORLD = 2
 MODES = ("alst", "enabled", "upipe")
@@ -737,7 +737,7 @@ def test_deepspeed_alst_hf_tests(alst_results, mode: str, case: str) -> None:
 def test_registration_keeps_alst_signature():
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-    from ds_upipe.hf_integration import UPipeSPAttentionHF
+    from ds_upipe.integration.hf_integration import UPipeSPAttentionHF
 
     def params(fn: Callable[..., Any]) -> list[tuple[str, Any, Any]]:
         return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_upipe.bench import BenchSpec
+from ds_upipe.tools.bench import BenchSpec
 
 REPO = Path(__file__).resolve().parents[1]
 CONSOLE = Path(sys.executable).parent / "ds-upipe"
@@ -27,7 +27,10 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 def test_bench_command_writes_sane_json_and_png(tmp_path):
     out = tmp_path / "bench"
-    cmd = [str(CONSOLE) if CONSOLE.exists() else sys.executable, *([] if CONSOLE.exists() else ["-m", "ds_upipe.cli"])]
+    cmd = [
+        str(CONSOLE) if CONSOLE.exists() else sys.executable,
+        *([] if CONSOLE.exists() else ["-m", "ds_upipe.tools.cli"]),
+    ]
     cmd += ["bench", "--world", "2", "--seq", "512,1024", "--heads", "8", "--kv-heads", "2", "--head-dim", "16"]
     cmd += ["--head-chunk-sizes", "2,8", "--repeats", "1", "--warmup", "0", "--device", "cpu", "--out", str(out)]
     cmd += ["--no-progress"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist_harness import free_port
+from ds_upipe.tools.ranks import free_port
 from tests.engine_cases import launch, run
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from torch.utils.data import DistributedSampler
 
-from ds_upipe.config import (
+from ds_upipe.integration.config import (
     ALLOWED,
     UPipeConfig,
     attention_stage_bytes,
@@ -19,7 +19,7 @@ from ds_upipe.config import (
     parse_config,
     parse_upipe_block,
 )
-from ds_upipe.engine import SequenceParallelSampler
+from ds_upipe.integration.engine import SequenceParallelSampler
 from ds_upipe.schedule import valid_head_chunk_sizes
 
 REPO = Path(__file__).resolve().parents[1]

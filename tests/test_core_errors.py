@@ -3,8 +3,8 @@
 import pytest
 
 from ds_upipe import build_plan, valid_head_chunk_sizes
+from ds_upipe.tools.ranks import run_ranks
 from tests import core_cases
-from tests.dist_harness import run_ranks
 
 DIFFERS = "differs across the ranks of the sequence-parallel group ("
 EXPECTED = {

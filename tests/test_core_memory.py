@@ -1,7 +1,7 @@
 """UPipe's intermediate attention memory at U = C is <= 30% of DeepSpeed's and grows with U."""
 
+from ds_upipe.tools.ranks import run_ranks
 from tests import core_cases
-from tests.dist_harness import run_ranks
 
 
 def test_intermediate_peak_vs_deepspeed():

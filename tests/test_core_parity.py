@@ -2,8 +2,8 @@
 
 import pytest
 
+from ds_upipe.tools.ranks import run_ranks
 from tests import core_cases
-from tests.dist_harness import run_ranks
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -1,7 +1,7 @@
 """UPipeDistributedAttention and DeepSpeed's DistributedAttention agree (float64, 1e-10)."""
 
+from ds_upipe.tools.ranks import run_ranks
 from tests import core_cases
-from tests.dist_harness import run_ranks
 
 
 def test_same_outputs_and_gradients_as_deepspeed():

@@ -6,8 +6,8 @@ import re
 import pytest
 
 from ds_upipe.schedule import valid_head_chunk_sizes
+from ds_upipe.tools.ranks import run_ranks
 from tests import engine_cases
-from tests.dist_harness import run_ranks
 
 EXPECTED = {  # case -> pieces every rank's message must contain
     "unknown_key": ["upipe.chunk: unknown key", "allowed keys: enabled, head_chunk_size"],

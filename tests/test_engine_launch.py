@@ -17,7 +17,7 @@ Loss trajectories and gradient norms must agree within 1e-5 relative (float32 ru
 
 import pytest
 
-from ds_upipe.config import UPipeConfig, attention_stage_bytes, choose_head_chunk_size
+from ds_upipe.integration.config import UPipeConfig, attention_stage_bytes, choose_head_chunk_size
 from tests.engine_cases import FP32_RTOL, REPO, TORCH_ADAM, launch, max_rel, run
 
 pytestmark = pytest.mark.slow
@@ -38,13 +38,12 @@ def _auto_budget() -> float:
 def _local_checkpoint(path) -> str:
     """A local HF checkpoint (no tokenizer: the example then trains on bytes), 4 heads, 4 KV heads."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from ds_upipe.tools.models import tiny_config
 
     torch.manual_seed(1)
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False,
-    )  # fmt: skip
+    config = tiny_config(vocab_size=256, num_key_value_heads=4)
     LlamaForCausalLM(config).save_pretrained(path)
     return str(path)
 

@@ -3,8 +3,8 @@ gives the unpatched single-process loss and gradients, fused and unfused, with H
 checkpointing (reentrant and not), each gradient reduced exactly once; and the sequence-parallel
 dataloader (padding + UlyssesSPDataLoaderAdapter) feeds the patched model correctly."""
 
+from ds_upipe.tools.ranks import run_ranks
 from tests import hf_cases
-from tests.dist_harness import run_ranks
 
 F32 = hf_cases.TOLERANCE[hf_cases.torch.float32]
 F64 = hf_cases.TOLERANCE[hf_cases.torch.float64]

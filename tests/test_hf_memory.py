@@ -1,8 +1,8 @@
 """Peak activation memory per rank (MemTracker, forward + backward, float32, C=4, H=32, KV=8): fused
 UPipe at U = C against DeepSpeed ALST's UlyssesSPAttentionHF on the same model."""
 
+from ds_upipe.tools.ranks import run_ranks
 from tests import hf_cases
-from tests.dist_harness import run_ranks
 
 
 def test_fused_upipe_vs_alst():

@@ -4,8 +4,8 @@ save/reload, HF gradient checkpointing, PEFT LoRA fallback, right-padding masks,
 
 import pytest
 
+from ds_upipe.tools.ranks import run_ranks
 from tests import hf_cases
-from tests.dist_harness import run_ranks
 
 F64 = hf_cases.TOLERANCE[hf_cases.torch.float64]
 NUM_PARITY_CASES = 2 * len(hf_cases.ARCH_CONFIGS) + 6

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from ds_upipe import planner
-from ds_upipe.cli import main, parse_tokens
+from ds_upipe.tools import planner
+from ds_upipe.tools.cli import main, parse_tokens
+from ds_upipe.tools.ranks import run_ranks
 from tests import bench_cases
-from tests.dist_harness import run_ranks
 
 LLAMA = planner.PRESETS["llama3-8b"]
 QWEN = planner.PRESETS["qwen3-32b"]
@@ -85,7 +85,7 @@ def test_upipe_peak_grows_with_the_head_chunk_in_the_attention_regime():
 
 def test_invalid_inputs_are_refused():
     with pytest.raises(ValueError, match="multiple of gpus"):
-        planner.predict(LLAMA, planner.TrainSetup(), planner.Method("ulysses"), 1001)
+        planner.predict(LLAMA, planner.TrainSetup(), planner.AttentionScheme("ulysses"), 1001)
     with pytest.raises(ValueError, match="zero_stage"):
         planner.TrainSetup(zero_stage=4)
     with pytest.raises(ValueError, match="kernel"):
@@ -93,7 +93,7 @@ def test_invalid_inputs_are_refused():
     with pytest.raises(ValueError, match="offload_checkpoints"):
         planner.TrainSetup(checkpointing=False, offload_checkpoints=True)
     with pytest.raises(ValueError, match="head_chunk_size"):
-        planner.predict(LLAMA, planner.TrainSetup(), planner.Method("upipe", 12), 2**20)
+        planner.predict(LLAMA, planner.TrainSetup(), planner.AttentionScheme("upipe", 12), 2**20)
 
 
 def test_parse_tokens():
@@ -131,7 +131,11 @@ def test_layer_replay_matches_memtracker_on_cpu():
     )
     report = []
     for i, (kind, u, fused, seq, dtype, tiled, overlap) in enumerate(points):
-        method = planner.Method("ulysses") if kind == "alst" else planner.Method("upipe", u, fused, overlap)
+        method = (
+            planner.AttentionScheme("ulysses")
+            if kind == "alst"
+            else planner.AttentionScheme("upipe", u, fused, overlap)
+        )
         precision = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
         pred, where = planner.layer_peak_bytes(
             dims, method, seq, bench_cases.CALIBRATION_WORLD, precision, tiled_mlp=tiled

@@ -84,3 +84,19 @@ def test_default_is_group_size():
 def test_invalid(h, hkv, c, u, fragment):
     with pytest.raises(ValueError, match=fragment):
         build_plan(h, hkv, c, u)
+
+
+def test_head_layout_from_config_falls_back_like_transformers():
+    from ds_upipe.heads import HeadLayout
+
+    # no head_dim, no num_key_value_heads: hidden // heads and plain multi-head attention
+    plain = HeadLayout.from_config({"hidden_size": 64, "num_attention_heads": 8})
+    assert plain == HeadLayout(num_heads=8, num_kv_heads=8, head_dim=8)
+    gqa = HeadLayout.from_config(
+        {"text_config": {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32}}
+    )
+    assert gqa == HeadLayout(8, 2, 32)
+    assert gqa.valid_group_sizes() == [1, 2, 4, 8]
+    assert gqa.valid_head_chunk_sizes(4) == valid_head_chunk_sizes(8, 2, 4)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        HeadLayout.from_config({"hidden_size": 64})

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from ds_upipe import hf_integration
+from ds_upipe.integration import hf_integration
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -26,7 +26,8 @@ def parse_tokens(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a token count: {text!r} (use e.g. 4096, 128K, 1M, 2.5M)") from None
 
 
-def _token_list(text: str) -> list[int]:
+def parse_token_list(text: str) -> list[int]:
+    """ "4096,128K,1M" -> [4096, 131072, 1048576] (argparse type of the --seq options)."""
     return [parse_tokens(x) for x in text.split(",") if x.strip()]
 
 
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--overlap-comm", action="store_true", help="UPipe prefetches the next stage's all-to-alls")
     plan.add_argument(
         "--seq",
-        type=_token_list,
+        type=parse_token_list,
         default=None,
         help="sequence lengths of the table (default: the paper's 128K,...,5M)",
     )
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the layer).  Writes OUT.json and OUT.png.",
     )
     bench.add_argument("--world", type=int, default=4, help="ranks = sequence-parallel degree C (default 4)")
-    bench.add_argument("--seq", type=_token_list, default=[2048, 4096], help="global sequence lengths")
+    bench.add_argument("--seq", type=parse_token_list, default=[2048, 4096], help="global sequence lengths")
     bench.add_argument("--levels", default="core,layer", help="comma-separated: core, layer (default both)")
     bench.add_argument("--heads", type=int, default=32)
     bench.add_argument("--kv-heads", type=int, default=8)

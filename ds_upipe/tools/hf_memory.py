@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .patch import apply_upipe
+from hf_patches import apply_upipe
+
+from .memory import peak_snapshot
 
 Method = Literal["upipe_fused", "upipe_unfused", "alst"]
 Part = Literal["attention", "layer"]
@@ -69,10 +71,11 @@ def build_one_layer_model(
     seed: int = 0,
 ) -> nn.Module:
     """A one-layer ``LlamaModel`` (sdpa attention) with the given shapes, on CPU."""
-    from transformers import LlamaConfig, LlamaModel
+    from transformers import LlamaModel
 
-    config = LlamaConfig(
-        vocab_size=128,
+    from .models import tiny_config
+
+    config = tiny_config(
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=1,
@@ -80,7 +83,6 @@ def build_one_layer_model(
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         max_position_embeddings=1 << 22,
-        attn_implementation="sdpa",
         use_cache=False,
     )
     torch.manual_seed(seed)
@@ -143,7 +145,6 @@ def measure_peak_activation(
         warmup: run one untracked step first (lazy caches are then not counted; they are tiny).
     Every rank of the group must call it with the same arguments (it runs collectives).
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if method not in METHODS or part not in PARTS:
@@ -185,11 +186,7 @@ def measure_peak_activation(
             step()
             model.zero_grad(set_to_none=True)
             x.grad = None
-        tracker = MemTracker()
-        tracker.track_external(model, x, cos, sin, position_ids)
-        with tracker:
-            step()
-        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        peak = next(iter(peak_snapshot(step, [model, x, cos, sin, position_ids]).values()))
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = original_sdpa
     params, grads = peak.get("Parameter", 0), peak.get("Gradient", 0)

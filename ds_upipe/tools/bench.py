@@ -31,6 +31,9 @@ from typing import Any
 
 import torch
 
+from .memory import measure_peak, tensor_bytes
+from .ranks import free_port, set_rank_env
+
 LEVELS = ("core", "layer")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64, "float16": torch.float16}
 
@@ -68,7 +71,7 @@ class BenchSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        from .schedule import valid_head_chunk_sizes
+        from ..schedule import valid_head_chunk_sizes
 
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device!r}: must be 'cpu' or 'cuda'")
@@ -104,7 +107,7 @@ class BenchSpec:
 
     @property
     def chunk_sizes(self) -> list[int]:
-        from .schedule import valid_head_chunk_sizes
+        from ..schedule import valid_head_chunk_sizes
 
         return self.head_chunk_sizes or valid_head_chunk_sizes(self.heads, self.kv_heads, self.world)
 
@@ -139,57 +142,7 @@ class Measurement:
     time_ratio: float = math.nan
 
 
-# -- measuring one forward+backward ------------------------------------------------------------
-
-
-def measure_peak(step: Callable[[], Any], tracked: list[Any], device: torch.device) -> int:
-    """Peak bytes held during ``step()`` on this rank, counting ``tracked`` (the modules and tensors
-    made before the step) and everything the step allocates.
-
-    CPU: torch's MemTracker (deterministic).  CUDA: the allocator's peak above what was allocated
-    before the step, plus the tracked bytes (the same quantity)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        torch.cuda.synchronize(device)
-        held = sum(
-            tensor_bytes(*obj.parameters(), *obj.buffers()) if isinstance(obj, torch.nn.Module) else tensor_bytes(obj)
-            for obj in tracked
-        )
-        return int(torch.cuda.max_memory_allocated(device) - base + held)
-    tracker = _storage_tracker()
-    tracker.track_external(*tracked)
-    with tracker:
-        step()
-    return int(max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values()))
-
-
-class _NoModuleTracking:
-    """Stands in for MemTracker's ModTracker, whose backward hooks fail on modules called inside an
-    autograd Function's no-grad forward (DeepSpeed's TiledMLP calls gate/up/down_proj there).  The
-    per-storage accounting, and so the peak total, does not depend on it."""
-
-    is_bw = False
-    parents: set[str] = set()
-
-    def register_user_hooks(self, *hooks: Any) -> None: ...
-
-    def clear_user_hooks(self) -> None: ...
-
-    def __enter__(self) -> _NoModuleTracking:
-        return self
-
-    def __exit__(self, *args: Any) -> None: ...
-
-
-def _storage_tracker() -> Any:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracker._mod_tracker = _NoModuleTracking()
-    return tracker
+# -- timing one forward+backward ----------------------------------------------------------------
 
 
 def time_step(step: Callable[[], Any], repeats: int, warmup: int, device: torch.device) -> float:
@@ -210,10 +163,6 @@ def time_step(step: Callable[[], Any], repeats: int, warmup: int, device: torch.
     return statistics.median(times)
 
 
-def tensor_bytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
 # -- the attention-core level --------------------------------------------------------------------
 
 
@@ -229,8 +178,8 @@ def _core_attention(method: Method, spec: BenchSpec, group: Any) -> Callable[...
     """A function (q, k, v [b, s, h, d] local shards, position_ids) -> local output [b, s, h, d]."""
     from deepspeed.sequence.layer import DistributedAttention
 
-    from .kernels import TorchSDPAKernel
-    from .layer import UPipeDistributedAttention
+    from ..kernels import TorchSDPAKernel
+    from ..layer import UPipeDistributedAttention
 
     kernel = TorchSDPAKernel(causal=True)
     if method.kind == "deepspeed":
@@ -331,18 +280,16 @@ def _tiled_mlp_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def llama_config(spec: BenchSpec, layers: int = 1) -> Any:
     """The tiny Llama config of the layer level (no download)."""
-    from transformers import LlamaConfig
+    from .models import tiny_config
 
-    return LlamaConfig(
+    return tiny_config(
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads,
         head_dim=spec.head_dim,
         num_hidden_layers=layers,
-        vocab_size=128,
         max_position_embeddings=max(spec.seq_lens),
-        attn_implementation="sdpa",
     )
 
 
@@ -431,14 +378,7 @@ def _max_abs_diff(values: dict[str, torch.Tensor], ref: dict[str, torch.Tensor])
 def _rank_main(rank: int, spec: BenchSpec, port: int, queue: Any) -> None:
     """One rank: every case in order; sends ("progress", rank), then ("ok", rank, rows) or
     ("error", rank, traceback) to the parent."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(spec.world),
-        LOCAL_WORLD_SIZE=str(spec.world),
-    )
+    set_rank_env(rank, spec.world, port)
     if spec.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -472,14 +412,6 @@ def _rank_main(rank: int, spec: BenchSpec, port: int, queue: Any) -> None:
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_bench(spec: BenchSpec, show_progress: bool = True, timeout: float = 3600) -> list[Measurement]:
     """Spawn ``spec.world`` ranks, run every case, return the worst-rank measurements with ratios."""
     import queue as queue_mod
@@ -492,7 +424,7 @@ def run_bench(spec: BenchSpec, show_progress: bool = True, timeout: float = 3600
     total = sum(len(spec.methods(lvl)) * len(spec.seq_lens) for lvl in spec.levels)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, spec, port, queue)) for r in range(spec.world)]
     # the OpenMP pool is sized when a child imports torch: set its thread count before the spawn
     # (ranks sharing cores with spinning OpenMP threads slow down collectives several-fold)

@@ -19,7 +19,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, ValidationError, model_validator
 
-from .schedule import build_plan, check_head_counts, resolve_head_chunk_size, valid_head_chunk_sizes
+from ..schedule import (
+    build_plan,
+    check_head_counts,
+    resolve_head_chunk_size,
+    valid_group_sizes,
+    valid_head_chunk_sizes,
+)
 
 #: what each key accepts, quoted in error messages (and in docs/config.md)
 ALLOWED: dict[str, str] = {
@@ -134,7 +140,7 @@ def parse_config(ds_config: dict[str, Any]) -> SPSettings:
     if sp > 1 and zero_stage == 0:
         # Without ZeRO, DeepSpeed's engine averages gradients over world/sp ranks (engine.py,
         # _reduce_non_expert_gradients), the sp-times scale of DeepSpeed issue #5248; ZeRO 1-3 are
-        # corrected in ds_upipe.engine, stage 0 is not wired.
+        # corrected in ds_upipe.integration.engine, stage 0 is not wired.
         raise ValueError(
             f"invalid ds_config: zero_optimization.stage: got {zero_stage!r} with sequence_parallel_size={sp}; "
             "allowed: 1, 2 or 3 (sequence parallelism needs ZeRO)"
@@ -169,11 +175,7 @@ def check_heads(num_heads: int, num_kv_heads: int, sequence_parallel_size: int) 
     try:
         check_head_counts(num_heads, num_kv_heads, sequence_parallel_size)
     except ValueError as err:
-        valid = [
-            c
-            for c in range(1, num_heads + 1)
-            if num_heads % c == 0 and (num_kv_heads % c == 0 or c % num_kv_heads == 0)
-        ]
+        valid = valid_group_sizes(num_heads, num_kv_heads)
         raise ValueError(
             f"invalid ds_config: sequence_parallel_size: got {sequence_parallel_size} for a model with "
             f"num_attention_heads={num_heads}, num_key_value_heads={num_kv_heads}: {err}. "
@@ -197,7 +199,7 @@ def attention_stage_bytes(
     A simple analytic estimate, enough to choose a head chunk size: in backward a rank holds, over
     the full sequence, u = U/C query heads' q, out, dout, dq and the two all-to-all buffers (6u),
     the round's KV heads' k, v, dk, dv (4 kv) plus their float32 accumulators (8 bytes per kv
-    element), and the float32 lse of its u heads.  ds_upipe/planner.py refines this."""
+    element), and the float32 lse of its u heads.  ds_upipe/tools/planner.py refines this."""
     plan = build_plan(num_heads, num_kv_heads, group_size, head_chunk_size)
     u, kv = plan.heads_per_rank, plan.kv_heads_per_rank
     tokens = micro_batch_size * seq_length

@@ -24,7 +24,7 @@ computes the loss across the sequence ranks (``deepspeed_sp_compute_loss``).
    computes the loss across the sequence ranks, reporting each batch's loss once so that
    ``eval_loss`` equals the non-SP run's (also with accelerate's even-batches padding).  ALST
    registered through (1) keeps SP in eval too (``disable_in_eval=False``).
-3. The engine built with that mpu averages gradients over all ranks (``ds_upipe.engine``'s
+3. The engine built with that mpu averages gradients over all ranks (``ds_upipe.integration.engine``'s
    correction of DeepSpeed issue #5248), so ZeRO-1/2 gradients equal the non-SP run's as ZeRO-3's do.
 4. ``TrainingArguments(deepspeed=...)`` brings up ``deepspeed.comm`` on CPU, so that
    ``from_pretrained`` under ZeRO-3's ``zero.Init`` works there (``_wrap_trainer_config_process``).
@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from typing import Any
 
 import deepspeed
@@ -45,12 +46,9 @@ import torch
 from deepspeed.runtime.sequence_parallel import ulysses_sp
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
+from ..heads import HeadLayout
 from .config import SPSettings, choose_head_chunk_size, parse_config
-from .engine import (
-    apply_upipe_settings,
-    average_gradients_over_all_ranks,
-    configure_activation_checkpointing,
-)
+from .sp_setup import apply_upipe_settings, average_gradients_over_all_ranks, configure_activation_checkpointing
 
 #: what enable() replaced, to restore in disable(): (owner, attribute) -> original
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
@@ -241,9 +239,7 @@ def _register_upipe(args: dict[str, Any], settings: SPSettings) -> Any:
     sp = args["sequence_parallel_size"]
     head_chunk_size = choose_head_chunk_size(
         settings.upipe,
-        num_heads=text.num_attention_heads,
-        num_kv_heads=text.num_key_value_heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        **asdict(HeadLayout.from_config(text)),
         group_size=sp,
         micro_batch_size=args["micro_batch_size"] or 1,
         dtype_bytes=settings.dtype_bytes,

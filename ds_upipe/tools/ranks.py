@@ -1,4 +1,5 @@
-"""Multi-process CPU test harness: one spawn runs many cases.
+"""Spawning local ranks: the multi-process CPU harness of the tests (one spawn runs many cases) and
+the port and environment that ``ds-upipe bench`` uses for its own ranks.
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes over gloo on a free port, calls
 ``fn(rank, world_size, *args)`` in each and returns the per-rank return values.  Any exception on
@@ -24,7 +25,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, use_deepspeed: bool, fn, args, results) -> None:
+def set_rank_env(rank: int, world_size: int, port: int) -> None:
+    """The environment torch.distributed / deepspeed.init_distributed read for one local rank."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -32,9 +34,12 @@ def _worker(rank: int, world_size: int, port: int, use_deepspeed: bool, fn, args
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1",
-        DS_ACCELERATOR="cpu",
     )
+
+
+def _worker(rank: int, world_size: int, port: int, use_deepspeed: bool, fn, args, results) -> None:
+    set_rank_env(rank, world_size, port)
+    os.environ.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     import torch
     import torch.distributed as dist
 

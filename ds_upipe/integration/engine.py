@@ -3,7 +3,7 @@
 What it adds to DeepSpeed's own initialize, in order:
 
 1. reads the ds_config (path, dict, or ``args.deepspeed_config``) and validates our part of it
-   (ds_upipe.config) before any collective, so a bad config raises the same ValueError on every rank;
+   (ds_upipe.integration.config) before any collective, so a bad config raises the same ValueError on every rank;
 2. creates the sequence-parallel groups with DeepSpeed's ``parallel_state_sp`` (contiguous ranks form
    a group; ZeRO shards and reduces over all ranks, its "sequence data parallel" group) and passes
    that module as the engine's mpu, as ALST does;
@@ -36,19 +36,16 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from .config import (
-    SPSettings,
-    check_heads,
-    check_world,
-    choose_head_chunk_size,
-    load_config,
-    micro_batch_size,
-    parse_config,
-)
+from .config import check_heads, check_world, load_config, micro_batch_size, parse_config
 from .process_exit import release_shm_at_exit
-
-#: attention functions ALST replaced in transformers' process-global registry, to restore them
-_REPLACED_ATTENTION: dict[str, Callable[..., Any]] = {}
+from .sp_setup import (
+    average_gradients_over_all_ranks,
+    configure_activation_checkpointing,
+    model_head_layout,
+    register_alst,
+    restore_attention_functions,
+    setup_upipe,
+)
 
 
 def initialize(
@@ -94,26 +91,18 @@ def initialize(
     _undo_earlier_initialize()
 
     if sp > 1:
-        text_config = _hf_text_config(model)
-        check_heads(text_config.num_attention_heads, text_config.num_key_value_heads, sp)
+        layout = model_head_layout(model)
+        check_heads(layout.num_heads, layout.num_kv_heads, sp)
         _check_data_parallel_size(ds_config, dp)
+        # ours to change (load_config copied it): DeepSpeed builds its own device mesh when the config
+        # has both sizes, which would bypass the sequence-parallel groups
+        ds_config.pop("data_parallel_size", None)
         mb = micro_batch_size(ds_config, dp)
         if settings.upipe.enabled:
-            mpu = sequence_parallel_mpu(sp)
-            head_chunk_size = choose_head_chunk_size(
-                settings.upipe,
-                num_heads=text_config.num_attention_heads,
-                num_kv_heads=text_config.num_key_value_heads,
-                head_dim=getattr(text_config, "head_dim", None)
-                or text_config.hidden_size // text_config.num_attention_heads,
-                group_size=sp,
-                micro_batch_size=mb,
-                dtype_bytes=settings.dtype_bytes,
-            )
-            apply_upipe_settings(model, mpu.get_sequence_parallel_group(), head_chunk_size, settings)
+            mpu, head_chunk_size = setup_upipe(model, settings, mb)
         else:
-            head_chunk_size = text_config.num_attention_heads  # plain Ulysses: all heads in one stage
-            mpu = _register_alst(model, sp, mb)
+            head_chunk_size = layout.num_heads  # plain Ulysses: all heads in one stage
+            mpu = register_alst(model, sp, mb)
     else:
         head_chunk_size = None
 
@@ -211,19 +200,8 @@ def _resolve_config(args: Any, config: str | dict[str, Any] | None) -> tuple[dic
     return load_config(config), args
 
 
-def _hf_text_config(model: torch.nn.Module) -> Any:
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "get_text_config"):
-        raise ValueError(
-            f"sequence_parallel_size > 1 needs a HuggingFace transformers model (with .config); "
-            f"got {type(model).__name__}. For other models use ds_upipe.UPipeDistributedAttention directly."
-        )
-    return config.get_text_config()
-
-
 def _check_data_parallel_size(ds_config: dict[str, Any], dp: int) -> None:
-    # DeepSpeed builds its own device mesh when both sizes are in the config, which would bypass ours.
-    value = ds_config.pop("data_parallel_size", None)
+    value = ds_config.get("data_parallel_size")
     if value is not None and value != dp:
         raise ValueError(
             f"invalid ds_config: data_parallel_size: got {value!r}; allowed: {dp} (world size / "
@@ -237,100 +215,13 @@ def _undo_earlier_initialize() -> None:
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
     from deepspeed.utils import groups
 
-    if _REPLACED_ATTENTION:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        for name, fn in _REPLACED_ATTENTION.items():
-            ALL_ATTENTION_FUNCTIONS[name] = fn
-        _REPLACED_ATTENTION.clear()
+    restore_attention_functions()
     # DeepSpeed sets these module globals only when given an mpu, so a later non-SP engine (and its
     # activation checkpointing) would inherit the sequence-parallel one
     if groups.mpu is parallel_state_sp:
         groups.mpu = None
     if ds_checkpointing.mpu is parallel_state_sp:
         ds_checkpointing.mpu = None
-
-
-def sequence_parallel_mpu(sp: int) -> Any:
-    """DeepSpeed's parallel_state_sp with groups of size ``sp`` (reused if they already exist)."""
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
-
-    if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
-        if parallel_state_sp.get_sequence_parallel_world_size() == sp:
-            return parallel_state_sp
-        parallel_state_sp._release_sequence_parallel_groups()
-    parallel_state_sp.initialize_sequence_parallel(sequence_parallel_size=sp)
-    return parallel_state_sp
-
-
-def _register_alst(model: torch.nn.Module, sp: int, mb: int) -> Any:
-    """DeepSpeed ALST's Ulysses on this model; returns its mpu (parallel_state_sp)."""
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    impl = model.config._attn_implementation
-    if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
-        parallel_state_sp._release_sequence_parallel_groups()  # register_with_transformers creates them
-    original = ALL_ATTENTION_FUNCTIONS.get(impl)
-    mpu = UlyssesSPAttentionHF.register_with_transformers(
-        model_name_or_path=model,
-        core_attn_implementation=impl,
-        sequence_parallel_size=sp,
-        micro_batch_size=mb,
-        seq_length_is_variable=True,
-    )
-    if original is not None:
-        _REPLACED_ATTENTION[impl] = original
-    return mpu
-
-
-def apply_upipe_settings(model: torch.nn.Module, group: Any, head_chunk_size: int, settings: SPSettings) -> None:
-    try:
-        from hf_patches import apply_upipe
-    except ImportError as err:
-        raise ValueError(
-            "upipe.enabled=true needs hf_patches.apply_upipe (part of ds-upipe); it could not be imported: "
-            f"{err}. Set upipe.enabled=false to run DeepSpeed ALST's Ulysses instead"
-        ) from err
-    upipe = settings.upipe
-    apply_upipe(
-        model,
-        group,
-        head_chunk_size=head_chunk_size,
-        fused_projections=upipe.fused_projections,
-        kernel=upipe.kernel,
-        overlap_comm=upipe.overlap_comm,
-    )
-
-
-def configure_activation_checkpointing(
-    model: torch.nn.Module, ds_config: dict[str, Any], settings: SPSettings, mpu: Any
-) -> None:
-    """Make the ds_config's activation_checkpointing section (or upipe.offload_checkpoints) apply.
-
-    HF layers then checkpoint through ``deepspeed.checkpointing.checkpoint``, which keeps only each
-    layer's input (sequence-sharded under SP) and, with ``cpu_checkpointing`` or
-    ``upipe.offload_checkpoints``, keeps it in host memory until backward.  Partitioning checkpoints
-    across the sequence group is refused in ds_upipe.config.  Without either setting a model's own
-    HF gradient checkpointing (``gradient_checkpointing_enable``) is left as the user set it."""
-    section = ds_config.get("activation_checkpointing")
-    offload = settings.upipe.offload_checkpoints
-    if section is None and not offload:
-        return
-    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
-
-    in_cpu = True if offload else None
-    if get_accelerator().device_name() == "cpu":
-        # Activations already live in host memory, and DeepSpeed's cpu_checkpointing path breaks
-        # there: its copy to "cpu" returns the input itself, which it then empties (checkpointing.py,
-        # get_cpu_activations_for_backward), so backward replays the layer on an empty tensor.
-        in_cpu = False
-    ds_checkpointing.configure(mpu, deepspeed_config=ds_config, checkpoint_in_cpu=in_cpu)
-    if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "_set_gradient_checkpointing"):
-        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=ds_checkpointing.checkpoint)
-        # DeepSpeed's checkpoint is reentrant: backward reaches a layer only if its input requires grad
-        model.enable_input_require_grads()
 
 
 def _sequence_parallel_loader(
@@ -352,47 +243,3 @@ def _sequence_parallel_loader(
     return sequence_parallel_dataloader(
         loader, mpu.get_sequence_parallel_group(), device=get_accelerator().current_device_name()
     )
-
-
-def average_gradients_over_all_ranks(engine: Any) -> None:
-    """Make DeepSpeed divide the summed gradients by the world size, and measure their norm right.
-
-    With the full-sequence loss on every rank (module docstring), a sequence group's gradients sum
-    to sp times the sample's gradient, and the average that gives the non-SP gradient is
-    sum / world_size.  ZeRO-3's default reduce-scatter
-    (stage3.py ``__avg_scatter_grads`` via ``reduce_scatter_coalesced``) divides by the world size.
-    ZeRO-1/2 divide by ``world_size / sequence_parallel_size`` instead (stage_1_and_2.py:
-    ``gradient_reduction_w_predivide``, ``average_tensor``, ``allreduce_bucket``), as do ZeRO-3's
-    contiguous all-reduce paths (``__avg_scatter_contiguous_grads``, ``allreduce_bucket``): sp times
-    too large, DeepSpeed issue #5248.  That divisor is the optimizer's ``sequence_parallel_size``
-    attribute; the only other reader is a switch that forces float32 communication in ZeRO-1/2's
-    non-reduce-scatter all-reduce (which then uses the configured communication dtype).  Setting it
-    to 1 fixes the average at every ZeRO stage, in one place.
-
-    DeepSpeed's ``BF16_Optimizer`` (ZeRO-1 with bf16 and ``data_types.grad_accum_dtype: fp32``) is
-    not a ZeRO optimizer: see ``_fix_bf16_optimizer``."""
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-
-    optimizer = engine.optimizer
-    if isinstance(optimizer, BF16_Optimizer):
-        _fix_bf16_optimizer(engine, optimizer)
-    elif hasattr(optimizer, "sequence_parallel_size"):
-        optimizer.sequence_parallel_size = 1
-
-
-def _fix_bf16_optimizer(engine: Any, optimizer: Any) -> None:
-    """Gradient scale and norm of DeepSpeed's BF16_Optimizer under the sequence-parallel mpu.
-
-    Scale: its gradients are all-reduced by the engine (``_reduce_non_expert_gradients``), which
-    divides by ``world_size / engine.sequence_parallel_size``, the same sp-times error as ZeRO-1/2;
-    after initialize that division is the attribute's only reader (engine.py), so it is set to 1.
-
-    Norm: every rank then holds the whole averaged float32 gradient.  The optimizer counts a
-    gradient only on "tensor-model-parallel rank 0" and sums over the "model-parallel group"
-    (``get_grads_for_norm``, ``get_global_norm_of_tensors``), and parallel_state_sp reports the
-    sequence-parallel rank and group as those: ranks 1.. of a group count nothing (an empty stack
-    raises there).  Without an mpu each rank takes the norm of its own full, identical gradient,
-    which is the non-SP norm; the mpu is read nowhere else in the optimizer except Muon's check at
-    construction."""
-    engine.sequence_parallel_size = 1
-    optimizer.mpu = None

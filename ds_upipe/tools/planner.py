@@ -38,7 +38,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .schedule import build_plan, valid_head_chunk_sizes
+from ..heads import HeadLayout
+from ..schedule import build_plan, valid_head_chunk_sizes
 
 GiB = 2**30
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -112,13 +113,13 @@ class ModelDims:
         missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers") if k not in cfg]
         if missing:
             raise ValueError(f"config lacks {missing}: not a Llama-family transformers config")
-        heads = cfg["num_attention_heads"]
+        heads = HeadLayout.from_config(cfg)
         model_type = cfg.get("model_type", "")
         return ModelDims(
             name=name,
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            num_heads=heads.num_heads,
+            num_kv_heads=heads.num_kv_heads,
+            head_dim=heads.head_dim,
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg.get("intermediate_size", 4 * cfg["hidden_size"]),
             num_layers=cfg["num_hidden_layers"],
@@ -155,7 +156,7 @@ def model_dims(name_or_path: str) -> ModelDims:
 
 
 @dataclass(frozen=True)
-class Method:
+class AttentionScheme:
     """``ulysses`` is DeepSpeed ALST's UlyssesSPAttentionHF; ``upipe`` is ours at head chunk U."""
 
     kind: str  # "ulysses" | "upipe"
@@ -220,10 +221,10 @@ class TrainSetup:
         return DTYPE_BYTES[self.dtype]
 
 
-def methods_for(dims: ModelDims, gpus: int, fused: bool = True, overlap_comm: bool = False) -> list[Method]:
+def methods_for(dims: ModelDims, gpus: int, fused: bool = True, overlap_comm: bool = False) -> list[AttentionScheme]:
     """Ulysses, then UPipe at every valid U (smallest first)."""
     us = valid_head_chunk_sizes(dims.num_heads, dims.num_kv_heads, gpus)
-    return [Method("ulysses")] + [Method("upipe", u, fused, overlap_comm) for u in us]
+    return [AttentionScheme("ulysses")] + [AttentionScheme("upipe", u, fused, overlap_comm) for u in us]
 
 
 # -- the replaying allocator ---------------------------------------------------------------------
@@ -703,7 +704,7 @@ def _prefetched(sim: Sim, n: int, start, copy: bool, tag: str, overlap: bool):
             pending = start()
 
 
-def _upipe_attention(sim: Sim, sh: Shapes, method: Method, n1: Buf, grad: bool, params: _Params):
+def _upipe_attention(sim: Sim, sh: Shapes, method: AttentionScheme, n1: Buf, grad: bool, params: _Params):
     """ds_upipe.pipeline's stage loop inside hf_patches' FusedUPipeAttention (fused; o_proj inside
     the node) or inside UPipeAttentionFunction behind transformers' attention registry (unfused).
 
@@ -919,7 +920,7 @@ def _mlp(sim: Sim, sh: Shapes, x: Buf, grad: bool, params: _Params):
 # -- the decoder layer ----------------------------------------------------------------------------
 
 
-def layer_step(sim: Sim, sh: Shapes, method: Method, grad: bool = True) -> None:
+def layer_step(sim: Sim, sh: Shapes, method: AttentionScheme, grad: bool = True) -> None:
     """One LlamaDecoderLayer forward (saving for backward when ``grad``) and, when ``grad``, its
     backward.  The layer input x and the incoming dy belong to the caller (counted as resident);
     the layer output stays alive to the end (it is the next layer's input)."""
@@ -959,7 +960,7 @@ def layer_step(sim: Sim, sh: Shapes, method: Method, grad: bool = True) -> None:
     params.release()
 
 
-def layer_saved_bytes(sh: Shapes, method: Method) -> int:
+def layer_saved_bytes(sh: Shapes, method: AttentionScheme) -> int:
     """Bytes one layer keeps for its backward (live after a grad forward, output included)."""
     probe = _ForwardProbe()
     try:
@@ -992,7 +993,7 @@ class _ForwardProbe(Sim):
 
 def layer_peak_bytes(
     dims: ModelDims,
-    method: Method,
+    method: AttentionScheme,
     seq: int,
     gpus: int,
     dtype: str = "fp32",
@@ -1088,7 +1089,7 @@ def _loss_step(sim: Sim, dims: ModelDims, sh: Shapes, tiled: bool) -> None:
     sim.free(dx, xn)
 
 
-def predict(dims: ModelDims, setup: TrainSetup, method: Method, seq_len: int) -> Prediction:
+def predict(dims: ModelDims, setup: TrainSetup, method: AttentionScheme, seq_len: int) -> Prediction:
     """Peak memory of one GPU for one training step at ``seq_len`` tokens (the whole sequence,
     split over ``setup.gpus`` sequence-parallel ranks)."""
     if seq_len < setup.gpus or seq_len % setup.gpus:
@@ -1140,7 +1141,7 @@ def predict(dims: ModelDims, setup: TrainSetup, method: Method, seq_len: int) ->
 
 
 def max_context(
-    dims: ModelDims, setup: TrainSetup, method: Method, granularity: int = 2**14, limit: int = 2**28
+    dims: ModelDims, setup: TrainSetup, method: AttentionScheme, granularity: int = 2**14, limit: int = 2**28
 ) -> int:
     """The largest sequence length, a multiple of ``granularity`` (and of the GPU count), that fits;
     0 when not even one step fits.  Memory grows with the length, so a doubling then bisection."""

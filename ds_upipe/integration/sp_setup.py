@@ -1,0 +1,188 @@
+"""The one sequence-parallel setup behind ``ds_upipe.initialize`` (engine.py) and the HF Trainer /
+accelerate path (hf_integration.py).
+
+- the mpu: DeepSpeed's ``parallel_state_sp`` groups (contiguous ranks), as ALST builds them;
+- UPipe on a HuggingFace model (``setup_upipe``: head layout check, head chunk size from the
+  ``"upipe"`` block, ``hf_patches.apply_upipe``) or DeepSpeed ALST's Ulysses (``register_alst``);
+- the ds_config's ``activation_checkpointing`` section applied to the model's layers;
+- the ZeRO / BF16_Optimizer gradient-average correction (DeepSpeed issue #5248).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from ..heads import HeadLayout
+from .config import SPSettings, check_heads, choose_head_chunk_size
+
+#: attention functions ALST replaced in transformers' process-global registry, to restore them
+REPLACED_ATTENTION: dict[str, Callable[..., Any]] = {}
+
+
+def model_head_layout(model: torch.nn.Module) -> HeadLayout:
+    """The head layout of a HuggingFace model; ValueError for anything else."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config"):
+        raise ValueError(
+            f"sequence_parallel_size > 1 needs a HuggingFace transformers model (with .config); "
+            f"got {type(model).__name__}. For other models use ds_upipe.UPipeDistributedAttention directly."
+        )
+    return HeadLayout.from_config(config)
+
+
+def setup_upipe(model: torch.nn.Module, settings: SPSettings, micro_batch_size: int) -> tuple[Any, int]:
+    """UPipe on ``model`` over new (or reused) sequence-parallel groups; returns (mpu, head chunk size)."""
+    sp = settings.sequence_parallel_size
+    layout = model_head_layout(model)
+    check_heads(layout.num_heads, layout.num_kv_heads, sp)
+    mpu = sequence_parallel_mpu(sp)
+    head_chunk_size = choose_head_chunk_size(
+        settings.upipe,
+        **asdict(layout),
+        group_size=sp,
+        micro_batch_size=micro_batch_size,
+        dtype_bytes=settings.dtype_bytes,
+    )
+    apply_upipe_settings(model, mpu.get_sequence_parallel_group(), head_chunk_size, settings)
+    return mpu, head_chunk_size
+
+
+def restore_attention_functions() -> None:
+    """Undo ``register_alst``'s change to transformers' attention registry."""
+    if REPLACED_ATTENTION:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        for name, fn in REPLACED_ATTENTION.items():
+            ALL_ATTENTION_FUNCTIONS[name] = fn
+        REPLACED_ATTENTION.clear()
+
+
+def sequence_parallel_mpu(sp: int) -> Any:
+    """DeepSpeed's parallel_state_sp with groups of size ``sp`` (reused if they already exist)."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
+        if parallel_state_sp.get_sequence_parallel_world_size() == sp:
+            return parallel_state_sp
+        parallel_state_sp._release_sequence_parallel_groups()
+    parallel_state_sp.initialize_sequence_parallel(sequence_parallel_size=sp)
+    return parallel_state_sp
+
+
+def register_alst(model: torch.nn.Module, sp: int, mb: int) -> Any:
+    """DeepSpeed ALST's Ulysses on this model; returns its mpu (parallel_state_sp)."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    impl = model.config._attn_implementation
+    if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
+        parallel_state_sp._release_sequence_parallel_groups()  # register_with_transformers creates them
+    original = ALL_ATTENTION_FUNCTIONS.get(impl)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model,
+        core_attn_implementation=impl,
+        sequence_parallel_size=sp,
+        micro_batch_size=mb,
+        seq_length_is_variable=True,
+    )
+    if original is not None:
+        REPLACED_ATTENTION[impl] = original
+    return mpu
+
+
+def apply_upipe_settings(model: torch.nn.Module, group: Any, head_chunk_size: int, settings: SPSettings) -> None:
+    try:
+        from hf_patches import apply_upipe
+    except ImportError as err:
+        raise ValueError(
+            "upipe.enabled=true needs hf_patches.apply_upipe (part of ds-upipe); it could not be imported: "
+            f"{err}. Set upipe.enabled=false to run DeepSpeed ALST's Ulysses instead"
+        ) from err
+    upipe = settings.upipe
+    apply_upipe(
+        model,
+        group,
+        head_chunk_size=head_chunk_size,
+        fused_projections=upipe.fused_projections,
+        kernel=upipe.kernel,
+        overlap_comm=upipe.overlap_comm,
+    )
+
+
+def configure_activation_checkpointing(
+    model: torch.nn.Module, ds_config: dict[str, Any], settings: SPSettings, mpu: Any
+) -> None:
+    """Make the ds_config's activation_checkpointing section (or upipe.offload_checkpoints) apply.
+
+    HF layers then checkpoint through ``deepspeed.checkpointing.checkpoint``, which keeps only each
+    layer's input (sequence-sharded under SP) and, with ``cpu_checkpointing`` or
+    ``upipe.offload_checkpoints``, keeps it in host memory until backward.  Partitioning checkpoints
+    across the sequence group is refused in ds_upipe.integration.config.  Without either setting a model's own
+    HF gradient checkpointing (``gradient_checkpointing_enable``) is left as the user set it."""
+    section = ds_config.get("activation_checkpointing")
+    offload = settings.upipe.offload_checkpoints
+    if section is None and not offload:
+        return
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+
+    in_cpu = True if offload else None
+    if get_accelerator().device_name() == "cpu":
+        # Activations already live in host memory, and DeepSpeed's cpu_checkpointing path breaks
+        # there: its copy to "cpu" returns the input itself, which it then empties (checkpointing.py,
+        # get_cpu_activations_for_backward), so backward replays the layer on an empty tensor.
+        in_cpu = False
+    ds_checkpointing.configure(mpu, deepspeed_config=ds_config, checkpoint_in_cpu=in_cpu)
+    if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "_set_gradient_checkpointing"):
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=ds_checkpointing.checkpoint)
+        # DeepSpeed's checkpoint is reentrant: backward reaches a layer only if its input requires grad
+        model.enable_input_require_grads()
+
+
+def average_gradients_over_all_ranks(engine: Any) -> None:
+    """Make DeepSpeed divide the summed gradients by the world size, and measure their norm right.
+
+    With the full-sequence loss on every rank (module docstring), a sequence group's gradients sum
+    to sp times the sample's gradient, and the average that gives the non-SP gradient is
+    sum / world_size.  ZeRO-3's default reduce-scatter
+    (stage3.py ``__avg_scatter_grads`` via ``reduce_scatter_coalesced``) divides by the world size.
+    ZeRO-1/2 divide by ``world_size / sequence_parallel_size`` instead (stage_1_and_2.py:
+    ``gradient_reduction_w_predivide``, ``average_tensor``, ``allreduce_bucket``), as do ZeRO-3's
+    contiguous all-reduce paths (``__avg_scatter_contiguous_grads``, ``allreduce_bucket``): sp times
+    too large, DeepSpeed issue #5248.  That divisor is the optimizer's ``sequence_parallel_size``
+    attribute; the only other reader is a switch that forces float32 communication in ZeRO-1/2's
+    non-reduce-scatter all-reduce (which then uses the configured communication dtype).  Setting it
+    to 1 fixes the average at every ZeRO stage, in one place.
+
+    DeepSpeed's ``BF16_Optimizer`` (ZeRO-1 with bf16 and ``data_types.grad_accum_dtype: fp32``) is
+    not a ZeRO optimizer: see ``_fix_bf16_optimizer``."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    optimizer = engine.optimizer
+    if isinstance(optimizer, BF16_Optimizer):
+        _fix_bf16_optimizer(engine, optimizer)
+    elif hasattr(optimizer, "sequence_parallel_size"):
+        optimizer.sequence_parallel_size = 1
+
+
+def _fix_bf16_optimizer(engine: Any, optimizer: Any) -> None:
+    """Gradient scale and norm of DeepSpeed's BF16_Optimizer under the sequence-parallel mpu.
+
+    Scale: its gradients are all-reduced by the engine (``_reduce_non_expert_gradients``), which
+    divides by ``world_size / engine.sequence_parallel_size``, the same sp-times error as ZeRO-1/2;
+    after initialize that division is the attribute's only reader (engine.py), so it is set to 1.
+
+    Norm: every rank then holds the whole averaged float32 gradient.  The optimizer counts a
+    gradient only on "tensor-model-parallel rank 0" and sums over the "model-parallel group"
+    (``get_grads_for_norm``, ``get_global_norm_of_tensors``), and parallel_state_sp reports the
+    sequence-parallel rank and group as those: ranks 1.. of a group count nothing (an empty stack
+    raises there).  Without an mpu each rank takes the norm of its own full, identical gradient,
+    which is the non-SP norm; the mpu is read nowhere else in the optimizer except Muon's check at
+    construction."""
+    engine.sequence_parallel_size = 1
+    optimizer.mpu = None
