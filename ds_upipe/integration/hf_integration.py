@@ -273,8 +273,8 @@ def _unfused_state(text_config: Any, group: Any, head_chunk_size: int, settings:
     """The UPipe settings of the registered core attention function (the unfused path)."""
     from hf_patches import UPipeState
 
-    from .kernels import make_kernel
-    from .schedule import build_plan
+    from ..kernels import make_kernel
+    from ..schedule import build_plan
 
     group_size = torch.distributed.get_world_size(group)
     return UPipeState(
@@ -354,7 +354,6 @@ def _sequence_parallel_in_training_only(model: torch.nn.Module, core: str) -> No
     from hf_patches.inputs import check_and_prepare
 
     state = upipe_state(model)
-    group, group_size = state.group, state.group_size
     for module in model.modules():
         handle = module.__dict__.get("_upipe_input_hook")  # apply_upipe's hook on the base model
         if handle is not None:
@@ -364,7 +363,7 @@ def _sequence_parallel_in_training_only(model: torch.nn.Module, core: str) -> No
                 impl = ATTN_IMPLEMENTATION if base.training else core
                 if base.config._attn_implementation != impl:
                     base.set_attn_implementation(impl)
-                return check_and_prepare(base, args, kwargs, group, group_size) if base.training else None
+                return check_and_prepare(base, args, kwargs, base._upipe_state) if base.training else None
 
             module._upipe_input_hook = module.register_forward_pre_hook(prepare, with_kwargs=True)
         if module.__dict__.get("_upipe_state") is state and "forward" in module.__dict__:  # fused attention
