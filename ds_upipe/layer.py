@@ -111,7 +111,7 @@ class UPipeDistributedAttention(DistributedAttention):
             causal=None if kernel is None else bool(kernel.causal),
             softmax_scale=None if kernel is None else kernel.softmax_scale,
             ring_size=self.ring_size,
-            ring_overlap=self.ring_overlap,
+            ring_overlap=self.ring_overlap and self.ring_size > 1,  # moot without a ring
         )
 
     def plan_for(self, num_heads: int, num_kv_heads: int) -> StagePlan:

@@ -237,7 +237,7 @@ class RingAttentionKernel(AttentionKernel):
     blocks alive instead of one during compute); the backward then also lets dK/dV travel while the
     next block computes.
 
-    ``work`` counts the query-key products each call keeps (per batch row and head summed over them),
+    ``work`` counts the query-key products the inner calls keep, summed over batch rows and heads,
     forward and backward, so tests can check the load balance on what ran."""
 
     name = "ring"
@@ -300,7 +300,6 @@ class RingAttentionKernel(AttentionKernel):
         size, block_len = self.ring_size, q.shape[2]
         per_step = len(aux) // size
         acc = _accumulation_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         pending_kv = pending_grad = None
         for step in range(size):
             if step > 0:
@@ -320,17 +319,14 @@ class RingAttentionKernel(AttentionKernel):
                 tuple(aux[step * per_step : (step + 1) * per_step]),
             )
             self._count(q, pair, block_len)
-            dq[:, :, pair.query] += dq_b
-            # the dK/dV of the K/V block held now, as summed by the ranks that held it before
-            if step == 0:
-                dk, dv = (
-                    torch.zeros(k.shape, dtype=acc, device=k.device),
-                    torch.zeros(v.shape, dtype=acc, device=v.device),
-                )
+            if step == 0:  # the rank's own block, all rows and columns: its gradients start the sums
+                dq, dk, dv = (g.to(acc) for g in (dq_b, dk_b, dv_b))
             else:
+                dq[:, :, pair.query] += dq_b
+                # the dK/dV of the K/V block held now, as summed by the ranks that held it before
                 dk, dv = pending_grad.wait()
-            dk[:, :, pair.key] += dk_b
-            dv[:, :, pair.key] += dv_b
+                dk[:, :, pair.key] += dk_b
+                dv[:, :, pair.key] += dv_b
             del dq_b, dk_b, dv_b
             # the K/V block moves on to the next rank now, so its gradient does too (after the last
             # step the block's own rank is next: it receives the complete sum)
@@ -367,7 +363,8 @@ def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> No
     union of their keys.  sigmoid/logsigmoid form of exp(l_i - l) weights (ring-flash-attention's):
     no exp of a large difference, and a block lse of -inf contributes nothing."""
     weight = torch.sigmoid(block_lse - lse).unsqueeze(-1)
-    out.sub_(weight * (out - block_out.to(out.dtype)))
+    # out + w (block_out - out), reusing the block's buffer (a copy only when it is lower precision)
+    out.addcmul_(block_out.to(out.dtype).sub_(out), weight)
     lse.sub_(F.logsigmoid(lse - block_lse))
 
 
