@@ -12,6 +12,7 @@ from torch import Tensor
 
 from .kernels import AttentionKernel
 from .pipeline import PipelineContext, PlanIndices, UPipeAttentionFunction
+from .ring import RingAttentionKernel, SequenceLayout, zigzag_positions
 from .schedule import StagePlan, build_plan
 from .validation import LayerSettings, check_inputs, gather_inputs
 
@@ -33,6 +34,14 @@ class UPipeDistributedAttention(DistributedAttention):
     stage computes (two stages' input buffers alive instead of one).  DeepSpeed's ``sp_stream`` is
     accepted for signature compatibility; the asynchronous collectives use the backend's own stream.
 
+    ``ring_group`` (None: no ring) makes it UPipe x Ring: ``sequence_process_group`` is then the
+    Ulysses group (C_u ranks, within a node) and each stage attends over the whole sequence by ring
+    attention over ``ring_group`` (R ranks, across nodes; ``ds_upipe.ring.RingAttentionKernel``), so
+    ``local_attention`` must be an ``AttentionKernel``.  Each rank holds its zigzag shard
+    (``ds_upipe.ring.zigzag_shard``), and both groups come from ``ds_upipe.ring.build_sequence_groups``.
+    ``ring_overlap`` (None: follow ``overlap_comm``) sends the next K/V block while the current one
+    computes.
+
     ``validate_inputs`` exchanges every rank's shapes, dtypes and settings (head_chunk_size,
     overlap_comm, scatter_idx, the kernel's causal and softmax_scale) once per forward (one tiny
     all_gather) so a bad input, or ranks configured differently, raise the same ValueError on all
@@ -51,6 +60,8 @@ class UPipeDistributedAttention(DistributedAttention):
         head_chunk_size: int | None = None,
         overlap_comm: bool = False,
         validate_inputs: bool = True,
+        ring_group: dist.ProcessGroup | None = None,
+        ring_overlap: bool | None = None,
     ) -> None:
         # DeepSpeed's overlap handles belong to its own forward; UPipe runs its own loop.
         super().__init__(local_attention, sequence_process_group, scatter_idx, gather_idx, None, num_kv_heads)
@@ -62,6 +73,9 @@ class UPipeDistributedAttention(DistributedAttention):
         self.overlap_comm = overlap_comm
         self.validate_inputs = validate_inputs
         self.requested_sp_stream = sp_stream
+        self.ring_group = ring_group
+        self.ring_overlap = overlap_comm if ring_overlap is None else ring_overlap
+        self._ring_kernel: RingAttentionKernel | None = None
         #: number of stages this module has run (forward + backward)
         self.stage_runs = [0]
         self._indices: dict[tuple[StagePlan, torch.device], PlanIndices] = {}
@@ -69,6 +83,22 @@ class UPipeDistributedAttention(DistributedAttention):
     @property
     def group_size(self) -> int:
         return dist.get_world_size(self.spg) if dist.is_initialized() else 1
+
+    @property
+    def ring_size(self) -> int:
+        return dist.get_world_size(self.ring_group) if self.ring_group is not None and dist.is_initialized() else 1
+
+    @property
+    def layout(self) -> SequenceLayout:
+        return SequenceLayout(self.group_size, self.ring_size)
+
+    def attention_kernel(self) -> AttentionKernel | Callable[..., Tensor]:
+        """What each stage runs: the local attention, or ring attention around it when there is a ring."""
+        if self.ring_size == 1:
+            return self.local_attn
+        if self._ring_kernel is None:
+            self._ring_kernel = RingAttentionKernel(self.local_attn, self.ring_group, overlap=self.ring_overlap)
+        return self._ring_kernel
 
     def layer_settings(self) -> LayerSettings:
         """What the ranks of the group must agree on (checked in the input exchange)."""
@@ -80,6 +110,8 @@ class UPipeDistributedAttention(DistributedAttention):
             uses_kernel=kernel is not None,
             causal=None if kernel is None else bool(kernel.causal),
             softmax_scale=None if kernel is None else kernel.softmax_scale,
+            ring_size=self.ring_size,
+            ring_overlap=self.ring_overlap and self.ring_size > 1,  # moot without a ring
         )
 
     def plan_for(self, num_heads: int, num_kv_heads: int) -> StagePlan:
@@ -102,8 +134,10 @@ class UPipeDistributedAttention(DistributedAttention):
         **kwargs: Any,
     ) -> Tensor:
         if self.validate_inputs:
-            rows = gather_inputs(query, key, value, batch_dim_idx, self.layer_settings(), self.spg)
-            num_heads, num_kv_heads, _ = check_inputs(rows)
+            rows = gather_inputs(
+                query, key, value, batch_dim_idx, self.layer_settings(), self.spg, ring_group=self.ring_group
+            )
+            num_heads, num_kv_heads, _ = check_inputs(rows, ulysses_size=self.group_size)
         else:
             num_heads, num_kv_heads = query.shape[2], key.shape[2]
         plan = self.plan_for(num_heads, num_kv_heads)
@@ -113,7 +147,7 @@ class UPipeDistributedAttention(DistributedAttention):
             plan=plan,
             indices=self._indices_for(plan, query.device),
             group=self.spg,
-            attention=self.local_attn,
+            attention=self.attention_kernel(),
             batch_dim_idx=batch_dim_idx,
             call_args=args,
             call_kwargs=kwargs,
@@ -128,17 +162,30 @@ class UPipeDistributedAttention(DistributedAttention):
         """RoPE is position-wise, so it commutes with the all-to-all: apply this rank's slice of the
         full-sequence frequencies to the local shard (DeepSpeed applies them after gathering)."""
         seq_dim = 1 - batch_dim_idx  # sequence dim of the gathered layout
-        rank = dist.get_rank(self.spg) if dist.is_initialized() else 0
         local_len = query.shape[seq_dim]
+        full_len = local_len * self.layout.sp_size
+        positions = None
         sliced = []
         for freqs in rotary_pos_emb:
             freqs = freqs.permute(1, 0, 2, 3)  # the same permute DeepSpeed applies
             if freqs.shape[seq_dim] != 1:
-                if freqs.shape[seq_dim] != local_len * self.group_size:
+                if freqs.shape[seq_dim] != full_len:
                     raise ValueError(
                         f"rotary_pos_emb covers {freqs.shape[seq_dim]} positions; expected the full sequence "
-                        f"{local_len * self.group_size} (or 1 to broadcast)"
+                        f"{full_len} (or 1 to broadcast)"
                     )
-                freqs = freqs.narrow(seq_dim, rank * local_len, local_len)
+                if self.ring_size == 1:
+                    freqs = freqs.narrow(seq_dim, self._sp_rank() * local_len, local_len)
+                else:  # the zigzag positions this rank holds
+                    if positions is None:
+                        positions = zigzag_positions(full_len, self.layout, self._sp_rank()).to(freqs.device)
+                    freqs = freqs.index_select(seq_dim, positions)
             sliced.append(freqs)
         return apply_rotary_pos_emb(query, *sliced), apply_rotary_pos_emb(key, *sliced)
+
+    def _sp_rank(self) -> int:
+        """This rank's index in the sequence-parallel group: ring index * C_u + Ulysses index."""
+        if not dist.is_initialized():
+            return 0
+        ring_index = dist.get_rank(self.ring_group) if self.ring_group is not None else 0
+        return self.layout.sp_rank(ring_index, dist.get_rank(self.spg))

@@ -12,6 +12,7 @@ the group; or would compute a different function on each rank (causal, softmax_s
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 
@@ -37,6 +38,9 @@ class LayerSettings:
     uses_kernel: bool
     causal: bool | None = None  # None for a generic callable
     softmax_scale: float | None = None
+    #: ranks of the ring group (1 = no ring attention) and whether its K/V exchange overlaps compute
+    ring_size: int = 1
+    ring_overlap: bool = False
 
     def encode(self) -> list[int]:
         scale = _NONE if self.softmax_scale is None else struct.unpack("<q", struct.pack("<d", self.softmax_scale))[0]
@@ -48,11 +52,13 @@ class LayerSettings:
             _NONE if self.causal is None else int(self.causal),
             int(self.softmax_scale is not None),
             scale,
+            self.ring_size,
+            int(self.ring_overlap),
         ]
 
     @staticmethod
     def decode(row: list[int]) -> LayerSettings:
-        u, scatter_idx, overlap, kernel, causal, has_scale, scale = row
+        u, scatter_idx, overlap, kernel, causal, has_scale, scale, ring_size, ring_overlap = row
         return LayerSettings(
             head_chunk_size=None if u == _NONE else u,
             scatter_idx=scatter_idx,
@@ -60,6 +66,8 @@ class LayerSettings:
             uses_kernel=bool(kernel),
             causal=None if causal == _NONE else bool(causal),
             softmax_scale=struct.unpack("<d", struct.pack("<q", scale))[0] if has_scale else None,
+            ring_size=ring_size,
+            ring_overlap=bool(ring_overlap),
         )
 
 
@@ -105,19 +113,32 @@ def gather_inputs(
     batch_dim_idx: int,
     settings: LayerSettings,
     group: dist.ProcessGroup | None,
+    ring_group: dist.ProcessGroup | None = None,
 ) -> list[RankInputs]:
-    """Every rank's batch_dim_idx, q/k/v shapes and dtypes, and module settings (one all_gather)."""
+    """Every rank's batch_dim_idx, q/k/v shapes and dtypes, and module settings (one all_gather).
+
+    With a ring group, the Ulysses group's rows are then gathered over the ring (a second tiny
+    all_gather), so every rank of the whole C_u x R sequence-parallel group decides on all C_u x R rows
+    (in sequence-parallel rank order, ring index major): a bad shard on one node fails every node."""
     mine = torch.tensor(
         [batch_dim_idx, *_describe(query), *_describe(key), *_describe(value), *settings.encode()],
         dtype=torch.long,
         device=query.device,
     )
+    rows = _all_gather_rows(mine.unsqueeze(0), group)
+    if ring_group is not None:
+        rows = _all_gather_rows(rows, ring_group)
+    return [_decode(row) for row in rows.tolist()]
+
+
+def _all_gather_rows(rows: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """[n, f] rows of every rank of ``group``, concatenated in group rank order."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
-        return [_decode(mine.tolist())]
-    everyone = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine, group=group)
-    return [_decode(t.tolist()) for t in everyone]
+        return rows
+    everyone = [torch.empty_like(rows) for _ in range(world)]
+    dist.all_gather(everyone, rows.contiguous(), group=group)
+    return torch.cat(everyone)
 
 
 def _per_rank(values: list[object]) -> str:
@@ -133,6 +154,8 @@ def check_settings(rows: list[RankInputs]) -> LayerSettings:
         "uses_kernel": "local_attention is an AttentionKernel",
         "causal": "the kernel's causal",
         "softmax_scale": "the kernel's softmax_scale",
+        "ring_size": "ring_size (ranks of the ring group)",
+        "ring_overlap": "ring_overlap",
     }
     for field, label in names.items():
         values = [getattr(row.settings, field) for row in rows]
@@ -150,10 +173,24 @@ def check_settings(rows: list[RankInputs]) -> LayerSettings:
     return settings
 
 
-def check_inputs(rows: list[RankInputs]) -> tuple[int, int, int]:
-    """Validate all ranks' inputs and settings; returns (num_heads, num_kv_heads, resolved head_chunk_size)."""
-    group_size = len(rows)
+def check_inputs(rows: list[RankInputs], ulysses_size: int | None = None) -> tuple[int, int, int]:
+    """Validate all ranks' inputs and settings; returns (num_heads, num_kv_heads, resolved head_chunk_size).
+
+    ``rows`` are every rank's of the sequence-parallel group; with a ring, C_u x R of them, and
+    ``ulysses_size`` (C_u, default all rows) is the group the heads are split over."""
+    group_size = len(rows) if ulysses_size is None else ulysses_size
     settings = check_settings(rows)
+    if len(rows) != group_size * settings.ring_size:
+        raise ValueError(
+            f"{len(rows)} ranks exchanged their inputs, but the Ulysses group has {group_size} and the ring group "
+            f"{settings.ring_size}: every Ulysses group must be paired with ring groups of the same size "
+            "(build both with ds_upipe.ring.build_sequence_groups)"
+        )
+    if settings.ring_size > 1 and not settings.uses_kernel:
+        raise ValueError(
+            f"ring attention (ring_size={settings.ring_size}) needs an AttentionKernel as local_attention: its "
+            "log-sum-exp merges the blocks of the ring; a generic callable returns no lse"
+        )
     for rank, row in enumerate(rows):
         if row.batch_dim_idx not in (0, 1):
             raise ValueError(
@@ -187,6 +224,8 @@ def check_inputs(rows: list[RankInputs]) -> tuple[int, int, int]:
             "(pad the sequence to a multiple of the sequence-parallel size), and batch_dim_idx must match "
             f"the tensor layout (batch_dim_idx={layout} means {'[b, s, h, d]' if layout == 0 else '[s, b, h, d]'})"
         )
+    if settings.ring_size > 1:
+        check_ring_block(seq_lens[0], group_size, settings.ring_size)
     batches = [row.query.dims[layout] for row in rows]
     if len(set(batches)) != 1:
         raise ValueError(f"batch sizes differ across ranks: {batches} (or batch_dim_idx does not match the layout)")
@@ -194,5 +233,37 @@ def check_inputs(rows: list[RankInputs]) -> tuple[int, int, int]:
     if len(heads) != 1:
         raise ValueError(f"head counts differ across ranks: {sorted(heads)}")
     num_heads, num_kv_heads = heads.pop()
-    u = resolve_head_chunk_size(num_heads, num_kv_heads, group_size, settings.head_chunk_size)
+    u = resolve_ulysses_head_chunk_size(
+        num_heads, num_kv_heads, group_size, settings.ring_size, settings.head_chunk_size
+    )
     return num_heads, num_kv_heads, u
+
+
+def check_ring_block(shard_len: int, ulysses_size: int, ring_size: int) -> None:
+    """Zigzag ring attention splits each ring rank's block (its Ulysses group's shards, C_u x s tokens)
+    into two equal chunks: ValueError unless that block is even."""
+    block = shard_len * ulysses_size
+    if block % 2:
+        multiple = ring_size * math.lcm(2, ulysses_size)
+        raise ValueError(
+            f"sequence shard length {shard_len} with Ulysses degree {ulysses_size} gives ring blocks of {block} "
+            f"tokens: zigzag ring attention (ring_size={ring_size}) splits each ring block into two equal chunks, "
+            f"so it must be even; pad the global sequence ({block * ring_size} tokens) to a multiple of {multiple}"
+        )
+
+
+def resolve_ulysses_head_chunk_size(
+    num_heads: int, num_kv_heads: int, ulysses_size: int, ring_size: int, head_chunk_size: int | None
+) -> int:
+    """``resolve_head_chunk_size`` over the Ulysses degree; with a ring, its errors say that the heads
+    are split over C_u = sequence_parallel_size / ring_size, not over the whole group."""
+    try:
+        return resolve_head_chunk_size(num_heads, num_kv_heads, ulysses_size, head_chunk_size)
+    except ValueError as err:
+        if ring_size == 1:
+            raise
+        raise ValueError(
+            f"with ring_size={ring_size} the heads are split over the Ulysses degree {ulysses_size} = "
+            f"sequence_parallel_size {ulysses_size * ring_size} / ring_size {ring_size} (a larger ring_size "
+            f"lowers it), not over all {ulysses_size * ring_size} ranks: {err}"
+        ) from None

@@ -1,0 +1,193 @@
+"""UPipe x Ring: head-chunked Ulysses inside a Ulysses group, zigzag ring attention across ring groups.
+
+One spawn per world size runs every distributed case (world 4: C_u x R = 2 x 2 and 1 x 4, memory,
+errors, the CUDA adapters' CPU stand-ins; world 8: 4 x 2); the pure layout rules run without
+processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_upipe.ring import (
+    SequenceLayout,
+    block_pair,
+    sequence_group_ranks,
+    sequence_layout,
+    unmasked_products,
+    zigzag_positions,
+    zigzag_shard,
+    zigzag_unshard,
+)
+from tests import ring_cases
+from tests.dist_harness import run_ranks
+
+WORLD4_LAYOUTS = ((2, 2), (1, 4))
+MEMORY_LAYOUTS = ((2, 2), (1, 4), (4, 1))
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_ranks(ring_cases.world_suite, 4, WORLD4_LAYOUTS, MEMORY_LAYOUTS, True, True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def world8():
+    return run_ranks(ring_cases.world_suite, 8, ((4, 2),), timeout=600)
+
+
+# -- layout rules, no processes -------------------------------------------------------------------------
+
+
+def test_group_ranks_ulysses_contiguous_ring_across():
+    ulysses, ring = sequence_group_ranks(16, 16, 2)  # the paper's Qwen3-32B layout: 8 x 2 on two nodes
+    assert ulysses == [list(range(8)), list(range(8, 16))]
+    assert ring == [[j, j + 8] for j in range(8)]
+    # two sequence-parallel groups of 2 x 2 in a world of 8 (data parallel 2): contiguous blocks
+    ulysses, ring = sequence_group_ranks(8, 4, 2)
+    assert ulysses == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert ring == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert SequenceLayout(8, 2).coordinates(11) == (1, 3) and SequenceLayout(8, 2).sp_rank(1, 3) == 11
+
+
+def test_layout_errors_name_the_values():
+    with pytest.raises(ValueError, match=r"ring_size=4 does not divide sequence_parallel_size=6.*\[1, 2, 3, 6\]"):
+        sequence_layout(6, 4)
+    with pytest.raises(ValueError, match="world size 12 is not a multiple of sequence_parallel_size=8"):
+        sequence_group_ranks(12, 8, 2)
+    with pytest.raises(ValueError, match="ring_size must be a positive int, got 0"):
+        sequence_layout(4, 0)
+    with pytest.raises(ValueError, match="pad the sequence to a multiple of 8"):
+        zigzag_positions(20, SequenceLayout(2, 4), 0)  # ring blocks of 5 tokens
+
+
+@pytest.mark.parametrize("cu,r", [(1, 1), (4, 1), (1, 2), (2, 2), (1, 4), (3, 2), (4, 2), (2, 3)])
+def test_zigzag_shards_partition_and_round_trip(cu, r):
+    layout = SequenceLayout(cu, r)
+    seq = 2 * r * cu * 3
+    shards = [zigzag_positions(seq, layout, rank) for rank in range(layout.sp_size)]
+    assert sorted(torch.cat(shards).tolist()) == list(range(seq))
+    if r == 1:  # no ring: today's contiguous shards
+        assert all(s.tolist() == list(range(i * seq // cu, (i + 1) * seq // cu)) for i, s in enumerate(shards))
+    else:  # ring rank i's block is chunks i and 2R-1-i, in order, split over its Ulysses ranks
+        chunk = seq // (2 * r)
+        for i in range(r):
+            block = torch.cat(shards[i * cu : (i + 1) * cu]).tolist()
+            assert block == [*range(i * chunk, (i + 1) * chunk), *range((2 * r - 1 - i) * chunk, (2 * r - i) * chunk)]
+    x = torch.randn(2, seq, 3)
+    assert torch.equal(zigzag_unshard([zigzag_shard(x, 1, layout, k) for k in range(cu * r)], 1, layout), x)
+
+
+@pytest.mark.parametrize("ring_size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_pairs_compute_exactly_the_visible_pairs(ring_size, causal):
+    """Per pair of ring blocks, the rows/columns and mask block_pair chooses keep exactly the query-key
+    pairs a causal (or unmasked) softmax over the global positions sees; the work is equal per rank."""
+    chunk = 3
+    block = 2 * chunk
+    layout = SequenceLayout(1, ring_size)
+    seq = block * ring_size
+    positions = [zigzag_positions(seq, layout, i) for i in range(ring_size)]
+    work = []
+    for i in range(ring_size):
+        total = 0
+        for j in range(ring_size):
+            pair = block_pair(i, j, ring_size, causal, block)
+            visible = positions[j][None, :] <= positions[i][:, None] if causal else torch.ones(block, block, dtype=bool)
+            computed = torch.zeros(block, block, dtype=bool)
+            rows = torch.arange(block)[pair.query]
+            cols = torch.arange(block)[pair.key]
+            mask = torch.ones(len(rows), len(cols), dtype=bool)
+            computed[rows[:, None], cols[None, :]] = mask.tril() if pair.causal else mask
+            assert torch.equal(computed, visible), (i, j, pair)
+            total += unmasked_products(pair, block)
+            assert unmasked_products(pair, block) == int(visible.sum())
+        work.append(total)
+    assert sum(work) == (seq * (seq + 1) // 2 if causal else seq * seq)
+    assert max(work) == min(work), work  # zigzag: the same causal work on every ring rank
+
+
+# -- distributed --------------------------------------------------------------------------------------------
+
+
+def _assert_parity(results, layouts, expected_counts):
+    for rank, res in enumerate(results):
+        for layout in layouts:
+            failures, count = res["parity"][layout]
+            assert count == expected_counts[layout], (layout, count)
+            assert not failures, f"rank {rank}, C_u x R = {layout}: {failures[:3]}"
+
+
+def test_parity_2x2_and_ring_only_1x4(world4):
+    # heads x U x (4 causal + 1 unmasked), + RoPE in both layouts + math/fp32/bf16: 2 x 2 has 3 head
+    # configs and U in {2, 4, 8}; 1 x 4 has no KV < C_u case and U in {1, 2, 8}
+    _assert_parity(world4, WORLD4_LAYOUTS, {(2, 2): 3 * 3 * 5 + 5, (1, 4): 2 * 3 * 5 + 5})
+
+
+def test_parity_4x2(world8):
+    _assert_parity(world8, ((4, 2),), {(4, 2): 3 * 2 * 5 + 5})
+
+
+def _assert_balanced(results, layout):
+    works = {}
+    for res in results:
+        ring_rank, work, seq = res["balance"][layout]
+        works.setdefault(ring_rank, set()).add(work)
+    per_ring_rank = [w.pop() for _, w in sorted(works.items()) if len(w) == 1]
+    assert len(per_ring_rank) == layout[1], works  # every Ulysses rank of a ring rank does the same
+    assert max(per_ring_rank) <= 1.05 * min(per_ring_rank), per_ring_rank
+    # forward + backward over 1 batch row and all heads: each causal query-key pair exactly once per pass
+    assert sum(per_ring_rank) * layout[0] == 2 * ring_cases.HEADS * seq * (seq + 1) // 2
+
+
+def test_causal_load_balance(world4, world8):
+    for layout in WORLD4_LAYOUTS:
+        _assert_balanced(world4, layout)
+    _assert_balanced(world8, (4, 2))
+
+
+def test_cuda_adapters_inside_the_ring(world4):
+    for errors, calls in (res["cuda_adapters"] for res in world4):
+        assert calls == ["efficient", "efficient_backward", "flash", "flash_backward"]
+        for (dtype, overlap), errs in errors.items():
+            assert max(errs.values()) < (1e-5 if dtype == "torch.float32" else 3e-2), (dtype, overlap, errs)
+
+
+def test_memory_upipe_ring_below_ulysses_ring(world4):
+    for rank, res in enumerate(world4):
+        mem = res["memory"]
+        for cu, r in MEMORY_LAYOUTS:
+            by_u = sorted((u, m) for (c, rr, u), m in mem.items() if (c, rr) == (cu, r))
+            intermediates = [m[0] for _, m in by_u]
+            # U = C_u holds the least, U = H (Ulysses x Ring) the most
+            assert intermediates == sorted(intermediates) and intermediates[0] < 0.5 * intermediates[-1], (
+                rank,
+                (cu, r),
+                by_u,
+            )
+
+
+RING_DIFFERS = "differs across the ranks of the sequence-parallel group ("
+EXPECTED_ERRORS = {
+    "ring_not_dividing_sp": "ring_size=4 does not divide sequence_parallel_size=6",
+    "world_not_multiple_of_sp": "world size 4 is not a multiple of sequence_parallel_size=8",
+    "ring_size_zero": "ring_size must be a positive int, got 0",
+    "heads_not_divisible_by_cu": "with ring_size=2 the heads are split over the Ulysses degree 2 = "
+    "sequence_parallel_size 4 / ring_size 2 (a larger ring_size lowers it), not over all 4 ranks: num_heads=3 "
+    "is not divisible by the sequence-parallel size 2",
+    "kv_incompatible_with_cu": "num_kv_heads=3 and sequence-parallel size 2: one must divide the other",
+    "u_invalid_for_cu": "invalid head_chunk_size=3 for num_heads=8, num_kv_heads=2, sequence-parallel size 2",
+    "odd_ring_block": "sequence shard length 3 with Ulysses degree 1 gives ring blocks of 3 tokens",
+    "uneven_shards_on_one_ring_rank": "sequence shard lengths differ across ranks: [4, 4, 6, 6]",
+    "generic_callable_with_ring": "ring attention (ring_size=2) needs an AttentionKernel as local_attention",
+    "ring_overlap_differs": f"ring_overlap {RING_DIFFERS}rank 0: False, rank 1: False, rank 2: False, rank 3: True)",
+    "ok_after_errors": "no error",
+}
+
+
+def test_bad_layouts_fail_identically_on_every_rank(world4):
+    for case, fragment in EXPECTED_ERRORS.items():
+        messages = {res["errors"][case] for res in world4}
+        assert len(messages) == 1, f"{case}: ranks disagree: {messages}"
+        message = messages.pop()
+        assert fragment in message, f"{case}: {message!r}"
