@@ -175,7 +175,7 @@ def cuda_adapter_parity(rank, world):
 def memory_by_layout(rank, world, layouts, seq=512, heads=16, kv_heads=4, head_dim=64):
     """Per-rank peak and intermediate bytes (MemTracker) of UPipe x Ring at U = C_u, 2 C_u and H, for the
     same global sequence on every layout, float32, causal."""
-    from ds_upipe.memory import measure_attention
+    from ds_upipe.tools.memory import measure_attention
 
     out = {}
     for cu, r in layouts:

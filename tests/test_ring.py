@@ -19,8 +19,8 @@ from ds_upipe.ring import (
     zigzag_shard,
     zigzag_unshard,
 )
+from ds_upipe.tools.ranks import run_ranks
 from tests import ring_cases
-from tests.dist_harness import run_ranks
 
 WORLD4_LAYOUTS = ((2, 2), (1, 4))
 MEMORY_LAYOUTS = ((2, 2), (1, 4), (4, 1))
