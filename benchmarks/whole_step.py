@@ -138,6 +138,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, queue: Any) -> Non
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(args.world),
         LOCAL_WORLD_SIZE=str(args.world),
+        LOCAL_SIZE=str(args.world),
         DS_ACCELERATOR="cpu",
     )
     import deepspeed
@@ -158,6 +159,9 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, queue: Any) -> Non
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        from ds_upipe.process_exit import release_shm_allreduce_segment
+
+        release_shm_allreduce_segment()  # DeepSpeed leaves its 66 MB /dev/shm segment behind otherwise
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
