@@ -2,27 +2,34 @@
 
 ``apply_upipe`` patches a Llama/Mistral/Qwen2/Qwen3 model in place; ``shard_batch`` /
 ``sequence_parallel_dataloader`` give each sequence-parallel rank its shard of the inputs, and
-``sequence_parallel_loss`` turns per-shard logits into the loss of the whole sequence.
+``sequence_parallel_loss`` turns per-shard logits into the loss of the whole sequence;
+``apply_long_context_stack`` / ``tiled_sequence_parallel_loss`` tile the loss, norms and MLPs.
 See docs/hf_patches.md.
 """
 
 from .attention import ATTN_IMPLEMENTATION
 from .data import IGNORE_INDEX, gather_sequence, pad_batch, sequence_parallel_dataloader, shard_batch, shift_labels
-from .loss import sequence_parallel_loss
+from .long_context import LongContextStack, apply_long_context_stack, long_context_stack
+from .loss import sequence_parallel_loss, tiled_causal_lm_loss, tiled_sequence_parallel_loss
 from .patch import apply_upipe, supported_model_classes, upipe_state
 from .state import UPipeState
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "IGNORE_INDEX",
+    "LongContextStack",
     "UPipeState",
+    "apply_long_context_stack",
     "apply_upipe",
     "gather_sequence",
+    "long_context_stack",
     "pad_batch",
     "sequence_parallel_dataloader",
     "sequence_parallel_loss",
     "shard_batch",
     "shift_labels",
     "supported_model_classes",
+    "tiled_causal_lm_loss",
+    "tiled_sequence_parallel_loss",
     "upipe_state",
 ]

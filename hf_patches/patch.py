@@ -60,7 +60,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return inner
 
 
-def _find_architecture(hf_model: nn.Module) -> tuple[str, nn.Module, type]:
+def _find_architecture(hf_model: nn.Module, caller: str = "apply_upipe") -> tuple[str, nn.Module, type]:
     """(arch, base model, attention class) or a ValueError naming the supported classes."""
     for arch, (causal_lm, base, attention) in _classes().items():
         if type(hf_model) is causal_lm:
@@ -68,7 +68,7 @@ def _find_architecture(hf_model: nn.Module) -> tuple[str, nn.Module, type]:
         if type(hf_model) is base:
             return arch, hf_model, attention
     raise ValueError(
-        f"unsupported model class {type(hf_model).__name__}: apply_upipe supports "
+        f"unsupported model class {type(hf_model).__name__}: {caller} supports "
         f"{', '.join(supported_model_classes())} (optionally wrapped by PEFT or a DeepSpeed engine)"
     )
 

@@ -1,0 +1,242 @@
+"""Whole-training-step peak memory per rank: ALST and UPipe, each with and without the long-context stack.
+
+One step = forward of every decoder layer + the loss + backward, on C ranks (gloo, CPU), measured
+with torch's MemTracker (every tensor storage the step allocates, plus the model's parameters and
+their gradients; the storage-only tracker of ``ds-upipe bench``, whose module hooks do not survive
+DeepSpeed's tiled Functions).  The model is a Llama built from a config with Llama3-8B's
+proportions scaled down (GQA 4:1, intermediate 3.5 x hidden, vocabulary 32K), in bfloat16.
+
+- ALST: DeepSpeed's ``UlyssesSPAttentionHF`` registered through ``register_with_transformers``.
+- UPipe: ``hf_patches.apply_upipe`` (fused projections, U = C).
+- "stack": ``hf_patches.apply_long_context_stack`` with the tiled loss (forward_loss=
+  "sequence_parallel"), tiled RMSNorms and DeepSpeed's TiledMLP; without it the loss is
+  ``sequence_parallel_loss`` on the full logits (what ships without the stack).
+
+    python benchmarks/whole_step.py                      # C=4, 16K tokens, 4 layers, vocab 32768
+    python benchmarks/whole_step.py --out benchmarks/results/whole_step_cpu_c4.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CASES = (("alst", False), ("alst", True), ("upipe", False), ("upipe", True))
+
+
+def build_model(args: argparse.Namespace) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        max_position_embeddings=max(args.seq, 8192),
+        attn_implementation="sdpa",
+        use_cache=False,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(getattr(torch, args.dtype))
+
+
+def prepare(method: str, stack: bool, args: argparse.Namespace, group: Any) -> Any:
+    """The model of one case, patched; returns (model, restore) with restore undoing ALST's override."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import hf_patches
+    from hf_patches.memory import _register_alst
+
+    model = build_model(args)
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if method == "alst":
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = _register_alst(model.model, batch=1)
+    else:
+        hf_patches.apply_upipe(model, group)
+    if stack:
+        hf_patches.apply_long_context_stack(
+            model,
+            tiled_loss=True,
+            tiled_norm=True,
+            tiled_mlp=True,
+            loss_tile_tokens=args.loss_tile,
+            norm_tile_tokens=args.norm_tile,
+            mlp_tile_tokens=args.mlp_tile,
+            forward_loss="sequence_parallel",
+            loss_group=group,
+        )
+    return model, lambda: ALL_ATTENTION_FUNCTIONS.__setitem__("sdpa", original)
+
+
+def run_case(method: str, stack: bool, args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    import hf_patches
+    from ds_upipe.bench import _storage_tracker
+
+    group = dist.group.WORLD
+    model, restore = prepare(method, stack, args, group)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, args.vocab, (1, args.seq), generator=gen)
+        shard = hf_patches.shard_batch({"input_ids": ids, "labels": ids.clone()}, group)
+        losses = []
+
+        def step() -> None:
+            if stack:
+                out = model(
+                    input_ids=shard["input_ids"], position_ids=shard["position_ids"], shift_labels=shard["shift_labels"]
+                )
+                loss = out.loss
+            else:
+                out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+                loss = hf_patches.sequence_parallel_loss(out.logits, shard["shift_labels"], group)
+            del out
+            loss.backward()
+            losses.append(loss.item())
+
+        tracker = _storage_tracker()
+        tracker.track_external(model, *shard.values())
+        start = time.perf_counter()
+        with tracker:
+            step()
+        seconds = time.perf_counter() - start
+        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    finally:
+        restore()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {
+        "method": method,
+        "stack": stack,
+        "rank": rank,
+        "peak_bytes": int(peak["Total"]),
+        "parameter_bytes": params,
+        "loss": losses[0],
+        "seconds": seconds,
+    }
+
+
+def rank_main(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(args.world),
+        LOCAL_WORLD_SIZE=str(args.world),
+        LOCAL_SIZE=str(args.world),
+        DS_ACCELERATOR="cpu",
+    )
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)  # ALST talks through deepspeed.comm
+        rows = []
+        for method, stack in CASES:
+            rows.append(run_case(method, stack, args, rank))
+            if rank == 0:
+                print(f"  {method:<6} stack={stack!s:<5} {rows[-1]['peak_bytes'] / 2**20:9.1f} MiB", flush=True)
+        queue.put(("ok", rank, rows))
+    except BaseException:  # noqa: BLE001 - reported by the parent
+        queue.put(("error", rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        from ds_upipe.process_exit import release_shm_allreduce_segment
+
+        release_shm_allreduce_segment()  # DeepSpeed leaves its 66 MB /dev/shm segment behind otherwise
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    from ds_upipe.bench import _free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    procs = [ctx.Process(target=rank_main, args=(r, args, port, queue)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    finals = {}
+    for _ in range(args.world):
+        kind, rank, payload = queue.get(timeout=args.timeout)
+        finals[rank] = (kind, payload)
+        if kind == "error":
+            break
+    for p in procs:
+        p.join(5 if len(finals) < args.world else None)
+        if p.is_alive():
+            p.kill()
+    errors = [f"rank {r}:\n{v[1]}" for r, v in sorted(finals.items()) if v[0] == "error"]
+    if errors or len(finals) < args.world:
+        raise RuntimeError("whole-step measurement failed\n" + "\n".join(errors))
+    return [row for r in range(args.world) for row in finals[r][1]]
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Worst rank per case, the stack's reduction per method, and UPipe vs ALST with the stack."""
+    worst = {}
+    for row in rows:
+        key = f"{row['method']}{'+stack' if row['stack'] else ''}"
+        if key not in worst or row["peak_bytes"] > worst[key]["peak_bytes"]:
+            worst[key] = row
+    return {
+        "peak_mib": {k: v["peak_bytes"] / 2**20 for k, v in worst.items()},
+        "loss": {k: v["loss"] for k, v in worst.items()},
+        "seconds_rank0": {k: v["seconds"] for k, v in worst.items()},
+        "parameter_mib": next(iter(worst.values()))["parameter_bytes"] / 2**20,
+        "stack_reduction": {m: worst[m]["peak_bytes"] / worst[f"{m}+stack"]["peak_bytes"] for m in ("alst", "upipe")},
+        "upipe_vs_alst_with_stack": worst["upipe+stack"]["peak_bytes"] / worst["alst+stack"]["peak_bytes"],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--seq", type=int, default=16384, help="global tokens (seq / world per rank)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=896)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--loss-tile", type=int, default=128, help="tokens per loss tile")
+    p.add_argument("--norm-tile", type=int, default=256, help="tokens per RMSNorm tile")
+    p.add_argument("--mlp-tile", type=int, default=256, help="tokens per MLP tile")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    start = time.perf_counter()
+    rows = run(args)
+    summary = summarize(rows)
+    print(json.dumps(summary, indent=1))
+    print(f"wall time {time.perf_counter() - start:.0f} s")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+        args.out.write_text(json.dumps({**payload, "summary": summary, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

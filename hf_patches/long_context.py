@@ -1,0 +1,251 @@
+"""``apply_long_context_stack``: the per-token parts of a Llama-family model in sequence tiles.
+
+With UPipe (or ALST) the attention's memory shrinks with the head chunk; what is left of a training
+step's peak at long sequences is per-token work that holds several hidden-state-sized (or
+vocabulary-sized) tensors at once: the lm_head logits and their float32 upcast in the loss,
+transformers' RMSNorm's float32 copies of the hidden state, and the MLP's intermediate
+activations.  This module replaces, per instance (other models in the process are unaffected):
+
+- each decoder layer's ``input_layernorm`` / ``post_attention_layernorm`` and the final ``norm``
+  ``forward`` with a sequence-tiled one (``tiled_norm``),
+- each decoder layer's ``mlp.forward`` with DeepSpeed's ``TiledMLP`` (``tiled_mlp``),
+- the causal LM's ``forward``, when it is given ``labels`` or ``shift_labels``, with one that
+  computes the loss from the last hidden state in tiles and returns ``logits=None``
+  (``tiled_loss``); without labels it is the original forward (full logits, for inference).
+
+The attention is untouched, so the stack works the same on a UPipe-patched model, on one whose
+attention ALST registered, and on a plain model.  See docs/hf_patches.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import types
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+import torch.distributed as dist
+from torch import nn
+
+from .data import IGNORE_INDEX
+from .loss import LOSS_TILE_BYTES, tiled_causal_lm_loss, tiled_sequence_parallel_loss
+from .patch import _find_architecture, _unwrap
+from .tiling import _forward_function, tiled_mlp, tiled_norm
+
+#: default tokens per norm tile: about 256 MiB per float32 hidden-state-sized copy
+NORM_TILE_BYTES = 1 << 28
+ForwardLoss = Literal["local", "sequence_parallel"]
+_LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+@dataclass
+class LongContextStack:
+    """What ``apply_long_context_stack`` did to one model (read it with ``long_context_stack``)."""
+
+    tiled_loss: bool
+    tiled_norm: bool
+    tiled_mlp: bool
+    #: tokens (batch rows x positions) per tile; None where the component is off
+    loss_tile_tokens: int | None
+    norm_tile_tokens: int | None
+    mlp_tile_tokens: int | None
+    #: "local": the forward's loss is this rank's mean (transformers' ForCausalLMLoss);
+    #: "sequence_parallel": the token-weighted mean over ``loss_group`` (tiled_sequence_parallel_loss)
+    forward_loss: ForwardLoss = "local"
+    loss_group: Any = None
+    grad_reduction: Literal["mean", "sum"] = "mean"
+    ignore_index: int = IGNORE_INDEX
+    #: the modules whose forward was replaced, by name in the model
+    patched: list[str] = field(default_factory=list)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LongContextStack:
+        """A copy of the model shares the loss's process group (a process group cannot be copied)."""
+        memo.setdefault(id(self.loss_group), self.loss_group)
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        for f in fields(self):
+            setattr(clone, f.name, copy.deepcopy(getattr(self, f.name), memo))
+        return clone
+
+
+def long_context_stack(model: nn.Module) -> LongContextStack | None:
+    """The ``LongContextStack`` of a model (None when ``apply_long_context_stack`` was not applied)."""
+    return getattr(_unwrap(model), "_long_context_stack", None)
+
+
+def _positive(name: str, value: int | None, default: int) -> int:
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int (tokens per tile) or None, got {value!r}")
+    return value
+
+
+def _check_options(
+    hf_model: nn.Module, tiled_loss: bool, forward_loss: str, grad_reduction: str, ignore_index: int
+) -> None:
+    if forward_loss not in ("local", "sequence_parallel"):
+        raise ValueError(f"forward_loss must be 'local' or 'sequence_parallel', got {forward_loss!r}")
+    if forward_loss != "local" and not tiled_loss:
+        raise ValueError(f"forward_loss={forward_loss!r} is a setting of the tiled loss; it needs tiled_loss=True")
+    if grad_reduction not in ("mean", "sum"):
+        raise ValueError(f"grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
+    if not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+    if tiled_loss:
+        head = hf_model.get_output_embeddings() if hasattr(hf_model, "get_output_embeddings") else None
+        if head is None:
+            raise ValueError(
+                f"tiled_loss=True needs a causal LM with an lm_head; {type(hf_model).__name__} has none "
+                "(pass the *ForCausalLM model, not the base model)"
+            )
+        softcap = getattr(hf_model.config, "final_logit_softcapping", None)
+        if softcap:
+            raise ValueError(f"tiled_loss does not apply final_logit_softcapping={softcap}; it must be None")
+
+
+def _vocab_size(hf_model: nn.Module) -> int:
+    head = hf_model.get_output_embeddings()
+    return getattr(head, "out_features", None) or head.weight.shape[0]
+
+
+def _layer_modules(base: nn.Module, name: str) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of attribute ``name`` of every decoder layer."""
+    found = []
+    for index, layer in enumerate(base.layers):
+        module = getattr(layer, name, None)
+        if module is None:
+            raise ValueError(f"decoder layer {index} ({type(layer).__name__}) has no {name}")
+        found.append((f"layers.{index}.{name}", module))
+    return found
+
+
+def _norm_forward(self: nn.Module, hidden_states: Any) -> Any:
+    return tiled_norm(self, self._long_context_forward, hidden_states, self._long_context_tile_tokens)
+
+
+def _mlp_forward(self: nn.Module, x: Any) -> Any:
+    return tiled_mlp(self, self._long_context_forward, x, self._long_context_tile_tokens)
+
+
+def _replace_forward(module: nn.Module, forward: Any, tile_tokens: int) -> None:
+    module._long_context_forward = _forward_function(module)  # checked before anything is replaced
+    module._long_context_tile_tokens = tile_tokens
+    module.forward = types.MethodType(forward, module)
+
+
+def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The causal LM's forward with the tiled loss: with ``labels`` or ``shift_labels``, the base
+    model's last hidden state goes to the tiled loss and no logits are made."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    original = self._long_context_forward
+    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    arguments.pop(next(iter(arguments)))  # self
+    for name, param in inspect.signature(original).parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(arguments.pop(name, {}))
+    labels, shift_labels = arguments.pop("labels", None), arguments.pop("shift_labels", None)
+    if labels is None and shift_labels is None:
+        return original(self, *args, **kwargs)
+    num_items = arguments.pop("num_items_in_batch", None)
+    arguments.pop("logits_to_keep", None)
+    stack: LongContextStack = self._long_context_stack
+    outputs = self.model(**arguments)
+    hidden = outputs.last_hidden_state
+    if shift_labels is None:  # transformers' ForCausalLMLoss shift: label of the next token, -100 at the end
+        shift_labels = nn.functional.pad(labels, (0, 1), value=stack.ignore_index)[..., 1:]
+    if stack.forward_loss == "sequence_parallel":
+        loss = tiled_sequence_parallel_loss(
+            self,
+            hidden,
+            shift_labels,
+            stack.loss_group,
+            grad_reduction=stack.grad_reduction,
+            ignore_index=stack.ignore_index,
+        )
+    else:
+        loss = tiled_causal_lm_loss(
+            self, hidden, shift_labels, num_items_in_batch=num_items, ignore_index=stack.ignore_index
+        )
+    rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
+    return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+
+
+def apply_long_context_stack(
+    model: nn.Module,
+    *,
+    tiled_loss: bool = False,
+    tiled_norm: bool = False,
+    tiled_mlp: bool = False,
+    loss_tile_tokens: int | None = None,
+    norm_tile_tokens: int | None = None,
+    mlp_tile_tokens: int | None = None,
+    forward_loss: ForwardLoss = "local",
+    loss_group: dist.ProcessGroup | None = None,
+    grad_reduction: Literal["mean", "sum"] = "mean",
+    ignore_index: int = IGNORE_INDEX,
+) -> nn.Module:
+    """Tile the loss, the RMSNorms and/or the MLPs of a Llama/Mistral/Qwen2/Qwen3 model in place.
+
+    Args:
+        model: a ``*ForCausalLM`` or base ``*Model`` (also wrapped by PEFT or a DeepSpeed engine),
+            patched by ``apply_upipe``, registered with ALST, or plain.
+        tiled_loss: the causal LM's forward computes the loss from labels / shift_labels in tiles
+            (needs a ``*ForCausalLM``); training loops can also call ``tiled_sequence_parallel_loss``.
+        tiled_norm: the decoder layers' input / post-attention RMSNorms and the final norm in tiles.
+        tiled_mlp: the decoder layers' MLPs through DeepSpeed's TiledMLP.
+        loss_tile_tokens: tokens per loss tile (None: about 1 GiB of float32 logits).
+        norm_tile_tokens: tokens per norm tile (None: about 256 MiB per float32 copy).
+        mlp_tile_tokens: tokens per MLP tile (None: hidden_size, ALST's choice).
+        forward_loss: what the forward's loss is: "local" (this rank's mean, transformers'
+            ForCausalLMLoss: the HF Trainer / accelerate sequence-parallel path combines it over the
+            ranks) or "sequence_parallel" (``tiled_sequence_parallel_loss`` over ``loss_group`` with
+            ``grad_reduction``: the global mean, for loops that call ``engine(..., shift_labels=...)``).
+    Returns the same model.  Refused (ValueError, before any change and any collective, alike on
+    every rank): unsupported classes, a second application, tiled_loss without an lm_head, bad
+    tile sizes or loss settings.
+    """
+    hf_model = _unwrap(model)
+    _, base, _ = _find_architecture(hf_model, caller="apply_long_context_stack")
+    if getattr(hf_model, "_long_context_stack", None) is not None:
+        raise ValueError(f"{type(hf_model).__name__} already has the long-context stack")
+    _check_options(hf_model, tiled_loss, forward_loss, grad_reduction, ignore_index)
+    hidden_size = hf_model.config.hidden_size
+    loss_default = max(1, LOSS_TILE_BYTES // (4 * _vocab_size(hf_model))) if tiled_loss else 1
+    loss_tiles = _positive("loss_tile_tokens", loss_tile_tokens, loss_default)
+    norm_tiles = _positive("norm_tile_tokens", norm_tile_tokens, max(1, NORM_TILE_BYTES // (4 * hidden_size)))
+    mlp_tiles = _positive("mlp_tile_tokens", mlp_tile_tokens, hidden_size)
+    stack = LongContextStack(
+        tiled_loss=bool(tiled_loss),
+        tiled_norm=bool(tiled_norm),
+        tiled_mlp=bool(tiled_mlp),
+        loss_tile_tokens=loss_tiles if tiled_loss else None,
+        norm_tile_tokens=norm_tiles if tiled_norm else None,
+        mlp_tile_tokens=mlp_tiles if tiled_mlp else None,
+        forward_loss=forward_loss,
+        loss_group=loss_group,
+        grad_reduction=grad_reduction,
+        ignore_index=ignore_index,
+    )
+    targets: list[tuple[str, nn.Module, Any, int]] = []
+    if tiled_norm:
+        norms = [m for name in _LAYER_NORMS for m in _layer_modules(base, name)] + [("norm", base.norm)]
+        targets += [(name, m, _norm_forward, stack.norm_tile_tokens) for name, m in norms]
+    if tiled_mlp:
+        targets += [(name, m, _mlp_forward, stack.mlp_tile_tokens) for name, m in _layer_modules(base, "mlp")]
+    for _, module, _, _ in targets:  # every check before the first change
+        _forward_function(module)
+    if tiled_loss:
+        _forward_function(hf_model)
+    for name, module, forward, tile_tokens in targets:
+        _replace_forward(module, forward, tile_tokens)
+        stack.patched.append(name)
+    if tiled_loss:
+        hf_model._long_context_forward = _forward_function(hf_model)
+        hf_model.forward = types.MethodType(_loss_forward, hf_model)
+        stack.patched.append("forward")
+    hf_model._long_context_stack = stack
+    return model

@@ -1,0 +1,226 @@
+"""Sequence-tiled compute of the per-token parts of a decoder: RMSNorm, MLP, lm_head + cross-entropy.
+
+Each function runs its module on tiles of the sequence under ``torch.no_grad`` and recomputes one
+tile at a time in backward, so at most one tile's intermediates (the norm's float32 copies, the
+MLP's [tokens, intermediate] activations, the logits and their float32 upcast) exist at once.  The
+math is per token, so outputs equal the untiled module's bit for bit; weight gradients are summed
+over the tiles (a different summation order: float64 <= 1e-10, float32 <= 1e-5).
+
+DeepSpeed's autograd Functions do the work (deepspeed.runtime.sequence_parallel.ulysses_sp):
+
+- norm: ``sequence_tiled_compute`` (``SequenceTiledCompute``), output concatenated on the sequence.
+- MLP: ``TiledMLP``, as ALST users apply it, with the tile count chosen so that ``torch.chunk``
+  really makes that many tiles (it makes fewer for some lengths, e.g. 6 tokens in 4 chunks gives 3,
+  and then TiledMLP never marks the weights' gradients ready for ZeRO: they would be lost).
+- loss: ``sequence_tiled_compute`` with a scalar output per tile, summed.  Not DeepSpeed's
+  ``TiledFusedLogitsLoss``: it runs the backward inside the forward with an assumed upstream
+  gradient of 1.0 and only rescales the hidden-state gradient by the real one, so the lm_head weight
+  gradient ignores every later scale (DeepSpeed's 1/gradient_accumulation_steps in
+  ``engine.backward``, fp16 loss scaling, the sequence-parallel loss's 1/total-tokens), and the
+  lm_head gradient is produced (and reduced by ZeRO) during the forward.
+
+ZeRO: every tile that calls a module (MLP projections, lm_head) makes ZeRO-3 gather its weights, a
+collective, so all ranks of the weights' ZeRO-3 group must run the same number of tiles; the tile
+count is agreed with one small all_gather of the token counts (only for ZeRO-3 partitioned weights).
+The tiled Functions set ``ds_grad_is_ready`` so ZeRO reduces a weight's gradient once, after its
+last tile.  A tied lm_head / embedding weight must wait for the embedding's gradient too:
+``tiled_loss_sum`` keeps it not-ready through the loss tiles and marks it ready again right after
+the loss's backward (``_MarkGradReady``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def tiles_for(tokens: int, tile_tokens: int) -> int:
+    """Number of tiles of at most ``tile_tokens`` tokens for ``tokens`` tokens (at least 1)."""
+    return max(1, math.ceil(tokens / tile_tokens))
+
+
+def _zero3_params(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+    """The parameters DeepSpeed ZeRO-3 partitions (gathered per module call)."""
+    return [p for p in params if hasattr(p, "ds_id") and hasattr(p, "ds_status")]
+
+
+def token_counts(tokens: int, params: Sequence[nn.Parameter], device: torch.device) -> list[int]:
+    """Every rank's token count when ``params`` are ZeRO-3 partitioned (their process group runs
+    one all-gather per module call, so all its ranks must tile alike); else just this rank's."""
+    zero3 = _zero3_params(params)
+    if not zero3 or not dist.is_initialized():
+        return [tokens]
+    group = getattr(zero3[0], "ds_process_group", None)
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [tokens]
+    mine = torch.tensor([tokens], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(every, mine, group=group)
+    return [int(t.item()) for t in every]
+
+
+def _chunk_count(tokens: int, chunks: int) -> int:
+    """How many pieces ``torch.chunk`` really makes of ``tokens`` rows asked for ``chunks``."""
+    return chunks if tokens == 0 else math.ceil(tokens / math.ceil(tokens / chunks))
+
+
+def exact_chunk_tiles(counts: Sequence[int], tile_tokens: int) -> int:
+    """The largest tile count <= what the longest rank needs that ``torch.chunk`` splits every
+    rank's tokens into exactly (TiledMLP loops over chunks but marks gradients ready by count)."""
+    tiles = max(tiles_for(n, tile_tokens) for n in counts)
+    while tiles > 1 and any(_chunk_count(n, tiles) != tiles for n in counts):
+        tiles -= 1
+    return tiles
+
+
+def _grad_input(x: Tensor, params: Sequence[nn.Parameter]) -> Tensor:
+    """x, made to require grad when only the module's weights do: a Function's output requires grad
+    only through its tensor inputs, and the weights are not among them (e.g. frozen embeddings
+    below a trained norm)."""
+    if torch.is_grad_enabled() and not x.requires_grad and any(p.requires_grad for p in params):
+        return x.detach().requires_grad_(True)
+    return x
+
+
+def _no_grad_detached(fn: Callable) -> Callable:
+    """fn with its tensor arguments detached when it runs without grad (the tiled forwards).  There
+    they are no-grad-mode views of tensors that require grad; a module hook that looks for their
+    autograd node (torch's ModTracker / MemTracker) fails on those, and no gradient is wanted."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
+            kwargs = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def _forward_function(module: nn.Module) -> Callable:
+    """The module's current forward as a plain function of (module, *args)."""
+    forward = module.forward
+    func = getattr(forward, "__func__", None)
+    if func is None or getattr(forward, "__self__", None) is not module:
+        raise ValueError(
+            f"{type(module).__name__}.forward is a {type(forward).__name__} "
+            f"({getattr(forward, '__qualname__', '?')}), not a method of the module (wrapped by another "
+            "library?); the long-context stack replaces module methods"
+        )
+    return func
+
+
+def tiled_norm(module: nn.Module, forward: Callable, hidden_states: Tensor, tile_tokens: int) -> Tensor:
+    """``forward(module, hidden_states)`` of a per-token module (RMSNorm) on sequence tiles of
+    [batch, seq, hidden] input, recomputed per tile in backward (DeepSpeed's SequenceTiledCompute).
+    No collective runs inside (the module is not called through ``__call__``; ZeRO-3 has gathered
+    its weight around the whole call), so the tile count is this rank's own."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import sequence_tiled_compute
+
+    if hidden_states.dim() != 3:
+        return forward(module, hidden_states)
+    batch, seq = hidden_states.shape[:2]
+    tiles = min(seq, tiles_for(batch * seq, tile_tokens))
+    if tiles <= 1:
+        return forward(module, hidden_states)
+    hidden_states = _grad_input(hidden_states, list(module.parameters()))
+    return sequence_tiled_compute(
+        _no_grad_detached(lambda hidden_states: forward(module, hidden_states)),
+        seq,
+        tiles,
+        {"hidden_states": hidden_states},
+        {},
+        "hidden_states",
+        list(module.parameters()),
+        output_unshard_dimension=1,
+        output_reduction=None,
+    )
+
+
+def tiled_mlp(module: nn.Module, forward: Callable, x: Tensor, tile_tokens: int) -> Tensor:
+    """``forward(module, x)`` of an MLP on token tiles through DeepSpeed's ``TiledMLP``: x is
+    flattened to [tokens, hidden] so the forward and backward tile the same token axis."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    flat = x.reshape(-1, x.shape[-1])
+    tiles = exact_chunk_tiles(token_counts(flat.shape[0], list(module.parameters()), x.device), tile_tokens)
+    if tiles <= 1:
+        return forward(module, x)
+    out = TiledMLP.apply(_no_grad_detached(forward), module, _grad_input(flat, params), tiles, params)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class _MarkGradReady(torch.autograd.Function):
+    """Identity on the loss's hidden-state input whose backward (right after the tiled loss's)
+    marks ``params`` ready for ZeRO's gradient reduction again."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, params: tuple[nn.Parameter, ...]) -> Tensor:
+        ctx.params = params
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        for param in ctx.params:
+            param.ds_grad_is_ready = True
+        return grad, None
+
+
+def tiled_loss_sum(
+    lm_head: nn.Module,
+    hidden: Tensor,
+    labels: Tensor,
+    *,
+    tile_tokens: int,
+    ignore_index: int,
+    shared_params: Sequence[nn.Parameter] = (),
+) -> Tensor:
+    """Sum over this rank's tokens of cross_entropy(lm_head(hidden), labels), in sequence tiles.
+
+    Like ``sequence_parallel_loss``, 16-bit logits are upcast to float32 (per tile here).  Only
+    one tile's logits exist at a time, in forward and in backward (which recomputes them).
+    ``shared_params``: lm_head parameters used elsewhere in the model (a tied embedding), whose
+    ZeRO gradient reduction must wait for the other use's gradient.
+    """
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import sequence_tiled_compute
+
+    batch, seq = labels.shape
+    params = list(lm_head.parameters())
+    counts = token_counts(batch * seq, params, hidden.device)
+    # SequenceTiledCompute always runs `tiles` calls (empty trailing tiles allowed), as ZeRO-3 needs
+    tiles = max(tiles_for(n, tile_tokens) for n in counts)
+    # the other use (the embedding) adds its gradient later only if the gradient flows down through hidden
+    shared = tuple(p for p in shared_params if p.requires_grad) if hidden.requires_grad else ()
+    hidden = _grad_input(hidden, params)
+    if shared and torch.is_grad_enabled():
+        hidden = _MarkGradReady.apply(hidden, shared)
+
+    def loss_sum(hidden_states: Tensor, labels: Tensor) -> Tensor:
+        if torch.is_grad_enabled():  # the backward's recompute: a shared weight is not ready yet
+            for param in shared:
+                param.ds_grad_is_ready = False
+        logits = lm_head(hidden_states)
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
+        )
+
+    return sequence_tiled_compute(
+        _no_grad_detached(loss_sum),
+        seq,
+        tiles,
+        {"hidden_states": hidden, "labels": labels.to(hidden.device)},
+        {},
+        "hidden_states",
+        params,
+        output_unshard_dimension=0,
+        output_reduction="sum",
+    )

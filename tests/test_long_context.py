@@ -1,0 +1,74 @@
+"""The long-context stack (hf_patches.apply_long_context_stack, tiled_sequence_parallel_loss):
+tiled loss, RMSNorm and MLP equal the untiled path (float64 <= 1e-10, float32 <= 1e-5) on 2 ranks,
+alone and in UPipe / plain models end to end, under ZeRO-2 and ZeRO-3 (tied embeddings, ranks of
+different lengths); the tiled loss phase and norm hold far less memory; bad settings are refused."""
+
+import torch
+
+from tests import long_context_cases
+from tests.dist_harness import run_ranks
+from tests.hf_cases import TOLERANCE
+
+REFUSALS = {  # case -> words its message must contain (the offending value and the rule)
+    "base_model_loss": ["tiled_loss=True", "LlamaModel", "lm_head", "*ForCausalLM"],
+    "unsupported_arch": ["GPT2LMHeadModel", "apply_long_context_stack supports", "LlamaForCausalLM"],
+    "tile_zero": ["mlp_tile_tokens", "got 0", "positive int"],
+    "tile_float": ["norm_tile_tokens", "got 2.5"],
+    "forward_loss_without_tiled": ["forward_loss='sequence_parallel'", "tiled_loss=True"],
+    "forward_loss_name": ["'global'", "'local' or 'sequence_parallel'"],
+    "grad_reduction": ["'avg'", "'mean' or 'sum'"],
+    "twice": ["already has the long-context stack"],
+    "foreign_forward": ["LlamaMLP.forward", "not a method of the module"],
+    "loss_on_base": ["LlamaModel has no lm_head", "causal LM"],
+    "loss_shapes": ["(1, 3, 64)", "(1, 4)"],
+}
+
+
+def _tolerance(case: str) -> float:
+    return TOLERANCE[torch.float32] if "float32" in case or "zero" in case else TOLERANCE[torch.float64]
+
+
+def _check_exact(results: dict, what: str) -> None:
+    assert results, what
+    for case, errors in results.items():
+        assert max(errors.values()) <= _tolerance(case), f"{what} {case}: {errors}"
+
+
+def test_components_and_models():
+    results = run_ranks(long_context_cases.components, 2)
+    for rank, r in enumerate(results):
+        _check_exact(r["loss"], f"rank {rank} loss")
+        assert len(r["loss"]) == 10
+        _check_exact(r["modules"], f"rank {rank} module")
+        assert len(r["modules"]) == 24
+        _check_exact(r["models"], f"rank {rank} model")
+        assert len(r["models"]) == 8
+        assert not any(r["chunks"].values()), r["chunks"]
+
+        mem = r["memory"]
+        # loss phase: full logits (plus float32 log-softmax and gradients) vs one 64-token tile
+        assert mem["loss_full"] >= mem["logits_fp32"] * 2, mem
+        assert mem["loss_tiled"] * 8 <= mem["loss_full"], mem
+        assert mem["loss_tiled"] <= mem["logits_fp32"] / 4, mem
+        # norm in bfloat16: beyond the bfloat16 input, output and input gradient, the tiled norm
+        # holds less than a quarter of one float32 copy of the hidden state; transformers' holds more
+        inherent = 3 * mem["hidden_bf16"]
+        assert mem["norm_tiled"] - inherent <= mem["hidden_fp32"] / 4, mem
+        assert mem["norm_full"] - inherent >= mem["hidden_fp32"], mem
+
+        refusals = r["refusals"]
+        assert refusals["foreign_forward_untouched"] == "False", "a refused stack changed the model"
+        for case, words in REFUSALS.items():
+            for word in words:
+                assert word in refusals[case], f"rank {rank} {case}: {refusals[case]!r} lacks {word!r}"
+    assert results[0]["refusals"] == results[1]["refusals"], "the same error on every rank"
+    assert results[0]["memory"]["norm_full"] == results[1]["memory"]["norm_full"]
+
+
+def test_zero2_zero3():
+    results = run_ranks(long_context_cases.zero_cases, 2, use_deepspeed=True)
+    for rank, r in enumerate(results):
+        assert len(r) == 5
+        for case, errors in r.items():
+            assert errors.get("reduced_once", 0) == 0 and errors.get("grad_names", 0) == 0, f"{rank} {case}: {errors}"
+            assert max(errors.values()) <= TOLERANCE[torch.float32], f"rank {rank} {case}: {errors}"
