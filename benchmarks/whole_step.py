@@ -1,9 +1,9 @@
 """Whole-training-step peak memory per rank: ALST and UPipe, each with and without the long-context stack.
 
 One step = forward of every decoder layer + the loss + backward, on C ranks (gloo, CPU), measured
-with torch's MemTracker (every tensor storage the step allocates, plus the model's parameters and
-their gradients; the storage-only tracker of ``ds-upipe bench``, whose module hooks do not survive
-DeepSpeed's tiled Functions).  The model is a Llama built from a config with Llama3-8B's
+with ``ds_upipe.tools.memory.measure_peak`` (torch's MemTracker without module hooks, which do not
+survive DeepSpeed's tiled Functions: every tensor storage the step allocates, plus the model's
+parameters and their gradients).  The model is a Llama built from a config with Llama3-8B's
 proportions scaled down (GQA 4:1, intermediate 3.5 x hidden, vocabulary 32K), in bfloat16.
 
 - ALST: DeepSpeed's ``UlyssesSPAttentionHF`` registered through ``register_with_transformers``.
@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +32,12 @@ CASES = (("alst", False), ("alst", True), ("upipe", False), ("upipe", True))
 
 def build_model(args: argparse.Namespace) -> Any:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
+    from ds_upipe.tools.models import tiny_config
+
+    config = tiny_config(
+        "llama",
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=args.intermediate,
@@ -45,9 +46,7 @@ def build_model(args: argparse.Namespace) -> Any:
         num_key_value_heads=args.kv_heads,
         head_dim=args.hidden // args.heads,
         max_position_embeddings=max(args.seq, 8192),
-        attn_implementation="sdpa",
         use_cache=False,
-        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).to(getattr(torch, args.dtype))
@@ -58,12 +57,12 @@ def prepare(method: str, stack: bool, args: argparse.Namespace, group: Any) -> A
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     import hf_patches
-    from hf_patches.memory import _register_alst
+    from ds_upipe.tools.hf_memory import alst_attention_function
 
     model = build_model(args)
     original = ALL_ATTENTION_FUNCTIONS["sdpa"]
     if method == "alst":
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = _register_alst(model.model, batch=1)
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = alst_attention_function(model.model, batch=1)
     else:
         hf_patches.apply_upipe(model, group)
     if stack:
@@ -86,7 +85,7 @@ def run_case(method: str, stack: bool, args: argparse.Namespace, rank: int) -> d
     import torch.distributed as dist
 
     import hf_patches
-    from ds_upipe.bench import _storage_tracker
+    from ds_upipe.tools.memory import measure_peak
 
     group = dist.group.WORLD
     model, restore = prepare(method, stack, args, group)
@@ -109,13 +108,9 @@ def run_case(method: str, stack: bool, args: argparse.Namespace, rank: int) -> d
             loss.backward()
             losses.append(loss.item())
 
-        tracker = _storage_tracker()
-        tracker.track_external(model, *shard.values())
         start = time.perf_counter()
-        with tracker:
-            step()
+        peak = measure_peak(step, [model, *shard.values()], torch.device("cpu"))
         seconds = time.perf_counter() - start
-        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     finally:
         restore()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -123,73 +118,28 @@ def run_case(method: str, stack: bool, args: argparse.Namespace, rank: int) -> d
         "method": method,
         "stack": stack,
         "rank": rank,
-        "peak_bytes": int(peak["Total"]),
+        "peak_bytes": peak,
         "parameter_bytes": params,
         "loss": losses[0],
         "seconds": seconds,
     }
 
 
-def rank_main(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(args.world),
-        LOCAL_WORLD_SIZE=str(args.world),
-        LOCAL_SIZE=str(args.world),
-        DS_ACCELERATOR="cpu",
-    )
-    import deepspeed
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)  # ALST talks through deepspeed.comm
-        rows = []
-        for method, stack in CASES:
-            rows.append(run_case(method, stack, args, rank))
-            if rank == 0:
-                print(f"  {method:<6} stack={stack!s:<5} {rows[-1]['peak_bytes'] / 2**20:9.1f} MiB", flush=True)
-        queue.put(("ok", rank, rows))
-    except BaseException:  # noqa: BLE001 - reported by the parent
-        queue.put(("error", rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        from ds_upipe.process_exit import release_shm_allreduce_segment
-
-        release_shm_allreduce_segment()  # DeepSpeed leaves its 66 MB /dev/shm segment behind otherwise
+def rank_body(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """All cases on one rank (run by ds_upipe.tools.ranks.run_ranks over deepspeed.comm: ALST needs it)."""
+    rows = []
+    for method, stack in CASES:
+        rows.append(run_case(method, stack, args, rank))
+        if rank == 0:
+            print(f"  {method:<6} stack={stack!s:<5} {rows[-1]['peak_bytes'] / 2**20:9.1f} MiB", flush=True)
+    return rows
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
+    from ds_upipe.tools.ranks import run_ranks
 
-    from ds_upipe.bench import _free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    os.environ["OMP_NUM_THREADS"] = "1"
-    procs = [ctx.Process(target=rank_main, args=(r, args, port, queue)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    finals = {}
-    for _ in range(args.world):
-        kind, rank, payload = queue.get(timeout=args.timeout)
-        finals[rank] = (kind, payload)
-        if kind == "error":
-            break
-    for p in procs:
-        p.join(5 if len(finals) < args.world else None)
-        if p.is_alive():
-            p.kill()
-    errors = [f"rank {r}:\n{v[1]}" for r, v in sorted(finals.items()) if v[0] == "error"]
-    if errors or len(finals) < args.world:
-        raise RuntimeError("whole-step measurement failed\n" + "\n".join(errors))
-    return [row for r in range(args.world) for row in finals[r][1]]
+    per_rank = run_ranks(rank_body, args.world, args, use_deepspeed=True, timeout=args.timeout)
+    return [row for rows in per_rank for row in rows]
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Rank-side bodies of the long-context stack tests (hf_patches.apply_long_context_stack, tiled loss,
-norm and MLP); run with tests/dist_harness.run_ranks.  Every comparison is against the untiled path
+norm and MLP); run with ds_upipe.tools.ranks.run_ranks.  Every comparison is against the untiled path
 on the same weights and inputs: ``sequence_parallel_loss`` on the full logits, transformers' own
 RMSNorm / MLP modules, and the unpatched single-process model."""
 

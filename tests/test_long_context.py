@@ -5,8 +5,8 @@ different lengths); the tiled loss phase and norm hold far less memory; bad sett
 
 import torch
 
+from ds_upipe.tools.ranks import run_ranks
 from tests import long_context_cases
-from tests.dist_harness import run_ranks
 from tests.hf_cases import TOLERANCE
 
 REFUSALS = {  # case -> words its message must contain (the offending value and the rule)

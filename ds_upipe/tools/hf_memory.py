@@ -89,8 +89,9 @@ def build_one_layer_model(
     return LlamaModel(config).to(dtype)
 
 
-def _register_alst(model: nn.Module, batch: int) -> Any:
-    """ALST's attention wrapper for this model, registered once per process and cached."""
+def alst_attention_function(model: nn.Module, batch: int) -> Any:
+    """ALST's attention wrapper for this model (DeepSpeed's own registration), made once per process
+    and head layout and cached; the attention registry is left as it was."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -164,7 +165,7 @@ def measure_peak_activation(
     if method == "alst":
         if group_size != dist.get_world_size():
             raise ValueError("ALST registers its sequence-parallel groups over the whole world; pass group=None")
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = _register_alst(model, batch)
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = alst_attention_function(model, batch)
     else:
         apply_upipe(model, group, head_chunk_size=head_chunk_size, fused_projections=method == "upipe_fused")
     try:
