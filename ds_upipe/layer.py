@@ -72,7 +72,7 @@ class UPipeDistributedAttention(DistributedAttention):
         self.head_chunk_size = head_chunk_size
         self.overlap_comm = overlap_comm
         self.validate_inputs = validate_inputs
-        self.requested_sp_stream = sp_stream
+        del sp_stream  # accepted for DistributedAttention's signature; UPipe's async collectives need no stream
         self.ring_group = ring_group
         self.ring_overlap = overlap_comm if ring_overlap is None else ring_overlap
         self._ring_kernel: RingAttentionKernel | None = None
