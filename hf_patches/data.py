@@ -286,6 +286,13 @@ def _in_zigzag_order(batch: dict[str, Any], layout: SequenceLayout) -> dict[str,
     return out
 
 
+def use_zigzag_shift_labels(micro_batch: dict[str, Any]) -> dict[str, Any]:
+    """A micro-batch of ``UlyssesSPDataLoaderAdapter`` over ``zigzag_ordered`` batches, with the
+    shift_labels shifted in sequence order (in place)."""
+    micro_batch["shift_labels"] = micro_batch.pop(_ZIGZAG_SHIFT_LABELS)
+    return micro_batch
+
+
 class _ZigzagShards:
     """The adapter's micro-batches with the shift_labels of ``_in_zigzag_order``."""
 
@@ -297,8 +304,28 @@ class _ZigzagShards:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for batch in self.adapter:
-            batch["shift_labels"] = batch.pop(_ZIGZAG_SHIFT_LABELS)
-            yield batch
+            yield use_zigzag_shift_labels(batch)
+
+
+class _ZigzagOrdered:
+    """A loader's batches padded to the ring's multiple and put in zigzag order (``_in_zigzag_order``)."""
+
+    def __init__(self, loader: Iterable[dict[str, Any]], layout: SequenceLayout, pad_token_id: int) -> None:
+        self.loader, self.layout, self.pad_token_id = loader, layout, pad_token_id
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        multiple = sequence_multiple(self.layout)
+        for batch in self.loader:
+            yield _in_zigzag_order(pad_batch(dict(batch), multiple, pad_token_id=self.pad_token_id), self.layout)
+
+
+def zigzag_ordered(loader: Iterable[dict[str, Any]], sp_size: int, ring_size: int, pad_token_id: int = 0) -> Any:
+    """``loader`` for ``UlyssesSPDataLoaderAdapter`` under UPipe x Ring: its contiguous shards of the
+    returned batches are the zigzag shards (then ``use_zigzag_shift_labels`` on each micro-batch)."""
+    return _ZigzagOrdered(loader, sequence_layout(sp_size, ring_size), pad_token_id)
 
 
 def sequence_parallel_dataloader(

@@ -194,13 +194,16 @@ def test_enable_routes_accelerates_lookup_and_disable_restores():
     try:
         hf_integration.enable()  # idempotent
         # what accelerate's _prepare_deepspeed imports at call time
-        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
 
         assert UlyssesSPAttentionHF is hf_integration.UPipeSPAttentionHF
+        # the training loaders accelerate wraps: zigzag shards when UPipe x Ring is registered
+        assert UlyssesSPDataLoaderAdapter is hf_integration.UPipeSPDataLoaderAdapter
         assert Trainer.prediction_step is not original_step
     finally:
         hf_integration.disable()
     assert ulysses_sp.UlyssesSPAttentionHF is not hf_integration.UPipeSPAttentionHF
+    assert ulysses_sp.UlyssesSPDataLoaderAdapter is not hf_integration.UPipeSPDataLoaderAdapter
     assert Trainer.prediction_step is original_step and not hf_integration.is_enabled()
 
 
@@ -211,6 +214,10 @@ def test_upipe_settings_rules():
     assert hf_integration.upipe_settings({**zero3, "sequence_parallel_size": 2}, 2).upipe.fused_projections
     with pytest.raises(ValueError, match=r"sequence_parallel_size: got 4 but ParallelismConfig.sp_size is 2"):
         hf_integration.upipe_settings({**zero3, "sequence_parallel_size": 4}, 2)
+    ring = hf_integration.upipe_settings({**zero3, "upipe": {"ring_size": 2}}, 4)
+    assert (ring.ring_size, ring.ulysses_size) == (2, 2)
+    with pytest.raises(ValueError, match=r"upipe.ring_size: got 4 for sequence_parallel_size=2"):
+        hf_integration.upipe_settings({**zero3, "upipe": {"ring_size": 4}}, 2)
     with pytest.raises(ValueError, match=r"upipe.chunk: unknown key"):
         hf_integration.upipe_settings({**zero3, "upipe": {"chunk": 2}}, 2)
     with pytest.raises(ValueError, match=r"zero_optimization.stage: got 0 with sequence_parallel_size=2"):
