@@ -98,6 +98,22 @@ def trainer_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
+def trainer_ring_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    """UPipe x Ring through the Trainer: 4 processes, sp_size 4 = Ulysses 2 x ring 2 (the ds_config's
+    ``"upipe": {"ring_size": 2}``), against the non-SP run."""
+    work = tmp_path_factory.mktemp("trainer_ring")
+    ring = json.loads((ROOT / "examples/ds_config_upipe.json").read_text())
+    ring["upipe"]["ring_size"] = 2
+    (work / "ds_config_upipe_ring.json").write_text(json.dumps(ring))
+    return {
+        "no_sp": _torchrun(1, work / "no_sp.json", "--deepspeed", "examples/ds_config_upipe.json", "--sp_size", "1"),
+        "upipe_ring": _torchrun(
+            4, work / "upipe_ring.json", "--deepspeed", str(work / "ds_config_upipe_ring.json"), "--sp_size", "4"
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
 def accelerate_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
     work = tmp_path_factory.mktemp("accelerate")
     return {
@@ -165,6 +181,17 @@ def test_trainer_model_path_under_zero3(trainer_runs):
     assert min(trainer_runs["upipe_model"]["stage_runs_train"]) > 0
     loaded, built = trainer_runs["no_sp_model"]["train_losses"], trainer_runs["no_sp"]["train_losses"]
     assert min(abs(a - b) for a, b in zip(loaded, built)) > 1e-3, (loaded, built)
+
+
+@pytest.mark.slow
+def test_trainer_upipe_x_ring(trainer_ring_runs):
+    """Training losses, gradient norms and the eval loss of Ulysses 2 x ring 2 equal the non-SP run;
+    every rank ran UPipe stages (U = C_u = 2) in training and evaluation, on zigzag shards of S / 4."""
+    _check_parity(trainer_ring_runs, ("upipe_ring",))
+    run = trainer_ring_runs["upipe_ring"]
+    assert run["world_size"] == 4 and run["sp_size"] == 4 and run["upipe"] == {"fused": True, "head_chunk_size": 2}
+    assert min(run["stage_runs_train"]) > 0 and min(run["stage_runs_eval"]) > 0, run
+    assert run["eval_local_seq_lens"] == [SEQ_LEN // 4], run
 
 
 @pytest.mark.slow
