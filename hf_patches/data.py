@@ -171,6 +171,8 @@ class _CheckedLoader:
         self.loader, self.group, self.device, self.pad_token_id = loader, group, torch.device(device), pad_token_id
         self.layout = layout
         self.multiple = sequence_multiple(layout)
+        #: its batches come in zigzag order already (an adapter around it must not reorder them again)
+        self.zigzag_ordered = layout.ring_size > 1
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -309,6 +311,8 @@ class _ZigzagShards:
 
 class _ZigzagOrdered:
     """A loader's batches padded to the ring's multiple and put in zigzag order (``_in_zigzag_order``)."""
+
+    zigzag_ordered = True
 
     def __init__(self, loader: Iterable[dict[str, Any]], layout: SequenceLayout, pad_token_id: int) -> None:
         self.loader, self.layout, self.pad_token_id = loader, layout, pad_token_id

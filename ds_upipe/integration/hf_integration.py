@@ -176,16 +176,18 @@ class UPipeSPDataLoaderAdapter(UlyssesSPDataLoaderAdapter):
     ``hf_patches.data``); otherwise DeepSpeed's own, unchanged."""
 
     def __init__(self, dl: Any, sp_rank: int, sp_group: Any, sp_world_size: int, device: Any) -> None:
-        self.ring_size = _REGISTERED.get("ring_size", 1) if "mpu" in _REGISTERED else 1
-        if self.ring_size > 1:
+        ring_size = _REGISTERED.get("ring_size", 1) if "mpu" in _REGISTERED else 1
+        # hf_patches.sequence_parallel_dataloader (the eval loaders) orders its batches itself
+        self.reorders = ring_size > 1 and not getattr(dl, "zigzag_ordered", False)
+        if self.reorders:
             from hf_patches.data import zigzag_ordered
 
-            dl = zigzag_ordered(dl, sp_world_size, self.ring_size)
+            dl = zigzag_ordered(dl, sp_world_size, ring_size)
         super().__init__(dl, sp_rank, sp_group, sp_world_size, device)
 
     def __next__(self) -> dict[str, Any]:
         batch = super().__next__()
-        if self.ring_size > 1:
+        if self.reorders:
             from hf_patches.data import use_zigzag_shift_labels
 
             use_zigzag_shift_labels(batch)
