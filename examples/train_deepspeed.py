@@ -275,6 +275,7 @@ def train(opts: argparse.Namespace) -> dict[str, Any]:
         peak_memory_bytes=int(peaks.item()),
         peak_memory_kind="cuda_max_allocated" if device.type == "cuda" else "max_rss",
         upipe_fused=state.fused if state is not None else None,
+        upipe_ring_size=state.ring_size if state is not None else 1,
         init_s=init_s,
         wall_s=time.perf_counter() - t_run,
         resumed_from=start,

@@ -9,16 +9,24 @@ are never attended to by real tokens under causal attention.
 ``sequence_parallel_dataloader`` reuses DeepSpeed's ``UlyssesSPDataLoaderAdapter`` (which
 exchanges samples between ranks, shards them and creates ``shift_labels``) after a padding step
 it lacks; ``shard_batch`` does the same for one batch that every rank already holds.
+
+UPipe x Ring (``ring_size`` R > 1; ``group`` is then the whole sequence-parallel group of C_u x R
+ranks): each rank gets its zigzag shard instead (``ds_upipe.ring.zigzag_positions``: ring rank i
+holds chunks i and 2R-1-i of 2R, split over its Ulysses ranks), sequences are padded to a multiple
+of R x lcm(2, C_u), and ``shift_labels`` are shifted in sequence order before sharding.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from ds_upipe.ring import SequenceLayout, sequence_layout, zigzag_positions, zigzag_unshard
 
 IGNORE_INDEX = -100
 
@@ -27,6 +35,24 @@ def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if not dist.is_initialized():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _layout(group: dist.ProcessGroup | None, ring_size: int) -> tuple[int, SequenceLayout]:
+    """(this rank's sequence-parallel rank, the C_u x R layout of ``group``)."""
+    rank, size = _group_info(group)
+    return rank, sequence_layout(size, ring_size)
+
+
+def sequence_multiple(layout: SequenceLayout) -> int:
+    """What a sequence length must be a multiple of: C without a ring; with one, R x lcm(2, C_u)
+    (2R equal zigzag chunks, each ring block split evenly over its C_u Ulysses ranks)."""
+    if layout.ring_size == 1:
+        return layout.ulysses_size
+    return layout.ring_size * math.lcm(2, layout.ulysses_size)
+
+
+def _sequence_tensors(batch: dict[str, Any], seq: int) -> list[str]:
+    return [k for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == seq]
 
 
 def pad_batch(batch: dict[str, Any], multiple: int, *, pad_token_id: int = 0) -> dict[str, Any]:
@@ -72,37 +98,46 @@ def shift_labels(labels: Tensor) -> Tensor:
     return torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].contiguous()
 
 
-def shard_batch(batch: dict[str, Any], group: dist.ProcessGroup | None, *, pad_token_id: int = 0) -> dict[str, Any]:
+def shard_batch(
+    batch: dict[str, Any], group: dist.ProcessGroup | None, *, pad_token_id: int = 0, ring_size: int = 1
+) -> dict[str, Any]:
     """This rank's shard of a batch that every rank of ``group`` holds in full.
 
     Returns input_ids, position_ids (global), shift_labels (when the batch has labels; ``labels``
     itself is dropped, as in ALST), attention_mask (when given) and any other [batch, seq, ...]
     tensor, all sliced to this rank's contiguous shard after padding to a multiple of the group size.
+    With ``ring_size`` R > 1, ``group`` is the whole sequence-parallel group (C_u x R ranks) and the
+    shard is this rank's zigzag shard (module docstring).
     """
-    rank, size = _group_info(group)
-    out = dict(batch)
-    if "labels" in out:
-        labels = out.pop("labels")
-        if out.get("attention_mask") is not None:
-            labels = labels.masked_fill(out["attention_mask"] == 0, IGNORE_INDEX)
-        out["shift_labels"] = shift_labels(labels)
-    out = pad_batch(out, size, pad_token_id=pad_token_id)
+    rank, layout = _layout(group, ring_size)
+    out = _with_shift_labels(dict(batch))
+    out = pad_batch(out, sequence_multiple(layout), pad_token_id=pad_token_id)
     seq = out["input_ids"].shape[1]
-    chunk = seq // size
-    for key, value in out.items():
-        if torch.is_tensor(value) and value.dim() >= 2 and value.shape[1] == seq:
-            out[key] = value[:, rank * chunk : (rank + 1) * chunk].contiguous()
+    positions = zigzag_positions(seq, layout, rank).to(out["input_ids"].device)
+    for key in _sequence_tensors(out, seq):
+        out[key] = out[key].index_select(1, positions.to(out[key].device))
     return out
 
 
-def gather_sequence(shard: Tensor, group: dist.ProcessGroup | None, dim: int = 1) -> Tensor:
-    """Concatenate every rank's shard along ``dim`` (not differentiable; for evaluation and tests)."""
-    _, size = _group_info(group)
-    if size == 1:
+def _with_shift_labels(batch: dict[str, Any]) -> dict[str, Any]:
+    """``labels`` replaced by ``shift_labels`` (padding under the attention mask ignored)."""
+    if "labels" in batch:
+        labels = batch.pop("labels")
+        if batch.get("attention_mask") is not None:
+            labels = labels.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+        batch["shift_labels"] = shift_labels(labels)
+    return batch
+
+
+def gather_sequence(shard: Tensor, group: dist.ProcessGroup | None, dim: int = 1, *, ring_size: int = 1) -> Tensor:
+    """The whole sequence from every rank's shard along ``dim``, in sequence order (zigzag shards put
+    back with ``ring_size`` > 1; not differentiable; for evaluation and tests)."""
+    _, layout = _layout(group, ring_size)
+    if layout.sp_size == 1:
         return shard
-    parts = [torch.empty_like(shard) for _ in range(size)]
+    parts = [torch.empty_like(shard) for _ in range(layout.sp_size)]
     dist.all_gather(parts, shard.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return zigzag_unshard(parts, dim % shard.dim(), layout)
 
 
 #: keys DeepSpeed's UlyssesSPDataLoaderAdapter needs in every batch (position_ids: pad_batch adds them)
@@ -126,10 +161,18 @@ class _CheckedLoader:
     gathered data."""
 
     def __init__(
-        self, loader: Iterable[dict[str, Any]], group: dist.ProcessGroup, device: torch.device | str, pad_token_id: int
+        self,
+        loader: Iterable[dict[str, Any]],
+        group: dist.ProcessGroup,
+        device: torch.device | str,
+        pad_token_id: int,
+        layout: SequenceLayout,
     ) -> None:
         self.loader, self.group, self.device, self.pad_token_id = loader, group, torch.device(device), pad_token_id
-        self.multiple = _group_info(group)[1]
+        self.layout = layout
+        self.multiple = sequence_multiple(layout)
+        #: its batches come in zigzag order already (an adapter around it must not reorder them again)
+        self.zigzag_ordered = layout.ring_size > 1
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -150,7 +193,7 @@ class _CheckedLoader:
             self._check_group(batch, _describe_batch(batch, length, status), error)
             if status == _EXHAUSTED:
                 return
-            yield batch
+            yield batch if self.layout.ring_size == 1 else _in_zigzag_order(batch, self.layout)
 
     def _check_group(self, batch: Any, row: list[int], error: Exception | None) -> None:
         """The same ValueError on every rank unless all ranks' batches (rows: status, has input_ids,
@@ -225,22 +268,91 @@ def _per_rank(values: list[Any]) -> str:
     return ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
 
 
+#: where the zigzag-ordered batch carries its shift_labels through UlyssesSPDataLoaderAdapter, which
+#: would compute them from ``labels`` in the (reordered) order it is given
+_ZIGZAG_SHIFT_LABELS = "_upipe_zigzag_shift_labels"
+
+
+def _in_zigzag_order(batch: dict[str, Any], layout: SequenceLayout) -> dict[str, Any]:
+    """A padded batch with its sequence reordered so that contiguous shards are the zigzag shards
+    (every rank's ``zigzag_positions`` concatenated in rank order), shift_labels computed before."""
+    out = dict(batch)
+    labels = out["labels"]
+    if out.get("attention_mask") is not None:
+        labels = labels.masked_fill(out["attention_mask"] == 0, IGNORE_INDEX)
+    out[_ZIGZAG_SHIFT_LABELS] = shift_labels(labels)
+    seq = out["input_ids"].shape[1]
+    order = torch.cat([zigzag_positions(seq, layout, r) for r in range(layout.sp_size)])
+    for key in _sequence_tensors(out, seq):
+        out[key] = out[key].index_select(1, order.to(out[key].device))
+    return out
+
+
+def use_zigzag_shift_labels(micro_batch: dict[str, Any]) -> dict[str, Any]:
+    """A micro-batch of ``UlyssesSPDataLoaderAdapter`` over ``zigzag_ordered`` batches, with the
+    shift_labels shifted in sequence order (in place)."""
+    micro_batch["shift_labels"] = micro_batch.pop(_ZIGZAG_SHIFT_LABELS)
+    return micro_batch
+
+
+class _ZigzagShards:
+    """The adapter's micro-batches with the shift_labels of ``_in_zigzag_order``."""
+
+    def __init__(self, adapter: Any) -> None:
+        self.adapter = adapter
+
+    def __len__(self) -> int:
+        return len(self.adapter)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.adapter:
+            yield use_zigzag_shift_labels(batch)
+
+
+class _ZigzagOrdered:
+    """A loader's batches padded to the ring's multiple and put in zigzag order (``_in_zigzag_order``)."""
+
+    zigzag_ordered = True
+
+    def __init__(self, loader: Iterable[dict[str, Any]], layout: SequenceLayout, pad_token_id: int) -> None:
+        self.loader, self.layout, self.pad_token_id = loader, layout, pad_token_id
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        multiple = sequence_multiple(self.layout)
+        for batch in self.loader:
+            yield _in_zigzag_order(pad_batch(dict(batch), multiple, pad_token_id=self.pad_token_id), self.layout)
+
+
+def zigzag_ordered(loader: Iterable[dict[str, Any]], sp_size: int, ring_size: int, pad_token_id: int = 0) -> Any:
+    """``loader`` for ``UlyssesSPDataLoaderAdapter`` under UPipe x Ring: its contiguous shards of the
+    returned batches are the zigzag shards (then ``use_zigzag_shift_labels`` on each micro-batch)."""
+    return _ZigzagOrdered(loader, sequence_layout(sp_size, ring_size), pad_token_id)
+
+
 def sequence_parallel_dataloader(
     loader: Iterable[dict[str, Any]],
     group: dist.ProcessGroup,
     *,
     device: torch.device | str = "cpu",
     pad_token_id: int = 0,
+    ring_size: int = 1,
 ) -> Any:
     """Wrap a per-rank DataLoader for UPipe: pad to a multiple of the group size, then DeepSpeed's
     ``UlyssesSPDataLoaderAdapter`` (needs ``deepspeed.comm`` initialized, e.g. by
     ``deepspeed.init_distributed``).  Each yielded micro-batch is one rank's shard with
     input_ids, position_ids and shift_labels; the group processes the ranks' samples in turn.
+    With ``ring_size`` R > 1 (``group``: the whole C_u x R sequence-parallel group) each rank's
+    shard is its zigzag shard (module docstring).
 
     Batches must be dicts with input_ids and labels ([batch, seq]).  A batch that cannot be built,
     lacks those keys, differs in batch size from the other ranks', or (on gloo, which cannot gather
     tensors of different sizes) in length, raises the same ValueError on every rank."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
 
-    rank, size = _group_info(group)
-    return UlyssesSPDataLoaderAdapter(_CheckedLoader(loader, group, device, pad_token_id), rank, group, size, device)
+    rank, layout = _layout(group, ring_size)
+    checked = _CheckedLoader(loader, group, device, pad_token_id, layout)
+    adapter = UlyssesSPDataLoaderAdapter(checked, rank, group, layout.sp_size, device)
+    return adapter if ring_size == 1 else _ZigzagShards(adapter)

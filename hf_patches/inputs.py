@@ -7,8 +7,9 @@ same ValueError (no rank is left waiting in a collective).  The global last posi
 RoPE frequencies of the whole sequence (``hf_patches.rope``).
 
 What we can honour: each rank holds a contiguous, equally long shard of the sequence (ALST's
-convention), with position_ids = the global positions of its tokens, consecutive over the whole
-sequence; attention_mask None or a 2-D right-padding mask (ones, then zeros: with causal
+convention; with a ring group, its zigzag shard: ``ds_upipe.ring.zigzag_positions``), with
+position_ids = the global positions of its tokens, consecutive over the whole sequence once the
+shards are put back in sequence order; attention_mask None or a 2-D right-padding mask (ones, then zeros: with causal
 attention, real tokens never see the padding, so their outputs are exact; the padding's outputs
 are unspecified and must carry ignored labels).  Anything else (left padding, packed sequences,
 4-D masks, a KV cache) is refused.
@@ -22,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from ds_upipe.ring import zigzag_unshard
 
 from .rope import set_last_position
 from .state import UPipeState
@@ -46,6 +49,21 @@ def _gather(t: Tensor, group: dist.ProcessGroup | None, group_size: int) -> list
     return out
 
 
+def gather_over_sequence_group(t: Tensor, state: UPipeState) -> list[Tensor]:
+    """Every rank's ``t`` in sequence-parallel rank order (ring index major): over the Ulysses group,
+    then, with a ring, the Ulysses groups' rows over the ring group."""
+    rows = _gather(t, state.group, state.group_size)
+    if state.ring_size == 1:
+        return rows
+    rings = _gather(torch.stack(rows), state.ring_group, state.ring_size)
+    return [row for ring in rings for row in ring.unbind(0)]
+
+
+def global_sequence(t: Tensor, state: UPipeState) -> Tensor:
+    """A [..., local_seq] tensor of every rank, gathered and put back in sequence order ([..., S])."""
+    return zigzag_unshard(gather_over_sequence_group(t, state), t.dim() - 1, state.layout)
+
+
 def _as_kwargs(forward: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     names = [
         p.name
@@ -59,7 +77,6 @@ def _as_kwargs(forward: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 def check_and_prepare(model: nn.Module, args: tuple, kwargs: dict, state: UPipeState) -> tuple[tuple, dict]:
     """Validate one forward call's inputs on all ranks; return (args, kwargs) to run it with."""
-    group, group_size = state.group, state.group_size
     call = _as_kwargs(model.forward, args, kwargs)
     tokens = call.get("input_ids")
     if tokens is None:
@@ -89,15 +106,14 @@ def check_and_prepare(model: nn.Module, args: tuple, kwargs: dict, state: UPipeS
         dtype=torch.long,
         device=device,
     )
-    rows = [m.tolist() for m in _gather(meta, group, group_size)]
+    rows = [m.tolist() for m in gather_over_sequence_group(meta, state)]
     _check_settings(list(settings), [row[-len(settings) :] for row in rows])
     _check_meta(rows)
 
     pos = position_ids.to(device=device, dtype=torch.long).expand(batch, seq)
     keep = torch.ones((batch, seq), dtype=torch.long, device=device) if mask is None else (mask != 0).long()
-    shards = _gather(torch.stack([pos, keep.to(device)]), group, group_size)
-    full = torch.cat(shards, dim=2)  # [2, b, S] in rank order
-    _check_positions_and_mask(full[0], full[1])
+    full = global_sequence(torch.stack([pos, keep.to(device)]), state)  # [2, b, S] in sequence order
+    _check_positions_and_mask(full[0], full[1], state.ring_size)
     set_last_position(model, full[0].max())  # RoPE scaling decided by the whole sequence, as unsharded
 
     call["attention_mask"] = None  # honoured: right padding needs no mask under causal attention
@@ -114,6 +130,7 @@ def _settings(state: UPipeState) -> dict[str, int]:
         "overlap_comm": int(state.overlap_comm),
         "num_attention_heads": state.plan.num_heads,
         "num_key_value_heads": state.plan.num_kv_heads,
+        "ring_size (R)": state.ring_size,
     }
 
 
@@ -129,7 +146,7 @@ def _check_settings(names: list[str], rows: list[list[int]]) -> None:
         raise ValueError(
             f"UPipe settings differ across the ranks of the sequence-parallel group: {'; '.join(differ)}. Every rank "
             "must patch the same model with the same apply_upipe arguments (head_chunk_size, fused_projections, "
-            "overlap_comm); fused projections also need plain nn.Linear projections on every rank"
+            "overlap_comm, ring_group); fused projections also need plain nn.Linear projections on every rank"
         )
 
 
@@ -167,8 +184,8 @@ def _check_meta(rows: list[list[int]]) -> None:
         )
 
 
-def _check_positions_and_mask(pos: Tensor, keep: Tensor) -> None:
-    """pos, keep: [b, S] global position_ids and 0/1 attention mask, in rank order."""
+def _check_positions_and_mask(pos: Tensor, keep: Tensor, ring_size: int = 1) -> None:
+    """pos, keep: [b, S] global position_ids and 0/1 attention mask, in sequence order."""
     if keep.shape[1] > 1 and bool((keep[:, 1:] > keep[:, :-1]).any()):
         raise ValueError(
             "attention_mask has padding before real tokens (left padding or holes); UPipe attention is causal over the "
@@ -176,8 +193,10 @@ def _check_positions_and_mask(pos: Tensor, keep: Tensor) -> None:
         )
     real_pairs = keep[:, 1:].bool()  # both tokens real (the mask is non-increasing)
     if bool(((pos[:, 1:] - pos[:, :-1] != 1) & real_pairs).any()):
+        shard = "contiguous shard" if ring_size == 1 else f"zigzag shard (ring size {ring_size})"
+        order = "rank order" if ring_size == 1 else "the ring's zigzag order, ds_upipe.ring.zigzag_positions"
         raise ValueError(
-            "position_ids are not consecutive over the whole sequence (in rank order). Each rank must pass the "
-            "global positions of its contiguous shard; packed sequences (positions that restart) cannot be "
-            "honoured by UPipe's causal attention"
+            f"position_ids are not consecutive over the whole sequence (in {order}). Each rank must pass the "
+            f"global positions of its {shard}, e.g. from hf_patches.shard_batch; packed sequences (positions that "
+            "restart) cannot be honoured by UPipe's causal attention"
         )

@@ -11,7 +11,7 @@ from torch import nn
 
 from ds_upipe.heads import HeadLayout
 from ds_upipe.kernels import make_kernel
-from ds_upipe.schedule import build_plan
+from ds_upipe.schedule import StagePlan, build_plan
 
 from .attention import ATTN_IMPLEMENTATION, fused_attention_forward, register_attention_function
 from .fused import FusedProjections
@@ -117,6 +117,7 @@ def apply_upipe(
     fused_projections: bool = True,
     kernel: str = "sdpa",
     overlap_comm: bool = False,
+    ring_group: dist.ProcessGroup | None = None,
 ) -> nn.Module:
     """Patch a Llama/Mistral/Qwen2/Qwen3 ``*ForCausalLM`` or base ``*Model`` in place for UPipe.
 
@@ -128,10 +129,15 @@ def apply_upipe(
             that are not plain ``nn.Linear`` (PEFT LoRA, quantized) fall back to unfused mode.
         kernel: local attention kernel name for ``ds_upipe.make_kernel`` ('sdpa', 'math', 'flash_attn').
         overlap_comm: issue the next stage's all-to-alls while the current stage computes (two
-            stages' buffers alive instead of one).
+            stages' buffers alive instead of one); with a ring also the next K/V block's send/recv.
+        ring_group: UPipe x Ring (None: no ring).  ``process_group`` is then the Ulysses group
+            (C_u ranks) and each stage attends over the whole sequence by ring attention over this
+            group (R ranks); both come from ``ds_upipe.ring.build_sequence_groups``.  The heads are
+            split over C_u only.
 
-    Returns the same model.  Every rank must then pass its contiguous sequence shard and the
-    matching global ``position_ids`` (see ``shard_batch``); logits come back per shard.
+    Returns the same model.  Every rank must then pass its sequence shard and the matching global
+    ``position_ids`` (see ``shard_batch``): the contiguous shard of its rank without a ring, its
+    zigzag shard (``ds_upipe.ring.zigzag_positions``) with one; logits come back per shard.
     """
     if not dist.is_initialized():
         raise ValueError("apply_upipe needs torch.distributed to be initialized (the sequence-parallel group)")
@@ -146,8 +152,10 @@ def apply_upipe(
     _check_config(arch, config, attentions)
 
     group_size = dist.get_world_size(process_group)
+    ring_size = 1 if ring_group is None else dist.get_world_size(ring_group)
     heads = HeadLayout.from_config(config)
-    plan = build_plan(heads.num_heads, heads.num_kv_heads, group_size, head_chunk_size)  # validates U, H, Hkv, C
+    # validates U, H, Hkv against C_u (a ring does not split heads)
+    plan = _build_plan(heads, group_size, ring_size, head_chunk_size)
     scaling = attentions[0].scaling
     attn_kernel = make_kernel(kernel, causal=True, softmax_scale=scaling)
 
@@ -167,6 +175,8 @@ def apply_upipe(
         fallback_reason=fallback,
         architecture=arch,
         overlap_comm=bool(overlap_comm),
+        ring_group=ring_group if ring_size > 1 else None,
+        ring_size=ring_size,
     )
     register_attention_function()
     for attn in attentions:
@@ -181,6 +191,19 @@ def apply_upipe(
     if hasattr(hf_model, "generate"):
         hf_model.generate = types.MethodType(_refuse_generate, hf_model)
     return model
+
+
+def _build_plan(heads: HeadLayout, group_size: int, ring_size: int, head_chunk_size: int | None) -> StagePlan:
+    """The stage plan over the Ulysses group; with a ring, an error says that C_u, not C_u x R, splits the heads."""
+    try:
+        return build_plan(heads.num_heads, heads.num_kv_heads, group_size, head_chunk_size)
+    except ValueError as err:
+        if ring_size == 1:
+            raise
+        raise ValueError(
+            f"with a ring group of {ring_size} ranks the heads are split over the Ulysses group of {group_size} ranks "
+            f"(sequence-parallel size {group_size * ring_size} / ring size {ring_size}): {err}"
+        ) from None
 
 
 def _refuse_generate(self: nn.Module, *args: Any, **kwargs: Any) -> None:

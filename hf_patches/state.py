@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ds_upipe.kernels import AttentionKernel
 from ds_upipe.pipeline import PipelineContext, PlanIndices
+from ds_upipe.ring import RingAttentionKernel, SequenceLayout
 from ds_upipe.schedule import StagePlan
 
 
@@ -18,6 +19,7 @@ from ds_upipe.schedule import StagePlan
 class UPipeState:
     """What ``apply_upipe`` decided for one model (read it with ``hf_patches.upipe_state``)."""
 
+    #: the Ulysses group (the whole sequence-parallel group without a ring) and its size C_u
     group: dist.ProcessGroup | None
     group_size: int
     plan: StagePlan
@@ -34,12 +36,17 @@ class UPipeState:
     autocast_warned: bool = False
     #: stages run by this model's attention layers (forward + backward), for tests and launch checks
     stage_runs: list[int] = field(default_factory=lambda: [0])
+    #: UPipe x Ring: the ring group (None: no ring) and its size R; the sequence-parallel group is
+    #: then C_u x R ranks, each holding its zigzag shard (``ds_upipe.ring.zigzag_positions``)
+    ring_group: dist.ProcessGroup | None = None
+    ring_size: int = 1
     _indices: dict[torch.device, PlanIndices] = field(default_factory=dict, repr=False)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> UPipeState:
         """A copy of a patched model (reference model, EMA) joins the same sequence-parallel group:
         a process group cannot be copied, and the copy must run its collectives with the same ranks."""
-        memo.setdefault(id(self.group), self.group)
+        for group in (self.group, self.ring_group):
+            memo.setdefault(id(group), group)
         clone = object.__new__(type(self))
         memo[id(self)] = clone
         for f in fields(self):
@@ -50,6 +57,17 @@ class UPipeState:
     def head_chunk_size(self) -> int:
         return self.plan.head_chunk_size
 
+    @property
+    def layout(self) -> SequenceLayout:
+        return SequenceLayout(self.group_size, self.ring_size)
+
+    def attention(self) -> AttentionKernel:
+        """What each stage runs: the kernel, or ring attention around it over the ring group (a new one
+        per call, so it follows ``overlap_comm`` as set now; forward and backward share the call's)."""
+        if self.ring_size == 1:
+            return self.kernel
+        return RingAttentionKernel(self.kernel, self.ring_group, overlap=self.overlap_comm)
+
     def context(self, device: torch.device) -> PipelineContext:
         if device not in self._indices:
             self._indices[device] = PlanIndices.build(self.plan, device)
@@ -57,7 +75,7 @@ class UPipeState:
             plan=self.plan,
             indices=self._indices[device],
             group=self.group,
-            attention=self.kernel,
+            attention=self.attention(),
             stage_counter=self.stage_runs,
             overlap_comm=self.overlap_comm,
         )

@@ -129,6 +129,11 @@ ERROR_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # name -> (co
     "zero_stage_0": ({"zero_optimization": {"stage": 0}}, {}),
     "data_parallel_size": ({"data_parallel_size": 2}, {}),
     "not_hf_model": ({}, {"_linear": True}),
+    # UPipe x Ring: R must divide the SP size; ALST has no ring; U is checked against C_u = sp / R
+    "ring_not_dividing_sp": ({"upipe": {"ring_size": 3}}, {}),
+    "ring_size_zero": ({"upipe": {"ring_size": 0}}, {}),
+    "ring_with_alst": ({"upipe": {"enabled": False, "ring_size": 2}}, {}),
+    "ring_head_chunk_size": ({"upipe": {"ring_size": 2, "head_chunk_size": 3}}, {}),
 }
 
 

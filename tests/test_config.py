@@ -65,6 +65,9 @@ def test_unknown_key_names_key_and_allowed_keys():
         ("seq_length", 1.5),
         ("offload_checkpoints", None),
         ("overlap_comm", "yes"),
+        ("ring_size", 0),
+        ("ring_size", 2.0),
+        ("ring_size", True),
     ],
 )
 def test_bad_value_names_key_value_and_allowed(key, value):
@@ -138,6 +141,36 @@ def test_heads_must_split_over_group():
     assert "Allowed sequence_parallel_size for this model: [1, 2, 4, 8]" in str(err.value)
     with pytest.raises(ValueError, match=re.escape("num_key_value_heads=3")):
         check_heads(6, 3, 2)  # neither 3 | 2 nor 2 | 3
+
+
+def test_ring_size_divides_sp_and_heads_split_over_ulysses_degree():
+    settings = parse_config({"sequence_parallel_size": 8, "upipe": {"ring_size": 2}, "zero_optimization": {"stage": 3}})
+    assert (settings.ring_size, settings.ulysses_size) == (2, 4)
+    assert parse_config({"sequence_parallel_size": 4, "zero_optimization": {"stage": 1}}).ring_size == 1
+    with pytest.raises(
+        ValueError, match=re.escape("upipe.ring_size: got 3 for sequence_parallel_size=4; allowed: a divisor")
+    ):
+        parse_config({"sequence_parallel_size": 4, "upipe": {"ring_size": 3}, "zero_optimization": {"stage": 3}})
+    with pytest.raises(ValueError, match=re.escape("upipe.ring_size: got 2 with upipe.enabled=false")):
+        parse_config({"sequence_parallel_size": 4, "upipe": {"ring_size": 2, "enabled": False}})
+    # heads are checked against C_u = sp / R, not sp: 6 heads / 3 KV heads fail at C_u = 4, fit at C_u = 2 or 1
+    check_heads(6, 3, 4, ring_size=4)
+    check_heads(6, 2, 4, ring_size=2)
+    with pytest.raises(ValueError) as err:
+        check_heads(6, 3, 8, ring_size=2)
+    msg = str(err.value)
+    assert "upipe.ring_size: got 2 with sequence_parallel_size=8" in msg
+    assert "Ulysses degree 4 = 8 / 2" in msg and "num_attention_heads=6, num_key_value_heads=3" in msg
+    assert "Allowed Ulysses degrees (sequence_parallel_size / ring_size) for this model: [1, 3, 6]" in msg
+
+
+def test_ring_stage_memory_is_per_ring_block():
+    """With a ring a stage gathers its ring block (S / R tokens) plus the travelling K/V block and dK/dV."""
+    dims = {**DIMS, "group_size": 2}
+    no_ring = attention_stage_bytes(2, **dims, seq_length=1024)
+    half = attention_stage_bytes(2, **dims, seq_length=512)
+    ring = attention_stage_bytes(2, **dims, seq_length=1024, ring_size=2)
+    assert ring == half + 512 * 16 * 1 * (2 * 4 + 8) and ring < no_ring
 
 
 def test_explicit_head_chunk_size():

@@ -21,6 +21,14 @@ EXPECTED = {  # case -> pieces every rank's message must contain
     "zero_stage_0": ["zero_optimization.stage: got 0", "allowed: 1, 2 or 3"],
     "data_parallel_size": ["data_parallel_size: got 2", "allowed: 1"],
     "not_hf_model": ["HuggingFace transformers model", "Linear"],
+    "ring_not_dividing_sp": ["upipe.ring_size: got 3 for sequence_parallel_size=2", "[1, 2]"],
+    "ring_size_zero": ["upipe.ring_size: got 0", "an int >= 1 that divides sequence_parallel_size"],
+    "ring_with_alst": ["upipe.ring_size: got 2 with upipe.enabled=false", "no ring attention"],
+    "ring_head_chunk_size": [
+        "upipe.head_chunk_size",
+        f"Valid values: {valid_head_chunk_sizes(8, 2, 1)}",
+        "with upipe.ring_size=2 the heads are split over the Ulysses degree",
+    ],
 }
 PAD_HOW = ["Pad every sample to one length L", "DataCollatorForSeq2Seq", "hf_patches.pad_batch(default_collate"]
 LOADER_EXPECTED = {

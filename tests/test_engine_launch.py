@@ -10,7 +10,8 @@ Two launches, each running many configurations in sequence (--runs):
   save / resume, and checkpoints loaded across SP and non-SP runs; bf16 with float32 gradient
   accumulation at ZeRO-1 (DeepSpeed's BF16_Optimizer), UPipe and ALST.
 * 4 processes: SP=4 (fewer KV heads than ranks) and SP=2 x 2 data-parallel replicas against the
-  non-SP run on 4 ranks; the main job's ds_config unmodified (bf16); a config error.
+  non-SP run on 4 ranks; UPipe x Ring at C_u x R = 2 x 2 and 1 x 4; the main job's ds_config
+  unmodified (bf16); a config error.
 
 Loss trajectories and gradient norms must agree within 1e-5 relative (float32 runs).
 """
@@ -108,6 +109,16 @@ def four_procs(tmp_path_factory):
         run("alst_sp4_z3", "ulysses_alst_zero3", sp=4, gas=4),
         run("upipe_sp2_z1", "upipe_zero2", sp=2, gas=2, stage=1),
         run("upipe_sp2_z3", sp=2, gas=2),
+        # UPipe x Ring: Ulysses 2 x ring 2 (fused, ZeRO-3), and ring only 1 x 4 (unfused, overlapped, ZeRO-1)
+        run("upipe_ring2x2_z3", sp=4, gas=4, extra=("upipe.ring_size=2",)),
+        run(
+            "upipe_ring1x4_z1",
+            "upipe_zero2",
+            sp=4,
+            gas=4,
+            stage=1,
+            extra=("upipe.ring_size=4", "upipe.fused_projections=false", "upipe.overlap_comm=true"),
+        ),
         # the main job's config as shipped (bf16, sequence_parallel_size 4), two steps
         {"name": "shipped_upipe_zero3", "deepspeed_config": "ds_configs/upipe_zero3.json", "steps": 2},
         run("bad_sp", sp=3),  # last: a config error ends the launch
@@ -224,6 +235,19 @@ def test_four_procs_sp2_times_dp2(four_procs, name, ref_name):
     assert runs[name]["upipe_stage_runs"] > 0
 
 
+@pytest.mark.parametrize(
+    "name, ref_name, layout, fused", [("upipe_ring2x2_z3", "ref_z3", 2, True), ("upipe_ring1x4_z1", "ref_z1", 4, False)]
+)
+def test_four_procs_upipe_x_ring(four_procs, name, ref_name, layout, fused):
+    """``"upipe": {"ring_size": R}``: zigzag data shards, UPipe over C_u = 4 / R ranks and ring attention
+    over R; losses and gradient norms equal the non-SP run on 4 ranks."""
+    runs = four_procs[2]["by_name"]
+    r = runs[name]
+    assert (r["sequence_parallel_size"], r["upipe_ring_size"], r["upipe_fused"]) == (4, layout, fused)
+    assert r["head_chunk_size"] == 4 // layout and r["upipe_stage_runs"] > 0  # U = C_u
+    _check_same(runs, name, ref_name)
+
+
 def test_shipped_config_runs_as_it_is(four_procs):
     """(Every ds_configs/*.json also runs, float32, in the 2-process launch.)"""
     r = four_procs[2]["by_name"]["shipped_upipe_zero3"]
@@ -237,4 +261,4 @@ def test_config_error_ends_launch(four_procs):
     rc, output, metrics = four_procs
     assert rc != 0
     assert "got 3 for a world of 4 processes; allowed: a divisor of the world size [1, 2, 4]" in metrics["error"]
-    assert len(metrics["runs"]) == 7  # every run before it finished
+    assert len(metrics["runs"]) == 9  # every run before it finished

@@ -64,3 +64,18 @@ def test_rope_scaling():
     for rank, (failures, count) in enumerate(results):
         assert count == 2 * 2 * len(hf_cases.ROPE_CASES)
         assert not failures, f"rank {rank}: {failures}"
+
+
+RING_LAYOUTS = ((2, 2), (1, 4))  # C_u x R: UPipe x Ring, and ring only
+
+
+def test_ring_2x2_and_1x4():
+    """UPipe x Ring through apply_upipe (ring_group) on zigzag shards (shard_batch / the data loader
+    with ring_size): logits, loss and all gradients equal the single-process model at float64."""
+    results = run_ranks(hf_cases.ring_suite, 4, RING_LAYOUTS, use_deepspeed=True)
+    for rank, by_layout in enumerate(results):
+        for layout in RING_LAYOUTS:
+            cases = by_layout[layout]
+            assert len(cases) == len(hf_cases.ring_cases_for(layout)) + 1
+            for case, errors in cases.items():
+                assert max(errors.values()) <= F64, f"rank {rank} C_u x R = {layout} {case}: {errors}"

@@ -98,6 +98,22 @@ def trainer_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
+def trainer_ring_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    """UPipe x Ring through the Trainer: 4 processes, sp_size 4 = Ulysses 2 x ring 2 (the ds_config's
+    ``"upipe": {"ring_size": 2}``), against the non-SP run."""
+    work = tmp_path_factory.mktemp("trainer_ring")
+    ring = json.loads((ROOT / "examples/ds_config_upipe.json").read_text())
+    ring["upipe"]["ring_size"] = 2
+    (work / "ds_config_upipe_ring.json").write_text(json.dumps(ring))
+    return {
+        "no_sp": _torchrun(1, work / "no_sp.json", "--deepspeed", "examples/ds_config_upipe.json", "--sp_size", "1"),
+        "upipe_ring": _torchrun(
+            4, work / "upipe_ring.json", "--deepspeed", str(work / "ds_config_upipe_ring.json"), "--sp_size", "4"
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
 def accelerate_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
     work = tmp_path_factory.mktemp("accelerate")
     return {
@@ -168,6 +184,17 @@ def test_trainer_model_path_under_zero3(trainer_runs):
 
 
 @pytest.mark.slow
+def test_trainer_upipe_x_ring(trainer_ring_runs):
+    """Training losses, gradient norms and the eval loss of Ulysses 2 x ring 2 equal the non-SP run;
+    every rank ran UPipe stages (U = C_u = 2) in training and evaluation, on zigzag shards of S / 4."""
+    _check_parity(trainer_ring_runs, ("upipe_ring",))
+    run = trainer_ring_runs["upipe_ring"]
+    assert run["world_size"] == 4 and run["sp_size"] == 4 and run["upipe"] == {"fused": True, "head_chunk_size": 2}
+    assert min(run["stage_runs_train"]) > 0 and min(run["stage_runs_eval"]) > 0, run
+    assert run["eval_local_seq_lens"] == [SEQ_LEN // 4], run
+
+
+@pytest.mark.slow
 def test_accelerate_upipe_equals_alst_and_no_sp(accelerate_runs):
     _check_parity(accelerate_runs, ("upipe", "alst"))
 
@@ -194,13 +221,16 @@ def test_enable_routes_accelerates_lookup_and_disable_restores():
     try:
         hf_integration.enable()  # idempotent
         # what accelerate's _prepare_deepspeed imports at call time
-        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
 
         assert UlyssesSPAttentionHF is hf_integration.UPipeSPAttentionHF
+        # the training loaders accelerate wraps: zigzag shards when UPipe x Ring is registered
+        assert UlyssesSPDataLoaderAdapter is hf_integration.UPipeSPDataLoaderAdapter
         assert Trainer.prediction_step is not original_step
     finally:
         hf_integration.disable()
     assert ulysses_sp.UlyssesSPAttentionHF is not hf_integration.UPipeSPAttentionHF
+    assert ulysses_sp.UlyssesSPDataLoaderAdapter is not hf_integration.UPipeSPDataLoaderAdapter
     assert Trainer.prediction_step is original_step and not hf_integration.is_enabled()
 
 
@@ -211,6 +241,10 @@ def test_upipe_settings_rules():
     assert hf_integration.upipe_settings({**zero3, "sequence_parallel_size": 2}, 2).upipe.fused_projections
     with pytest.raises(ValueError, match=r"sequence_parallel_size: got 4 but ParallelismConfig.sp_size is 2"):
         hf_integration.upipe_settings({**zero3, "sequence_parallel_size": 4}, 2)
+    ring = hf_integration.upipe_settings({**zero3, "upipe": {"ring_size": 2}}, 4)
+    assert (ring.ring_size, ring.ulysses_size) == (2, 2)
+    with pytest.raises(ValueError, match=r"upipe.ring_size: got 4 for sequence_parallel_size=2"):
+        hf_integration.upipe_settings({**zero3, "upipe": {"ring_size": 4}}, 2)
     with pytest.raises(ValueError, match=r"upipe.chunk: unknown key"):
         hf_integration.upipe_settings({**zero3, "upipe": {"chunk": 2}}, 2)
     with pytest.raises(ValueError, match=r"zero_optimization.stage: got 0 with sequence_parallel_size=2"):

@@ -5,6 +5,9 @@ A ds_config turns UPipe on with DeepSpeed's own ``sequence_parallel_size`` and o
     {"sequence_parallel_size": 4,
      "upipe": {"enabled": true, "head_chunk_size": "auto", "memory_budget_gib": 8, "seq_length": 131072}}
 
+``"ring_size": R`` makes it UPipe x Ring: C_u = sequence_parallel_size / R ranks run UPipe's
+all-to-alls (within a node), R ranks ring attention (across nodes).
+
 Everything here is pure (no process groups, no transformers), so a bad config fails the same way on
 every rank before any collective runs.  Key-by-key documentation: docs/config.md.
 """
@@ -40,6 +43,7 @@ ALLOWED: dict[str, str] = {
     "seq_length": "null or an int > 0 (the global sequence length, in tokens)",
     "offload_checkpoints": "true or false",
     "overlap_comm": "true or false",
+    "ring_size": "an int >= 1 that divides sequence_parallel_size (1: no ring)",
 }
 
 
@@ -56,6 +60,7 @@ class UPipeConfig(BaseModel):
     seq_length: StrictInt | None = None
     offload_checkpoints: StrictBool = False
     overlap_comm: StrictBool = False
+    ring_size: StrictInt = 1
 
     @model_validator(mode="after")
     def _check_values(self) -> UPipeConfig:
@@ -66,6 +71,8 @@ class UPipeConfig(BaseModel):
             problems.append("memory_budget_gib")
         if self.seq_length is not None and self.seq_length < 1:
             problems.append("seq_length")
+        if self.ring_size < 1:
+            problems.append("ring_size")
         if problems:
             raise ValueError("|".join(problems))
         if self.head_chunk_size == "auto" and (self.memory_budget_gib is None or self.seq_length is None):
@@ -118,6 +125,15 @@ class SPSettings:
     zero_stage: int
     dtype_bytes: int  # of activations: 2 with bf16/fp16 enabled, else 4
 
+    @property
+    def ring_size(self) -> int:
+        return self.upipe.ring_size
+
+    @property
+    def ulysses_size(self) -> int:
+        """C_u: the ranks UPipe's all-to-alls (and the heads) are split over."""
+        return self.sequence_parallel_size // self.upipe.ring_size
+
 
 def load_config(config: str | os.PathLike | dict[str, Any]) -> dict[str, Any]:
     """A ds_config from a path or a dict (deep-copied, so callers' dicts are never modified)."""
@@ -135,6 +151,7 @@ def parse_config(ds_config: dict[str, Any]) -> SPSettings:
     if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
         raise ValueError(f"invalid ds_config: sequence_parallel_size: got {sp!r}; allowed: an int >= 1")
     upipe = parse_upipe_block(ds_config.get("upipe"))
+    check_ring_size(upipe, sp)
     zero = ds_config.get("zero_optimization", {}) or {}
     zero_stage = zero.get("stage", 0)
     if sp > 1 and zero_stage == 0:
@@ -159,6 +176,23 @@ def parse_config(ds_config: dict[str, Any]) -> SPSettings:
     return SPSettings(sequence_parallel_size=sp, upipe=upipe, zero_stage=zero_stage, dtype_bytes=2 if half else 4)
 
 
+def check_ring_size(upipe: UPipeConfig, sequence_parallel_size: int) -> None:
+    """ValueError unless ``upipe.ring_size`` R splits the sequence-parallel group into C_u x R."""
+    ring = upipe.ring_size
+    if sequence_parallel_size % ring:
+        divisors = [d for d in range(1, sequence_parallel_size + 1) if sequence_parallel_size % d == 0]
+        raise ValueError(
+            f"invalid ds_config: upipe.ring_size: got {ring} for sequence_parallel_size={sequence_parallel_size}; "
+            f"allowed: a divisor of sequence_parallel_size {divisors} (the sequence-parallel group is the Ulysses "
+            "degree x the ring size)"
+        )
+    if ring > 1 and not upipe.enabled:
+        raise ValueError(
+            f"invalid ds_config: upipe.ring_size: got {ring} with upipe.enabled=false; allowed: 1 (DeepSpeed ALST's "
+            "Ulysses has no ring attention; set upipe.enabled=true for UPipe x Ring)"
+        )
+
+
 def check_world(sequence_parallel_size: int, world_size: int) -> int:
     """The data-parallel size world/sp; ValueError unless sp divides the world."""
     if world_size % sequence_parallel_size != 0:
@@ -170,16 +204,25 @@ def check_world(sequence_parallel_size: int, world_size: int) -> int:
     return world_size // sequence_parallel_size
 
 
-def check_heads(num_heads: int, num_kv_heads: int, sequence_parallel_size: int) -> None:
-    """ValueError unless the model's heads can be split over the sequence-parallel group."""
+def check_heads(num_heads: int, num_kv_heads: int, sequence_parallel_size: int, ring_size: int = 1) -> None:
+    """ValueError unless the model's heads can be split over the Ulysses degree C_u = sp / ring_size."""
+    ulysses_size = sequence_parallel_size // ring_size
     try:
-        check_head_counts(num_heads, num_kv_heads, sequence_parallel_size)
+        check_head_counts(num_heads, num_kv_heads, ulysses_size)
     except ValueError as err:
         valid = valid_group_sizes(num_heads, num_kv_heads)
+        if ring_size == 1:
+            raise ValueError(
+                f"invalid ds_config: sequence_parallel_size: got {sequence_parallel_size} for a model with "
+                f"num_attention_heads={num_heads}, num_key_value_heads={num_kv_heads}: {err}. "
+                f"Allowed sequence_parallel_size for this model: {valid}"
+            ) from None
         raise ValueError(
-            f"invalid ds_config: sequence_parallel_size: got {sequence_parallel_size} for a model with "
-            f"num_attention_heads={num_heads}, num_key_value_heads={num_kv_heads}: {err}. "
-            f"Allowed sequence_parallel_size for this model: {valid}"
+            f"invalid ds_config: upipe.ring_size: got {ring_size} with "
+            f"sequence_parallel_size={sequence_parallel_size}, so the heads are split over the Ulysses degree "
+            f"{ulysses_size} = {sequence_parallel_size} / {ring_size}; "
+            f"a model with num_attention_heads={num_heads}, num_key_value_heads={num_kv_heads} cannot: {err}. "
+            f"Allowed Ulysses degrees (sequence_parallel_size / ring_size) for this model: {valid}"
         ) from None
 
 
@@ -193,17 +236,21 @@ def attention_stage_bytes(
     seq_length: int,
     micro_batch_size: int,
     dtype_bytes: int,
+    ring_size: int = 1,
 ) -> int:
     """Predicted per-rank peak of one UPipe attention stage (backward, the larger pass), in bytes.
 
     A simple analytic estimate, enough to choose a head chunk size: in backward a rank holds, over
     the full sequence, u = U/C query heads' q, out, dout, dq and the two all-to-all buffers (6u),
     the round's KV heads' k, v, dk, dv (4 kv) plus their float32 accumulators (8 bytes per kv
-    element), and the float32 lse of its u heads.  ds_upipe/tools/planner.py refines this."""
+    element), and the float32 lse of its u heads.  With a ring (``group_size`` = C_u) a stage
+    holds its ring block (seq_length / ring_size tokens) instead, plus the K/V block and the
+    float32 dK/dV travelling around the ring.  ds_upipe/tools/planner.py refines this."""
     plan = build_plan(num_heads, num_kv_heads, group_size, head_chunk_size)
     u, kv = plan.heads_per_rank, plan.kv_heads_per_rank
-    tokens = micro_batch_size * seq_length
-    return tokens * head_dim * (dtype_bytes * (6 * u + 4 * kv) + 8 * kv) + 4 * tokens * u
+    tokens = micro_batch_size * -(-seq_length // ring_size)
+    ring = tokens * head_dim * kv * (2 * dtype_bytes + 8) if ring_size > 1 else 0
+    return tokens * head_dim * (dtype_bytes * (6 * u + 4 * kv) + 8 * kv) + 4 * tokens * u + ring
 
 
 def choose_head_chunk_size(
@@ -217,13 +264,16 @@ def choose_head_chunk_size(
     dtype_bytes: int,
 ) -> int:
     """The head chunk size U to use: the configured int (validated), C for null, and for "auto" the
-    largest valid U whose predicted stage memory fits ``memory_budget_gib`` (C when none fits)."""
+    largest valid U whose predicted stage memory fits ``memory_budget_gib`` (C when none fits).
+    ``group_size`` is the Ulysses degree C_u (the sequence-parallel size over ``upipe.ring_size``)."""
     value = upipe.head_chunk_size
     if value != "auto":
         try:
             return resolve_head_chunk_size(num_heads, num_kv_heads, group_size, value)
         except ValueError as err:
-            raise ValueError(f"invalid ds_config: upipe.head_chunk_size: {err}") from None
+            ring = upipe.ring_size
+            where = "" if ring == 1 else f" (with upipe.ring_size={ring} the heads are split over the Ulysses degree)"
+            raise ValueError(f"invalid ds_config: upipe.head_chunk_size: {err}{where}") from None
     budget = upipe.memory_budget_gib * 2**30
     fits = [
         u
@@ -237,6 +287,7 @@ def choose_head_chunk_size(
             seq_length=upipe.seq_length,
             micro_batch_size=micro_batch_size,
             dtype_bytes=dtype_bytes,
+            ring_size=upipe.ring_size,
         )
         <= budget
     ]

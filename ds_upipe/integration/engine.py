@@ -6,7 +6,9 @@ What it adds to DeepSpeed's own initialize, in order:
    (ds_upipe.integration.config) before any collective, so a bad config raises the same ValueError on every rank;
 2. creates the sequence-parallel groups with DeepSpeed's ``parallel_state_sp`` (contiguous ranks form
    a group; ZeRO shards and reduces over all ranks, its "sequence data parallel" group) and passes
-   that module as the engine's mpu, as ALST does;
+   that module as the engine's mpu, as ALST does; with ``"upipe": {"ring_size": R}`` that group stays
+   the whole C_u x R group for DeepSpeed, and UPipe runs over its Ulysses and ring subgroups
+   (``ds_upipe.ring.build_sequence_groups``);
 3. patches the HuggingFace model: UPipe through ``hf_patches.apply_upipe`` or, with
    ``"upipe": {"enabled": false}``, DeepSpeed ALST's Ulysses
    (``UlyssesSPAttentionHF.register_with_transformers``) on the same model;
@@ -92,7 +94,7 @@ def initialize(
 
     if sp > 1:
         layout = model_head_layout(model)
-        check_heads(layout.num_heads, layout.num_kv_heads, sp)
+        check_heads(layout.num_heads, layout.num_kv_heads, sp, settings.ring_size)
         _check_data_parallel_size(ds_config, dp)
         # ours to change (load_config copied it): DeepSpeed builds its own device mesh when the config
         # has both sizes, which would bypass the sequence-parallel groups
@@ -112,7 +114,7 @@ def initialize(
     if training_data is not None and sp > 1:
         # DeepSpeed's own loader asks the mpu for data-parallel ranks, which parallel_state_sp lacks,
         # and would not shard sequences: build the loader here and hand DeepSpeed none.
-        sp_loader = _sequence_parallel_loader(training_data, collate_fn, mb, mpu, dp, sp)
+        sp_loader = _sequence_parallel_loader(training_data, collate_fn, mb, mpu, dp, sp, settings.ring_size)
         training_data = None
 
     engine, ds_optimizer, dataloader, scheduler = deepspeed.initialize(
@@ -225,10 +227,11 @@ def _undo_earlier_initialize() -> None:
 
 
 def _sequence_parallel_loader(
-    dataset: Dataset, collate_fn: Callable[..., Any] | None, mb: int, mpu: Any, dp: int, sp: int
+    dataset: Dataset, collate_fn: Callable[..., Any] | None, mb: int, mpu: Any, dp: int, sp: int, ring_size: int
 ) -> Any:
     """A loader of this rank's batches (SequenceParallelSampler) wrapped by hf_patches'
-    sequence_parallel_dataloader: padding to a multiple of sp, then UlyssesSPDataLoaderAdapter."""
+    sequence_parallel_dataloader: padding to a multiple of sp, then UlyssesSPDataLoaderAdapter
+    (with a ring, zigzag shards over the whole sequence-parallel group)."""
     from hf_patches import sequence_parallel_dataloader
 
     sampler = SequenceParallelSampler(
@@ -241,5 +244,5 @@ def _sequence_parallel_loader(
     )
     loader = DataLoader(dataset, batch_size=mb, sampler=sampler, collate_fn=collate_fn, drop_last=True)
     return sequence_parallel_dataloader(
-        loader, mpu.get_sequence_parallel_group(), device=get_accelerator().current_device_name()
+        loader, mpu.get_sequence_parallel_group(), device=get_accelerator().current_device_name(), ring_size=ring_size
     )

@@ -44,10 +44,10 @@ from typing import Any
 import deepspeed
 import torch
 from deepspeed.runtime.sequence_parallel import ulysses_sp
-from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
 
 from ..heads import HeadLayout
-from .config import SPSettings, choose_head_chunk_size, parse_config
+from .config import SPSettings, check_heads, choose_head_chunk_size, parse_config
 from .sp_setup import apply_upipe_settings, average_gradients_over_all_ranks, configure_activation_checkpointing
 
 #: what enable() replaced, to restore in disable(): (owner, attribute) -> original
@@ -64,6 +64,7 @@ def enable() -> None:
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
     _patch(ulysses_sp, "UlyssesSPAttentionHF", UPipeSPAttentionHF)
+    _patch(ulysses_sp, "UlyssesSPDataLoaderAdapter", UPipeSPDataLoaderAdapter)
     _patch(
         HfTrainerDeepSpeedConfig,
         "trainer_config_process",
@@ -169,6 +170,30 @@ class UPipeSPAttentionHF(UlyssesSPAttentionHF):
         return _register_direct(args)
 
 
+class UPipeSPDataLoaderAdapter(UlyssesSPDataLoaderAdapter):
+    """DeepSpeed's ``UlyssesSPDataLoaderAdapter`` (what accelerate wraps the training loaders in) that,
+    when UPipe x Ring was registered, gives each rank its zigzag shard (padded to the ring's multiple;
+    ``hf_patches.data``); otherwise DeepSpeed's own, unchanged."""
+
+    def __init__(self, dl: Any, sp_rank: int, sp_group: Any, sp_world_size: int, device: Any) -> None:
+        ring_size = _REGISTERED.get("ring_size", 1) if "mpu" in _REGISTERED else 1
+        # hf_patches.sequence_parallel_dataloader (the eval loaders) orders its batches itself
+        self.reorders = ring_size > 1 and not getattr(dl, "zigzag_ordered", False)
+        if self.reorders:
+            from hf_patches.data import zigzag_ordered
+
+            dl = zigzag_ordered(dl, sp_world_size, ring_size)
+        super().__init__(dl, sp_rank, sp_group, sp_world_size, device)
+
+    def __next__(self) -> dict[str, Any]:
+        batch = super().__next__()
+        if self.reorders:
+            from hf_patches.data import use_zigzag_shift_labels
+
+            use_zigzag_shift_labels(batch)
+        return batch
+
+
 def _alst_register(args: dict[str, Any]) -> Any:
     """DeepSpeed ALST's own ``register_with_transformers`` (the class enable() replaced)."""
     return UlyssesSPAttentionHF.register_with_transformers(**args)
@@ -192,6 +217,7 @@ def _register_for_accelerate(args: dict[str, Any]) -> Any:
     # batches are sequence shards, so SP must stay on in evaluation (accelerate asks for
     # disable_in_eval=True because without enable() the Trainer's eval batches are not sharded)
     args = {**args, "disable_in_eval": False}
+    _REGISTERED.pop("ring_size", None)
     mpu = _register_upipe(args, settings) if settings.upipe.enabled else _alst_register(args)
     configure_activation_checkpointing(args["model_name_or_path"], ds_config, settings, mpu)
     _REGISTERED["mpu"] = mpu
@@ -206,6 +232,7 @@ def _register_direct(args: dict[str, Any]) -> Any:
         settings = upipe_settings(ds_config, args["sequence_parallel_size"])
     if settings is None or not settings.upipe.enabled:
         _REGISTERED.pop("mpu", None)  # the engine built with ALST's mpu keeps DeepSpeed's own gradient average
+        _REGISTERED.pop("ring_size", None)
         return _alst_register(args)
     _init_deepspeed_comm()
     mpu = _register_upipe(args, settings)
@@ -227,7 +254,12 @@ def _register_upipe(args: dict[str, Any], settings: SPSettings) -> Any:
     (``hf_patches.apply_upipe``: fused projections, input checks).  ``disable_in_eval=True``: in
     eval mode both run the plain core attention on the ranks' full inputs, as ALST's does."""
     model, core = args["model_name_or_path"], args["core_attn_implementation"]
-    mpu, core_function = _alst_checks_and_groups(args)
+    if settings.ring_size == 1:
+        mpu, core_function = _alst_checks_and_groups(args)
+    else:
+        # ALST's registration would refuse heads that do not split over the whole sp group, which is
+        # what a ring lifts (they split over C_u): build the groups directly
+        mpu, core_function = _ring_groups_and_core(args)
     # ALST's way to the config: the model's (duck-typed, PEFT wrappers too), or loaded from the name/path
     if hasattr(model, "config"):
         config = model.config
@@ -237,10 +269,12 @@ def _register_upipe(args: dict[str, Any], settings: SPSettings) -> Any:
         config = AutoConfig.from_pretrained(model)
     text = config.get_text_config()
     sp = args["sequence_parallel_size"]
+    heads = HeadLayout.from_config(text)
+    check_heads(heads.num_heads, heads.num_kv_heads, sp, settings.ring_size)
     head_chunk_size = choose_head_chunk_size(
         settings.upipe,
-        **asdict(HeadLayout.from_config(text)),
-        group_size=sp,
+        **asdict(heads),
+        group_size=settings.ulysses_size,
         micro_batch_size=args["micro_batch_size"] or 1,
         dtype_bytes=settings.dtype_bytes,
     )
@@ -253,7 +287,23 @@ def _register_upipe(args: dict[str, Any], settings: SPSettings) -> Any:
 
     state = _unfused_state(text, group, head_chunk_size, settings)
     ALL_ATTENTION_FUNCTIONS[core] = _upipe_core_attention(state, core, core_function, args["disable_in_eval"])
+    _REGISTERED["ring_size"] = settings.ring_size
     return mpu
+
+
+def _ring_groups_and_core(args: dict[str, Any]) -> tuple[Any, Callable[..., Any]]:
+    """(the sequence-parallel mpu, the core attention function) without ALST's registration."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from .sp_setup import sequence_parallel_mpu
+
+    core = args["core_attn_implementation"]
+    if core not in ALL_ATTENTION_FUNCTIONS:
+        raise ValueError(
+            f"core_attn_implementation={core!r} is not a registered transformers attention function; UPipe x Ring "
+            "needs one of " + ", ".join(sorted(ALL_ATTENTION_FUNCTIONS.keys()))
+        )
+    return sequence_parallel_mpu(args["sequence_parallel_size"]), ALL_ATTENTION_FUNCTIONS[core]
 
 
 def _alst_checks_and_groups(args: dict[str, Any]) -> tuple[Any, Callable[..., Any]]:
@@ -275,10 +325,12 @@ def _unfused_state(text_config: Any, group: Any, head_chunk_size: int, settings:
 
     from ..kernels import make_kernel
     from ..schedule import build_plan
+    from .sp_setup import upipe_groups
 
-    group_size = torch.distributed.get_world_size(group)
+    ulysses_group, ring_group = upipe_groups(group, settings)
+    group_size = torch.distributed.get_world_size(ulysses_group)
     return UPipeState(
-        group=group,
+        group=ulysses_group,
         group_size=group_size,
         plan=build_plan(text_config.num_attention_heads, text_config.num_key_value_heads, group_size, head_chunk_size),
         kernel=make_kernel(settings.upipe.kernel, causal=True),
@@ -286,6 +338,8 @@ def _unfused_state(text_config: Any, group: Any, head_chunk_size: int, settings:
         fallback_reason=None,
         architecture=getattr(text_config, "model_type", ""),
         overlap_comm=settings.upipe.overlap_comm,
+        ring_group=ring_group,
+        ring_size=settings.ring_size,
     )
 
 
@@ -335,13 +389,13 @@ def _check_global_positions(module: torch.nn.Module, position_ids: torch.Tensor 
             f"{type(module).__name__}: position_ids are required under sequence parallelism: pass the global "
             "positions of each rank's shard (UlyssesSPDataLoaderAdapter adds them)"
         )
-    pos = position_ids.reshape(-1, position_ids.shape[-1]).contiguous()
-    parts = [torch.empty_like(pos) for _ in range(state.group_size)]
-    torch.distributed.all_gather(parts, pos, group=state.group)
-    full = torch.cat(parts, dim=-1)
+    from hf_patches.inputs import global_sequence
+
+    full = global_sequence(position_ids.reshape(-1, position_ids.shape[-1]).contiguous(), state)
     if bool((full[:, 1:] - full[:, :-1] != 1).any()):
+        order = "rank order" if state.ring_size == 1 else "the ring's zigzag order"
         raise ValueError(
-            f"{type(module).__name__}: position_ids are not consecutive over the whole sequence (in rank order); "
+            f"{type(module).__name__}: position_ids are not consecutive over the whole sequence (in {order}); "
             "UPipe's causal attention cannot honour packed sequences (positions that restart)"
         )
 
@@ -464,7 +518,12 @@ class SequenceParallelEvalLoader:
 
         from hf_patches import sequence_parallel_dataloader
 
-        sharded = sequence_parallel_dataloader(self.loader, groups._get_sequence_parallel_group(), device=self.device)
+        sharded = sequence_parallel_dataloader(
+            self.loader,
+            groups._get_sequence_parallel_group(),
+            device=self.device,
+            ring_size=_REGISTERED.get("ring_size", 1),
+        )
         self.own_loss = None
         for i, batch in enumerate(sharded):
             self.source_rank = i % self.sp

@@ -39,17 +39,40 @@ def setup_upipe(model: torch.nn.Module, settings: SPSettings, micro_batch_size: 
     """UPipe on ``model`` over new (or reused) sequence-parallel groups; returns (mpu, head chunk size)."""
     sp = settings.sequence_parallel_size
     layout = model_head_layout(model)
-    check_heads(layout.num_heads, layout.num_kv_heads, sp)
+    check_heads(layout.num_heads, layout.num_kv_heads, sp, settings.ring_size)
     mpu = sequence_parallel_mpu(sp)
     head_chunk_size = choose_head_chunk_size(
         settings.upipe,
         **asdict(layout),
-        group_size=sp,
+        group_size=settings.ulysses_size,
         micro_batch_size=micro_batch_size,
         dtype_bytes=settings.dtype_bytes,
     )
     apply_upipe_settings(model, mpu.get_sequence_parallel_group(), head_chunk_size, settings)
     return mpu, head_chunk_size
+
+
+#: (sequence_parallel_size, ring_size) -> this rank's (Ulysses group, ring group), built once per process
+_RING_GROUPS: dict[tuple[int, int, int], tuple[Any, Any]] = {}
+
+
+def upipe_groups(sequence_group: Any, settings: SPSettings) -> tuple[Any, Any]:
+    """(the group UPipe's all-to-alls run over, the ring group or None).
+
+    Without a ring that is the mpu's sequence-parallel group.  With ``upipe.ring_size`` R the mpu's
+    group (C_u x R contiguous ranks) stays DeepSpeed's sequence-parallel group (data, gradient
+    averaging, loss), and UPipe runs over its Ulysses and ring subgroups
+    (``ds_upipe.ring.build_sequence_groups``: C_u consecutive ranks, within a node; rings across
+    nodes).  Every rank must call this (group creation is collective)."""
+    if settings.ring_size == 1:
+        return sequence_group, None
+    from ..ring import build_sequence_groups
+
+    sizes = (settings.sequence_parallel_size, settings.ring_size)
+    key = (*sizes, id(torch.distributed.distributed_c10d._get_default_group()))  # a new world builds anew
+    if key not in _RING_GROUPS:
+        _RING_GROUPS[key] = build_sequence_groups(*sizes)
+    return _RING_GROUPS[key]
 
 
 def restore_attention_functions() -> None:
@@ -97,6 +120,7 @@ def register_alst(model: torch.nn.Module, sp: int, mb: int) -> Any:
 
 
 def apply_upipe_settings(model: torch.nn.Module, group: Any, head_chunk_size: int, settings: SPSettings) -> None:
+    """``hf_patches.apply_upipe`` with the "upipe" block's settings; ``group``: the whole sequence-parallel group."""
     try:
         from hf_patches import apply_upipe
     except ImportError as err:
@@ -105,13 +129,15 @@ def apply_upipe_settings(model: torch.nn.Module, group: Any, head_chunk_size: in
             f"{err}. Set upipe.enabled=false to run DeepSpeed ALST's Ulysses instead"
         ) from err
     upipe = settings.upipe
+    ulysses_group, ring_group = upipe_groups(group, settings)
     apply_upipe(
         model,
-        group,
+        ulysses_group,
         head_chunk_size=head_chunk_size,
         fused_projections=upipe.fused_projections,
         kernel=upipe.kernel,
         overlap_comm=upipe.overlap_comm,
+        ring_group=ring_group,
     )
 
 
