@@ -172,14 +172,14 @@ def configure_activation_checkpointing(
     the sequence group is refused in ds_upipe.integration.config.  Without either setting a model's
     own HF gradient checkpointing (``gradient_checkpointing_enable``) is left as the user set it.
 
-    Returns which checkpoint runs ("reentrant", "non_reentrant"; None: unchanged), chosen by what
-    holds less (docs/config.md, measured): DeepSpeed's non-reentrant ``non_reentrant_checkpoint``
-    frees the recomputed layer output in backward (one hidden state less than the reentrant
-    ``checkpoint``), but it keeps the first forward's autograd graph, and DeepSpeed's
-    ``SequenceTiledCompute`` (``upipe.tiled_norm``) holds its input on the autograd context, outside
-    the saved-tensor hooks a non-reentrant checkpoint replaces: two hidden states per layer would stay
-    on the device for every layer until backward.  The reentrant checkpoint runs the first forward
-    without a graph, so with ``tiled_norm`` it is the one that keeps only the layer inputs."""
+    Returns "reentrant" (None: unchanged).  DeepSpeed's reentrant ``checkpoint``, not its
+    ``non_reentrant_checkpoint`` (docs/config.md, measured): the non-reentrant one would free the
+    recomputed layer output in backward (one hidden state less), but it keeps the first forward's
+    autograd graph, and DeepSpeed's ``SequenceTiledCompute`` (``upipe.tiled_norm``) holds its input on
+    the autograd context, outside the saved-tensor hooks a non-reentrant checkpoint replaces: two
+    hidden states per layer would stay on the device for every layer.  Under ZeRO-3 it also fails:
+    the weights it saved while recomputing are released (emptied) by ZeRO-3 before the backward uses
+    them.  The reentrant checkpoint runs the first forward without a graph."""
     section = ds_config.get("activation_checkpointing")
     offload = settings.upipe.offload_checkpoints
     if section is None and not offload:
@@ -195,15 +195,10 @@ def configure_activation_checkpointing(
     ds_checkpointing.configure(mpu, deepspeed_config=ds_config, checkpoint_in_cpu=in_cpu)
     if not (getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "_set_gradient_checkpointing")):
         return None
-    if tiled(settings.upipe.tiled_norm)[0]:
-        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=ds_checkpointing.checkpoint)
-        # DeepSpeed's checkpoint is reentrant: backward reaches a layer only if its input requires grad
-        model.enable_input_require_grads()
-        return "reentrant"
-    model._set_gradient_checkpointing(
-        enable=True, gradient_checkpointing_func=ds_checkpointing.non_reentrant_checkpoint
-    )
-    return "non_reentrant"
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=ds_checkpointing.checkpoint)
+    # DeepSpeed's checkpoint is reentrant: backward reaches a layer only if its input requires grad
+    model.enable_input_require_grads()
+    return "reentrant"
 
 
 def average_gradients_over_all_ranks(engine: Any) -> None:
