@@ -129,6 +129,8 @@ ERROR_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # name -> (co
     "zero_stage_0": ({"zero_optimization": {"stage": 0}}, {}),
     "data_parallel_size": ({"data_parallel_size": 2}, {}),
     "not_hf_model": ({}, {"_linear": True}),
+    "tiled_loss_without_lm_head": ({"upipe": {"enabled": False, "tiled_loss": True}}, {"_base": True}),
+    "tiled_mlp_bad_tile": ({"upipe": {"tiled_mlp": {"tile_tokens": 0}}}, {}),
 }
 
 
@@ -140,10 +142,15 @@ def tiny_llama(**changes: Any) -> Any:
 
     if changes.pop("_linear", False):
         return torch.nn.Linear(4, 4)
+    base = changes.pop("_base", False)
     fields = dict(
         vocab_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=8, max_position_embeddings=2048
     )
     torch.manual_seed(0)
+    if base:  # the base model: no lm_head
+        from transformers import LlamaModel
+
+        return LlamaModel(tiny_config(**{**fields, **changes}))
     return LlamaForCausalLM(tiny_config(**{**fields, **changes}))
 
 

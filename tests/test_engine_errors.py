@@ -21,6 +21,12 @@ EXPECTED = {  # case -> pieces every rank's message must contain
     "zero_stage_0": ["zero_optimization.stage: got 0", "allowed: 1, 2 or 3"],
     "data_parallel_size": ["data_parallel_size: got 2", "allowed: 1"],
     "not_hf_model": ["HuggingFace transformers model", "Linear"],
+    "tiled_loss_without_lm_head": [
+        "upipe.tiled_loss/tiled_norm/tiled_mlp",
+        "tiled_loss=True needs a causal LM",
+        "LlamaModel",
+    ],
+    "tiled_mlp_bad_tile": ["upipe.tiled_mlp: got {'tile_tokens': 0}; allowed: true, false, or"],
 }
 PAD_HOW = ["Pad every sample to one length L", "DataCollatorForSeq2Seq", "hf_patches.pad_batch(default_collate"]
 LOADER_EXPECTED = {
