@@ -23,7 +23,7 @@ import os
 import time
 
 import torch
-from tiny_llama import RandomTokens, report_metrics, tiny_llama_config
+from tiny_llama import RandomTokens, report_metrics, tiny_llama_config, watch_long_context
 
 CPU = not torch.cuda.is_available()
 if CPU:
@@ -111,6 +111,7 @@ def main() -> None:
         with_kwargs=True,
     )
 
+    long_context = watch_long_context(model)  # the ds_config's tiled_* keys: the stack, and no full logits
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation, callbacks=[RecordLoss()])
     start = time.perf_counter()
     trainer.train()
@@ -135,6 +136,7 @@ def main() -> None:
         "stage_runs_eval": [s[1] for s in gathered],
         "upipe": None if state is None else {"fused": state.fused, "head_chunk_size": state.head_chunk_size},
         "eval_local_seq_lens": sorted(set(eval_lengths)),
+        "long_context": long_context(),
         "wall_s": wall,
     }
     report_metrics(result, opts.metrics_out, torch.distributed.get_rank() == 0)

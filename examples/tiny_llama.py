@@ -5,6 +5,7 @@ sys.path when they run.)"""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +28,30 @@ def report_metrics(result: dict[str, Any], path: str | None, main_process: bool)
     if path:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
+
+
+def watch_long_context(model: torch.nn.Module) -> Callable[[], dict[str, Any] | None]:
+    """Record the logits of the model's outputs with a loss; the returned function reports the
+    long-context stack (None without it) and ``"logits": None`` when no such output had logits
+    (the tiled loss) or ``"full"`` otherwise."""
+    full: list[bool] = []
+
+    def hook(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if getattr(output, "loss", None) is not None:
+            full.append(output.logits is not None)
+
+    model.register_forward_hook(hook, with_kwargs=True)
+
+    def report() -> dict[str, Any] | None:
+        from hf_patches import long_context_stack
+
+        stack = long_context_stack(model)
+        if stack is None:
+            return None
+        parts = {k: getattr(stack, k) for k in ("tiled_loss", "tiled_norm", "tiled_mlp")}
+        return {**parts, "logits": "full" if any(full) or not full else None}
+
+    return report
 
 
 class RandomTokens(torch.utils.data.Dataset):

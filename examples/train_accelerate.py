@@ -23,7 +23,7 @@ import os
 import time
 
 import torch
-from tiny_llama import RandomTokens, report_metrics, tiny_llama_config
+from tiny_llama import RandomTokens, report_metrics, tiny_llama_config, watch_long_context
 
 CPU = not torch.cuda.is_available()
 if CPU:
@@ -73,6 +73,7 @@ def main() -> None:
     torch.manual_seed(opts.seed)
     config = tiny_llama_config(opts.seq_len)
     model = LlamaForCausalLM(config)
+    long_context = watch_long_context(model)  # the ds_config's tiled_* keys: the stack, and no full logits
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts.lr)
     train = RandomTokens(opts.train_samples, opts.seq_len, config.vocab_size, seed=opts.seed + 1)
     evaluation = RandomTokens(opts.eval_samples, opts.seq_len, config.vocab_size, seed=opts.seed + 2)
@@ -124,6 +125,7 @@ def main() -> None:
         "stage_runs_train": [s[0] for s in gathered],
         "stage_runs_eval": [s[1] for s in gathered],
         "eval_local_seq_lens": sorted(eval_lengths),
+        "long_context": long_context(),
         "wall_s": wall,
     }
     report_metrics(result, opts.metrics_out, accelerator.is_main_process)

@@ -162,15 +162,32 @@ def build_model_and_tokens(opts: argparse.Namespace, num_tokens: int) -> tuple[t
 
 
 def compute_loss(engine: Any, batch: dict[str, torch.Tensor], sp: int) -> torch.Tensor:
-    batch = {k: v.to(engine.device) for k, v in batch.items() if torch.is_tensor(v)}
-    if sp == 1:
-        return engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]).loss
-    from hf_patches import sequence_parallel_loss
+    from hf_patches import long_context_stack, sequence_parallel_loss
 
+    batch = {k: v.to(engine.device) for k, v in batch.items() if torch.is_tensor(v)}
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    stack = long_context_stack(engine.module)
+    if sp == 1:
+        return engine(**inputs, labels=batch["labels"]).loss  # with upipe.tiled_loss: tiled, same value
+    if stack is not None and stack.tiled_loss:
+        # upipe.tiled_loss: the model computes sequence_parallel_loss from its last hidden state in
+        # tiles (ds_upipe.initialize set forward_loss="sequence_parallel"); no full logits exist
+        return engine(**inputs, shift_labels=batch["shift_labels"]).loss
     # this rank's shard: the loss of the whole sequence on every rank, with the gradient scale that
     # ds_upipe.initialize's ZeRO average expects (grad_reduction="mean")
-    logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    logits = engine(**inputs).logits
     return sequence_parallel_loss(logits, batch["shift_labels"], engine.seq_parallel_group)
+
+
+def long_context_record(model: torch.nn.Module) -> dict[str, Any] | None:
+    """What the long-context stack replaced (None without it), for the metrics."""
+    from hf_patches import long_context_stack
+
+    stack = long_context_stack(model)
+    if stack is None:
+        return None
+    return {"tiled_loss": stack.tiled_loss, "tiled_norm": stack.tiled_norm, "tiled_mlp": stack.tiled_mlp,
+            "forward_loss": stack.forward_loss, "patched": len(stack.patched)}  # fmt: skip
 
 
 def batches_forever(loader: Any):
@@ -276,6 +293,8 @@ def train(opts: argparse.Namespace) -> dict[str, Any]:
         peak_memory_kind="cuda_max_allocated" if device.type == "cuda" else "max_rss",
         upipe_fused=state.fused if state is not None else None,
         upipe_ring_size=state.ring_size if state is not None else 1,
+        long_context=long_context_record(model),
+        checkpointing=engine.upipe_checkpointing,
         init_s=init_s,
         wall_s=time.perf_counter() - t_run,
         resumed_from=start,

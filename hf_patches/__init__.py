@@ -9,7 +9,7 @@ See docs/hf_patches.md.
 
 from .attention import ATTN_IMPLEMENTATION
 from .data import IGNORE_INDEX, gather_sequence, pad_batch, sequence_parallel_dataloader, shard_batch, shift_labels
-from .long_context import LongContextStack, apply_long_context_stack, long_context_stack
+from .long_context import LongContextStack, apply_long_context_stack, check_long_context_stack, long_context_stack
 from .loss import sequence_parallel_loss, tiled_causal_lm_loss, tiled_sequence_parallel_loss
 from .patch import apply_upipe, supported_model_classes, upipe_state
 from .state import UPipeState
@@ -21,6 +21,7 @@ __all__ = [
     "UPipeState",
     "apply_long_context_stack",
     "apply_upipe",
+    "check_long_context_stack",
     "gather_sequence",
     "long_context_stack",
     "pad_batch",

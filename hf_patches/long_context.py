@@ -174,6 +174,63 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
 
 
+def check_long_context_stack(model: nn.Module, **options: Any) -> None:
+    """Every check of ``apply_long_context_stack(model, **options)`` without changing the model: it
+    reads only the model's structure and the options, so a caller can refuse a bad combination
+    alike on every rank before any collective (``ds_upipe.initialize`` does)."""
+    _plan(model, **options)
+
+
+def _plan(
+    model: nn.Module,
+    *,
+    tiled_loss: bool = False,
+    tiled_norm: bool = False,
+    tiled_mlp: bool = False,
+    loss_tile_tokens: int | None = None,
+    norm_tile_tokens: int | None = None,
+    mlp_tile_tokens: int | None = None,
+    forward_loss: ForwardLoss = "local",
+    loss_group: dist.ProcessGroup | None = None,
+    grad_reduction: Literal["mean", "sum"] = "mean",
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[nn.Module, LongContextStack, list[tuple[str, nn.Module, Any, int]]]:
+    """(the HF model, its LongContextStack, the modules to patch): all checks, no change."""
+    hf_model = _unwrap(model)
+    _, base, _ = _find_architecture(hf_model, caller="apply_long_context_stack")
+    if getattr(hf_model, "_long_context_stack", None) is not None:
+        raise ValueError(f"{type(hf_model).__name__} already has the long-context stack")
+    _check_options(hf_model, tiled_loss, forward_loss, grad_reduction, ignore_index)
+    hidden_size = hf_model.config.hidden_size
+    loss_default = max(1, LOSS_TILE_BYTES // (4 * _vocab_size(hf_model))) if tiled_loss else 1
+    loss_tiles = _positive("loss_tile_tokens", loss_tile_tokens, loss_default)
+    norm_tiles = _positive("norm_tile_tokens", norm_tile_tokens, max(1, NORM_TILE_BYTES // (4 * hidden_size)))
+    mlp_tiles = _positive("mlp_tile_tokens", mlp_tile_tokens, hidden_size)
+    stack = LongContextStack(
+        tiled_loss=bool(tiled_loss),
+        tiled_norm=bool(tiled_norm),
+        tiled_mlp=bool(tiled_mlp),
+        loss_tile_tokens=loss_tiles if tiled_loss else None,
+        norm_tile_tokens=norm_tiles if tiled_norm else None,
+        mlp_tile_tokens=mlp_tiles if tiled_mlp else None,
+        forward_loss=forward_loss,
+        loss_group=loss_group,
+        grad_reduction=grad_reduction,
+        ignore_index=ignore_index,
+    )
+    targets: list[tuple[str, nn.Module, Any, int]] = []
+    if tiled_norm:
+        norms = [m for name in _LAYER_NORMS for m in _layer_modules(base, name)] + [("norm", base.norm)]
+        targets += [(name, m, _norm_forward, stack.norm_tile_tokens) for name, m in norms]
+    if tiled_mlp:
+        targets += [(name, m, _mlp_forward, stack.mlp_tile_tokens) for name, m in _layer_modules(base, "mlp")]
+    for _, module, _, _ in targets:  # every check before the first change
+        _forward_function(module)
+    if tiled_loss:
+        _forward_function(hf_model)
+    return hf_model, stack, targets
+
+
 def apply_long_context_stack(
     model: nn.Module,
     *,
@@ -208,38 +265,19 @@ def apply_long_context_stack(
     every rank): unsupported classes, a second application, tiled_loss without an lm_head, bad
     tile sizes or loss settings.
     """
-    hf_model = _unwrap(model)
-    _, base, _ = _find_architecture(hf_model, caller="apply_long_context_stack")
-    if getattr(hf_model, "_long_context_stack", None) is not None:
-        raise ValueError(f"{type(hf_model).__name__} already has the long-context stack")
-    _check_options(hf_model, tiled_loss, forward_loss, grad_reduction, ignore_index)
-    hidden_size = hf_model.config.hidden_size
-    loss_default = max(1, LOSS_TILE_BYTES // (4 * _vocab_size(hf_model))) if tiled_loss else 1
-    loss_tiles = _positive("loss_tile_tokens", loss_tile_tokens, loss_default)
-    norm_tiles = _positive("norm_tile_tokens", norm_tile_tokens, max(1, NORM_TILE_BYTES // (4 * hidden_size)))
-    mlp_tiles = _positive("mlp_tile_tokens", mlp_tile_tokens, hidden_size)
-    stack = LongContextStack(
-        tiled_loss=bool(tiled_loss),
-        tiled_norm=bool(tiled_norm),
-        tiled_mlp=bool(tiled_mlp),
-        loss_tile_tokens=loss_tiles if tiled_loss else None,
-        norm_tile_tokens=norm_tiles if tiled_norm else None,
-        mlp_tile_tokens=mlp_tiles if tiled_mlp else None,
+    hf_model, stack, targets = _plan(
+        model,
+        tiled_loss=tiled_loss,
+        tiled_norm=tiled_norm,
+        tiled_mlp=tiled_mlp,
+        loss_tile_tokens=loss_tile_tokens,
+        norm_tile_tokens=norm_tile_tokens,
+        mlp_tile_tokens=mlp_tile_tokens,
         forward_loss=forward_loss,
         loss_group=loss_group,
         grad_reduction=grad_reduction,
         ignore_index=ignore_index,
     )
-    targets: list[tuple[str, nn.Module, Any, int]] = []
-    if tiled_norm:
-        norms = [m for name in _LAYER_NORMS for m in _layer_modules(base, name)] + [("norm", base.norm)]
-        targets += [(name, m, _norm_forward, stack.norm_tile_tokens) for name, m in norms]
-    if tiled_mlp:
-        targets += [(name, m, _mlp_forward, stack.mlp_tile_tokens) for name, m in _layer_modules(base, "mlp")]
-    for _, module, _, _ in targets:  # every check before the first change
-        _forward_function(module)
-    if tiled_loss:
-        _forward_function(hf_model)
     for name, module, forward, tile_tokens in targets:
         _replace_forward(module, forward, tile_tokens)
         stack.patched.append(name)

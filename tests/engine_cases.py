@@ -134,6 +134,8 @@ ERROR_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # name -> (co
     "ring_size_zero": ({"upipe": {"ring_size": 0}}, {}),
     "ring_with_alst": ({"upipe": {"enabled": False, "ring_size": 2}}, {}),
     "ring_head_chunk_size": ({"upipe": {"ring_size": 2, "head_chunk_size": 3}}, {}),
+    "tiled_loss_without_lm_head": ({"upipe": {"enabled": False, "tiled_loss": True}}, {"_base": True}),
+    "tiled_mlp_bad_tile": ({"upipe": {"tiled_mlp": {"tile_tokens": 0}}}, {}),
 }
 
 
@@ -145,10 +147,15 @@ def tiny_llama(**changes: Any) -> Any:
 
     if changes.pop("_linear", False):
         return torch.nn.Linear(4, 4)
+    base = changes.pop("_base", False)
     fields = dict(
         vocab_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=8, max_position_embeddings=2048
     )
     torch.manual_seed(0)
+    if base:  # the base model: no lm_head
+        from transformers import LlamaModel
+
+        return LlamaModel(tiny_config(**{**fields, **changes}))
     return LlamaForCausalLM(tiny_config(**{**fields, **changes}))
 
 

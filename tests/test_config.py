@@ -9,6 +9,7 @@ from torch.utils.data import DistributedSampler
 
 from ds_upipe.integration.config import (
     ALLOWED,
+    Tiled,
     UPipeConfig,
     attention_stage_bytes,
     check_heads,
@@ -18,6 +19,7 @@ from ds_upipe.integration.config import (
     micro_batch_size,
     parse_config,
     parse_upipe_block,
+    tiled,
 )
 from ds_upipe.integration.engine import SequenceParallelSampler
 from ds_upipe.schedule import valid_head_chunk_sizes
@@ -223,11 +225,38 @@ def test_load_config_copies_and_reads_paths(tmp_path):
         load_config(3)
 
 
-@pytest.mark.parametrize("name", ["upipe_zero3", "upipe_zero3_offload", "upipe_zero2", "ulysses_alst_zero3"])
+SHIPPED = ["upipe_zero3", "upipe_zero3_offload", "upipe_zero2", "ulysses_alst_zero3"]
+LONG_CONTEXT = ["upipe_long_context", "ulysses_alst_long_context"]
+
+
+@pytest.mark.parametrize("name", SHIPPED + LONG_CONTEXT)
 def test_shipped_configs_parse(name):
     settings = parse_config(load_config(REPO / "ds_configs" / f"{name}.json"))
     assert settings.sequence_parallel_size == 4
-    assert settings.upipe.enabled is (name != "ulysses_alst_zero3")
+    assert settings.upipe.enabled is not name.startswith("ulysses_alst")
+    assert settings.upipe.long_context is (name in LONG_CONTEXT)
+
+
+def test_long_context_configs_differ_only_in_enabled():
+    """UPipe and ALST compare on the same stack: ZeRO-3, every tiled part, offloaded checkpoints."""
+    upipe, alst = (load_config(REPO / "ds_configs" / f"{name}.json") for name in LONG_CONTEXT)
+    u, a = parse_config(upipe).upipe, parse_config(alst).upipe
+    assert u.model_copy(update={"enabled": False}) == a
+    assert (u.tiled_loss, u.tiled_norm, u.tiled_mlp, u.offload_checkpoints) == (True, True, True, True)
+    assert upipe["zero_optimization"]["stage"] == 3 and upipe["activation_checkpointing"]["cpu_checkpointing"]
+    assert {k: v for k, v in upipe.items() if k != "upipe"} == {k: v for k, v in alst.items() if k != "upipe"}
+
+
+@pytest.mark.parametrize("key", ["tiled_loss", "tiled_norm", "tiled_mlp"])
+def test_long_context_keys(key):
+    assert tiled(parse_upipe_block({key: True}).model_dump()[key]) == (True, None)
+    assert getattr(parse_upipe_block({key: {"tile_tokens": 64}}), key) == Tiled(tile_tokens=64)
+    assert tiled(Tiled(tile_tokens=64)) == (True, 64) and tiled(Tiled()) == (True, None)
+    assert parse_upipe_block({key: {}}).long_context and not parse_upipe_block({key: False}).long_context
+    for bad in ("true", 1, None, {"tile_tokens": 0}, {"tile_tokens": 2.0}, {"tile_tokens": True}, {"tiles": 8}):
+        with pytest.raises(ValueError) as err:
+            parse_upipe_block({key: bad})
+        assert f"upipe.{key}: got {bad!r}; allowed: {ALLOWED[key]}" in str(err.value), str(err.value)
 
 
 def test_docs_cover_every_key():

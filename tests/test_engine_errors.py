@@ -29,6 +29,12 @@ EXPECTED = {  # case -> pieces every rank's message must contain
         f"Valid values: {valid_head_chunk_sizes(8, 2, 1)}",
         "with upipe.ring_size=2 the heads are split over the Ulysses degree",
     ],
+    "tiled_loss_without_lm_head": [
+        "upipe.tiled_loss/tiled_norm/tiled_mlp",
+        "tiled_loss=True needs a causal LM",
+        "LlamaModel",
+    ],
+    "tiled_mlp_bad_tile": ["upipe.tiled_mlp: got {'tile_tokens': 0}; allowed: true, false, or"],
 }
 PAD_HOW = ["Pad every sample to one length L", "DataCollatorForSeq2Seq", "hf_patches.pad_batch(default_collate"]
 LOADER_EXPECTED = {

@@ -23,6 +23,12 @@ from tests.engine_cases import FP32_RTOL, REPO, TORCH_ADAM, launch, max_rel, run
 
 pytestmark = pytest.mark.slow
 STEPS = 5
+#: the long-context stack with tiles smaller than a rank's 128 (SP 2) or 64 (SP 4) tokens, uneven last tiles
+STACK = (
+    'upipe.tiled_loss={"tile_tokens": 40}',
+    'upipe.tiled_norm={"tile_tokens": 24}',
+    'upipe.tiled_mlp={"tile_tokens": 16}',
+)
 AUTO = {"memory_budget_gib": 0.0, "seq_length": 256}  # budget filled in below
 
 
@@ -82,6 +88,14 @@ def two_procs_launch(tmp_path_factory):
         run("ref_from_upipe", resume=up_ckpt, resume_tag="step2"),
     ]
     runs.append(run("upipe_z3_overlap", sp=2, gas=2, extra=("upipe.overlap_comm=true",)))
+    # the long-context stack (tiled loss, norms, MLPs) from the ds_config, UPipe and ALST, ZeRO-2 and 3
+    runs += [
+        run("ref_z3_stack", extra=STACK),
+        run("upipe_z2_stack", "upipe_zero2", sp=2, gas=2, extra=STACK),
+        run("upipe_z3_stack", "upipe_long_context", sp=2, gas=2, extra=STACK),
+        run("alst_z2_stack", "ulysses_alst_long_context", sp=2, gas=2, stage=2, extra=STACK),
+        run("alst_z3_stack", "ulysses_alst_long_context", sp=2, gas=2, extra=STACK),
+    ]
     # bf16 with float32 gradient accumulation at ZeRO-1: DeepSpeed's BF16_Optimizer, not a ZeRO optimizer
     bf16_acc = dict(stage=1, fp32=False, extra=("data_types.grad_accum_dtype=fp32",))
     runs += [
@@ -121,6 +135,10 @@ def four_procs(tmp_path_factory):
         ),
         # the main job's config as shipped (bf16, sequence_parallel_size 4), two steps
         {"name": "shipped_upipe_zero3", "deepspeed_config": "ds_configs/upipe_zero3.json", "steps": 2},
+        # the long-context configs (ZeRO-3, SP 4), float32 with small tiles, and UPipe's as shipped (bf16)
+        run("upipe_sp4_stack", "upipe_long_context", sp=4, gas=4, extra=STACK),
+        run("alst_sp4_stack", "ulysses_alst_long_context", sp=4, gas=4, extra=STACK),
+        {"name": "shipped_upipe_long_context", "deepspeed_config": "ds_configs/upipe_long_context.json", "steps": 2},
         run("bad_sp", sp=3),  # last: a config error ends the launch
     ]
     rc, output, metrics = launch(4, runs, work, steps=STEPS)
@@ -256,9 +274,49 @@ def test_shipped_config_runs_as_it_is(four_procs):
     assert r["upipe_stage_runs"] > 0 and r["upipe_fused"] and r["head_chunk_size"] == 4
 
 
+@pytest.mark.parametrize(
+    "name, ref_name, stage",
+    [
+        ("ref_z3_stack", "ref_z3", 3),
+        ("upipe_z2_stack", "ref_z2", 2),
+        ("upipe_z3_stack", "ref_z3", 3),
+        ("alst_z2_stack", "ref_z2", 2),
+        ("alst_z3_stack", "ref_z3", 3),
+    ],
+)
+def test_long_context_stack_equals_non_sp(two_procs, name, ref_name, stage):
+    """The ds_config's tiled_loss/tiled_norm/tiled_mlp, through ds_upipe.initialize and the example's
+    loss (tiled, no logits), against the non-SP run without the stack."""
+    r = two_procs[name]
+    assert r["zero_stage"] == stage and r["sequence_parallel_size"] == (1 if name.startswith("ref") else 2)
+    _check_same(two_procs, name, ref_name)
+    # 2 layers x (2 norms + MLP) + the final norm + the loss forward were replaced
+    want_loss = "local" if name.startswith("ref") else "sequence_parallel"
+    assert r["long_context"] == {
+        "tiled_loss": True, "tiled_norm": True, "tiled_mlp": True, "forward_loss": want_loss, "patched": 8
+    }  # fmt: skip
+    assert r["checkpointing"] == "reentrant"  # DeepSpeed's, per decoder layer: see docs/config.md
+    assert (r["upipe_stage_runs"] > 0) == name.startswith("upipe")
+    assert two_procs[ref_name]["long_context"] is None
+
+
+@pytest.mark.parametrize("name", ["upipe_sp4_stack", "alst_sp4_stack"])
+def test_four_procs_long_context_configs(four_procs, name):
+    runs = four_procs[2]["by_name"]
+    assert runs[name]["sequence_parallel_size"] == 4 and runs[name]["long_context"]["patched"] == 8
+    _check_same(runs, name, "ref_z3")
+    assert (runs[name]["upipe_stage_runs"] > 0) == name.startswith("upipe")
+
+
+def test_shipped_long_context_config_runs(four_procs):
+    r = four_procs[2]["by_name"]["shipped_upipe_long_context"]
+    assert r["sequence_parallel_size"] == 4 and len(r["losses"]) == 2 and r["losses"][1] < r["losses"][0]
+    assert r["long_context"]["forward_loss"] == "sequence_parallel" and r["upipe_stage_runs"] > 0
+
+
 def test_config_error_ends_launch(four_procs):
     """(That every rank raises it is tested deterministically in test_engine_errors.py.)"""
     rc, output, metrics = four_procs
     assert rc != 0
     assert "got 3 for a world of 4 processes; allowed: a divisor of the world size [1, 2, 4]" in metrics["error"]
-    assert len(metrics["runs"]) == 9  # every run before it finished
+    assert len(metrics["runs"]) == 12  # every run before it finished

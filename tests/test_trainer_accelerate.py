@@ -61,6 +61,18 @@ def _accelerate(out: Path, *flags: str) -> dict[str, Any]:
     return _launch([*cmd, "examples/train_accelerate.py", "--metrics_out", str(out)], out)
 
 
+#: the long-context stack with tiles smaller than a rank's 32 tokens (uneven last loss tile)
+STACK = {"tiled_loss": {"tile_tokens": 12}, "tiled_norm": {"tile_tokens": 8}, "tiled_mlp": {"tile_tokens": 8}}
+
+
+def _with_stack(source: str, path: Path) -> str:
+    """``source`` (an example ds_config) with the long-context stack in its "upipe" block, written to ``path``."""
+    config = json.loads((ROOT / source).read_text())
+    config["upipe"] = {**config["upipe"], **STACK}
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
 def _save_checkpoint(path: Path) -> Path:
     """A tiny Llama checkpoint (save_pretrained) with other weights than the examples' config-built model."""
     import importlib.util
@@ -94,6 +106,13 @@ def trainer_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
         # --model PATH: from_pretrained runs under ZeRO-3's zero.Init
         "upipe_model": _torchrun(2, work / "upipe_model.json", *upipe, "--sp_size", "2", "--model", model),
         "no_sp_model": _torchrun(1, work / "no_sp_model.json", *upipe, "--sp_size", "1", "--model", model),
+        # the long-context stack from the ds_config (UPipe, ZeRO-3): the Trainer's loss is the tiled one
+        "upipe_stack": _torchrun(
+            2,
+            work / "upipe_stack.json",
+            *("--deepspeed", _with_stack("examples/ds_config_upipe.json", work / "ds_config_upipe_stack.json")),
+            *("--sp_size", "2"),
+        ),
     }
 
 
@@ -120,6 +139,14 @@ def accelerate_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
         "upipe": _accelerate(work / "upipe.json"),  # the YAML as shipped: ds_config_upipe.json, sp_size 2
         "alst": _accelerate(work / "alst.json", "--deepspeed_config_file", "examples/ds_config_alst.json"),
         "no_sp": _accelerate(work / "no_sp.json", "--num_processes", "1", "--parallelism_config_sp_size", "1"),
+        # the long-context stack from the ds_config with ALST (ZeRO-3)
+        "alst_stack": _accelerate(
+            work / "alst_stack.json",
+            *(
+                "--deepspeed_config_file",
+                _with_stack("examples/ds_config_alst.json", work / "ds_config_alst_stack.json"),
+            ),
+        ),
     }
 
 
@@ -206,6 +233,20 @@ def test_accelerate_runs_upipe_attention(accelerate_runs):
     assert accelerate_runs["alst"]["upipe_block"] == {"enabled": False}
     assert accelerate_runs["upipe"]["stage_runs_train"] == [40, 40]
     assert accelerate_runs["upipe"]["stage_runs_eval"] == [16, 16]  # 4 eval sequences
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry, name", [("trainer", "upipe_stack"), ("accelerate", "alst_stack")])
+def test_long_context_stack_equals_no_sp(trainer_runs, accelerate_runs, entry, name):
+    """tiled_loss/tiled_norm/tiled_mlp in the ds_config: applied at accelerate's registration, the loss of
+    deepspeed_sp_compute_loss is the tiled one (the model returns no logits), in training and evaluation;
+    losses, gradient norms and the eval loss equal the non-SP run without the stack."""
+    runs = trainer_runs if entry == "trainer" else accelerate_runs
+    _check_parity({"no_sp": runs["no_sp"], name: runs[name]}, (name,))
+    run = runs[name]
+    assert run["long_context"] == {"tiled_loss": True, "tiled_norm": True, "tiled_mlp": True, "logits": None}, run
+    assert runs["no_sp"]["long_context"] is None
+    assert (min(run["stage_runs_train"]) > 0) == name.startswith("upipe")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -18,9 +18,9 @@ import copy
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, model_validator
 
 from ..schedule import (
     build_plan,
@@ -30,6 +30,8 @@ from ..schedule import (
     valid_head_chunk_sizes,
 )
 
+#: what the long-context stack's keys accept
+TILED = 'true, false, or {"tile_tokens": null or an int > 0} (on, with that many tokens per tile)'
 #: what each key accepts, quoted in error messages (and in docs/config.md)
 ALLOWED: dict[str, str] = {
     "enabled": "true or false",
@@ -44,7 +46,30 @@ ALLOWED: dict[str, str] = {
     "offload_checkpoints": "true or false",
     "overlap_comm": "true or false",
     "ring_size": "an int >= 1 that divides sequence_parallel_size (1: no ring)",
+    "tiled_loss": TILED,
+    "tiled_norm": TILED,
+    "tiled_mlp": TILED,
 }
+
+
+class Tiled(BaseModel):
+    """A long-context stack part given as an object: on, with ``tile_tokens`` tokens per tile
+    (null: hf_patches.apply_long_context_stack's default for that part)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tile_tokens: Annotated[StrictInt, Field(gt=0)] | None = None
+
+
+#: ``true``/``false`` or ``{"tile_tokens": ...}``
+TiledSetting = StrictBool | Tiled
+
+
+def tiled(value: TiledSetting) -> tuple[bool, int | None]:
+    """(on, tokens per tile or None for the default) of a ``tiled_*`` key."""
+    if isinstance(value, Tiled):
+        return True, value.tile_tokens
+    return bool(value), None
 
 
 class UPipeConfig(BaseModel):
@@ -61,6 +86,15 @@ class UPipeConfig(BaseModel):
     offload_checkpoints: StrictBool = False
     overlap_comm: StrictBool = False
     ring_size: StrictInt = 1
+    # the long-context stack (hf_patches.apply_long_context_stack); also with enabled=false (ALST)
+    tiled_loss: TiledSetting = False
+    tiled_norm: TiledSetting = False
+    tiled_mlp: TiledSetting = False
+
+    @property
+    def long_context(self) -> bool:
+        """Whether any part of the long-context stack is on."""
+        return any(tiled(v)[0] for v in (self.tiled_loss, self.tiled_norm, self.tiled_mlp))
 
     @model_validator(mode="after")
     def _check_values(self) -> UPipeConfig:
@@ -87,7 +121,7 @@ def _format_validation_error(err: ValidationError, block: dict[str, Any]) -> str
     lines: dict[str, str] = {}
     for e in err.errors():
         loc = e["loc"]
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and len(loc) == 1:  # an unknown key of the block itself
             key = str(loc[0])
             lines[key] = f"upipe.{key}: unknown key; allowed keys: {', '.join(UPipeConfig.model_fields)}"
         elif loc:

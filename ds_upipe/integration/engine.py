@@ -12,7 +12,11 @@ What it adds to DeepSpeed's own initialize, in order:
 3. patches the HuggingFace model: UPipe through ``hf_patches.apply_upipe`` or, with
    ``"upipe": {"enabled": false}``, DeepSpeed ALST's Ulysses
    (``UlyssesSPAttentionHF.register_with_transformers``) on the same model;
-4. makes the ds_config's ``activation_checkpointing`` section apply to the HF model's layers
+4. applies the ``"upipe"`` block's long-context stack (``tiled_loss``, ``tiled_norm``, ``tiled_mlp``;
+   ``hf_patches.apply_long_context_stack``), checked before any collective; with sequence
+   parallelism the model's loss from ``shift_labels`` is then the whole sequence's (tiled
+   ``sequence_parallel_loss``), without it transformers' own;
+   and makes the ds_config's ``activation_checkpointing`` section apply to the HF model's layers
    (DeepSpeed's checkpoint function, optionally with CPU offload of the checkpointed inputs);
 5. shards the training data over the sequence ranks (``hf_patches.sequence_parallel_dataloader``:
    padding, then DeepSpeed's ``UlyssesSPDataLoaderAdapter``) in the sample order of a non-SP run;
@@ -41,7 +45,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from .config import check_heads, check_world, load_config, micro_batch_size, parse_config
 from .process_exit import release_shm_at_exit
 from .sp_setup import (
+    apply_long_context,
     average_gradients_over_all_ranks,
+    check_long_context,
     configure_activation_checkpointing,
     model_head_layout,
     register_alst,
@@ -83,6 +89,7 @@ def initialize(
             f"sequence_parallel_size={sp}: ds_upipe builds the sequence-parallel groups itself; "
             "pass mpu=None and mesh_param=None"
         )
+    check_long_context(model, settings.upipe)  # the model's structure only: before any collective
 
     deepspeed.init_distributed(
         dist_backend=get_accelerator().communication_backend_name(),
@@ -108,7 +115,10 @@ def initialize(
     else:
         head_chunk_size = None
 
-    configure_activation_checkpointing(model, ds_config, settings, mpu if sp > 1 else None)
+    # the forward's loss from shift_labels is the whole sequence's (sequence_parallel_loss's semantics)
+    loss_group = mpu.get_sequence_parallel_group() if sp > 1 else None
+    apply_long_context(model, settings.upipe, "sequence_parallel" if sp > 1 else "local", loss_group)
+    checkpointing = configure_activation_checkpointing(model, ds_config, settings, mpu if sp > 1 else None)
 
     sp_loader = None
     if training_data is not None and sp > 1:
@@ -139,6 +149,7 @@ def initialize(
     # for logs and tests: what this engine runs
     engine.upipe_settings = settings
     engine.upipe_head_chunk_size = head_chunk_size
+    engine.upipe_checkpointing = checkpointing
     return engine, ds_optimizer, sp_loader if sp_loader is not None else dataloader, scheduler
 
 

@@ -48,7 +48,13 @@ from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF,
 
 from ..heads import HeadLayout
 from .config import SPSettings, check_heads, choose_head_chunk_size, parse_config
-from .sp_setup import apply_upipe_settings, average_gradients_over_all_ranks, configure_activation_checkpointing
+from .sp_setup import (
+    apply_long_context,
+    apply_upipe_settings,
+    average_gradients_over_all_ranks,
+    check_long_context,
+    configure_activation_checkpointing,
+)
 
 #: what enable() replaced, to restore in disable(): (owner, attribute) -> original
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
@@ -218,8 +224,12 @@ def _register_for_accelerate(args: dict[str, Any]) -> Any:
     # disable_in_eval=True because without enable() the Trainer's eval batches are not sharded)
     args = {**args, "disable_in_eval": False}
     _REGISTERED.pop("ring_size", None)
+    model = args["model_name_or_path"]
+    check_long_context(model, settings.upipe)  # before the registration's collectives (group creation)
     mpu = _register_upipe(args, settings) if settings.upipe.enabled else _alst_register(args)
-    configure_activation_checkpointing(args["model_name_or_path"], ds_config, settings, mpu)
+    # "local": the Trainer / accelerate combine the ranks' losses (deepspeed_sp_compute_loss)
+    apply_long_context(model, settings.upipe, "local", None)
+    configure_activation_checkpointing(model, ds_config, settings, mpu)
     _REGISTERED["mpu"] = mpu
     return mpu
 
@@ -468,6 +478,8 @@ def _wrap_trainer_config_process(original: Callable[..., Any]) -> Callable[..., 
 def _wrap_initialize(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def initialize(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("mpu") is None:
+            _long_context_without_sp(kwargs)
         result = original(*args, **kwargs)
         mpu = _REGISTERED.get("mpu")
         if mpu is not None and kwargs.get("mpu") is mpu:
@@ -475,6 +487,22 @@ def _wrap_initialize(original: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return initialize
+
+
+def _long_context_without_sp(kwargs: dict[str, Any]) -> None:
+    """The ``"upipe"`` block's long-context stack on a model that accelerate / the Trainer prepare
+    without sequence parallelism (with it, the registration applies the stack), so that a run with
+    sp_size 1 trains the same stack; transformers' own loss semantics ("local")."""
+    model, ds_config = kwargs.get("model"), kwargs.get("config_params", kwargs.get("config"))
+    if not isinstance(model, torch.nn.Module) or not isinstance(ds_config, dict) or not ds_config.get("upipe"):
+        return
+    from hf_patches import long_context_stack
+
+    if long_context_stack(model) is not None:
+        return
+    upipe = parse_config({**ds_config, "sequence_parallel_size": 1}).upipe
+    check_long_context(model, upipe)
+    apply_long_context(model, upipe, "local", None)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ accelerate path (hf_integration.py).
 - the mpu: DeepSpeed's ``parallel_state_sp`` groups (contiguous ranks), as ALST builds them;
 - UPipe on a HuggingFace model (``setup_upipe``: head layout check, head chunk size from the
   ``"upipe"`` block, ``hf_patches.apply_upipe``) or DeepSpeed ALST's Ulysses (``register_alst``);
+- the long-context stack of the ``"upipe"`` block (``tiled_loss``, ``tiled_norm``, ``tiled_mlp``:
+  ``hf_patches.apply_long_context_stack``), with UPipe, ALST or no sequence parallelism;
 - the ds_config's ``activation_checkpointing`` section applied to the model's layers;
 - the ZeRO / BF16_Optimizer gradient-average correction (DeepSpeed issue #5248).
 """
@@ -18,7 +20,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from ..heads import HeadLayout
-from .config import SPSettings, check_heads, choose_head_chunk_size
+from .config import SPSettings, UPipeConfig, check_heads, choose_head_chunk_size, tiled
 
 #: attention functions ALST replaced in transformers' process-global registry, to restore them
 REPLACED_ATTENTION: dict[str, Callable[..., Any]] = {}
@@ -141,20 +143,73 @@ def apply_upipe_settings(model: torch.nn.Module, group: Any, head_chunk_size: in
     )
 
 
+def long_context_options(upipe: UPipeConfig) -> dict[str, Any]:
+    """``apply_long_context_stack`` keyword arguments of the block's ``tiled_*`` keys."""
+    options: dict[str, Any] = {}
+    for part in ("loss", "norm", "mlp"):
+        on, tile_tokens = tiled(getattr(upipe, f"tiled_{part}"))
+        options[f"tiled_{part}"] = on
+        options[f"{part}_tile_tokens"] = tile_tokens
+    return options
+
+
+def check_long_context(model: torch.nn.Module, upipe: UPipeConfig) -> None:
+    """Refuse a stack the model cannot take (e.g. ``tiled_loss`` on a model without an lm_head).
+
+    Reads only the model's structure and the config, so every rank raises the same ValueError; the
+    callers run it before their first collective."""
+    if not upipe.long_context:
+        return
+    from hf_patches import check_long_context_stack
+
+    try:
+        check_long_context_stack(model, **long_context_options(upipe))
+    except ValueError as err:
+        raise ValueError(f"invalid ds_config: upipe.tiled_loss/tiled_norm/tiled_mlp: {err}") from None
+
+
+def apply_long_context(model: torch.nn.Module, upipe: UPipeConfig, forward_loss: str, loss_group: Any) -> None:
+    """The block's long-context stack on ``model`` (nothing when every ``tiled_*`` key is off).
+
+    ``forward_loss`` is the stack's mode for the model's loss from labels / shift_labels: "local" where
+    the caller combines the ranks' losses (the HF Trainer and accelerate's ``deepspeed_sp_compute_loss``,
+    and any run without sequence parallelism), "sequence_parallel" (the global token-weighted mean over
+    ``loss_group``, ``grad_reduction="mean"`` as the corrected ZeRO average expects) for loops on
+    ``ds_upipe.initialize``, as ``sequence_parallel_loss`` is."""
+    if not upipe.long_context:
+        return
+    from hf_patches import apply_long_context_stack
+
+    options = long_context_options(upipe)
+    if not options["tiled_loss"]:
+        forward_loss = "local"  # a setting of the tiled loss only
+    apply_long_context_stack(model, **options, forward_loss=forward_loss, loss_group=loss_group)
+
+
 def configure_activation_checkpointing(
     model: torch.nn.Module, ds_config: dict[str, Any], settings: SPSettings, mpu: Any
-) -> None:
+) -> str | None:
     """Make the ds_config's activation_checkpointing section (or upipe.offload_checkpoints) apply.
 
-    HF layers then checkpoint through ``deepspeed.checkpointing.checkpoint``, which keeps only each
-    layer's input (sequence-sharded under SP) and, with ``cpu_checkpointing`` or
-    ``upipe.offload_checkpoints``, keeps it in host memory until backward.  Partitioning checkpoints
-    across the sequence group is refused in ds_upipe.integration.config.  Without either setting a model's own
-    HF gradient checkpointing (``gradient_checkpointing_enable``) is left as the user set it."""
+    Every HF decoder layer is then checkpointed through DeepSpeed's activation checkpointing, which
+    keeps only the layer's input (sequence-sharded under SP) and, with ``cpu_checkpointing`` or
+    ``upipe.offload_checkpoints``, keeps it in host memory until backward (asynchronously copied on
+    CUDA), so one layer's activations at a time are on the device.  Partitioning checkpoints across
+    the sequence group is refused in ds_upipe.integration.config.  Without either setting a model's
+    own HF gradient checkpointing (``gradient_checkpointing_enable``) is left as the user set it.
+
+    Returns "reentrant" (None: unchanged).  DeepSpeed's reentrant ``checkpoint``, not its
+    ``non_reentrant_checkpoint`` (docs/config.md, measured): the non-reentrant one would free the
+    recomputed layer output in backward (one hidden state less), but it keeps the first forward's
+    autograd graph, and DeepSpeed's ``SequenceTiledCompute`` (``upipe.tiled_norm``) holds its input on
+    the autograd context, outside the saved-tensor hooks a non-reentrant checkpoint replaces: two
+    hidden states per layer would stay on the device for every layer.  Under ZeRO-3 it also fails:
+    the weights it saved while recomputing are released (emptied) by ZeRO-3 before the backward uses
+    them.  The reentrant checkpoint runs the first forward without a graph."""
     section = ds_config.get("activation_checkpointing")
     offload = settings.upipe.offload_checkpoints
     if section is None and not offload:
-        return
+        return None
     from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
     in_cpu = True if offload else None
@@ -164,10 +219,12 @@ def configure_activation_checkpointing(
         # get_cpu_activations_for_backward), so backward replays the layer on an empty tensor.
         in_cpu = False
     ds_checkpointing.configure(mpu, deepspeed_config=ds_config, checkpoint_in_cpu=in_cpu)
-    if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "_set_gradient_checkpointing"):
-        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=ds_checkpointing.checkpoint)
-        # DeepSpeed's checkpoint is reentrant: backward reaches a layer only if its input requires grad
-        model.enable_input_require_grads()
+    if not (getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "_set_gradient_checkpointing")):
+        return None
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=ds_checkpointing.checkpoint)
+    # DeepSpeed's checkpoint is reentrant: backward reaches a layer only if its input requires grad
+    model.enable_input_require_grads()
+    return "reentrant"
 
 
 def average_gradients_over_all_ranks(engine: Any) -> None:
