@@ -1,4 +1,4 @@
-"""Planner vs measurement: the decoder-layer replay of ``ds_upipe.tools.planner`` against the per-rank peak
+"""Planner vs measurement: the decoder-layer fake-tensor run of ``ds_upipe.tools.planner`` against the per-rank peak
 that ``ds-upipe bench`` measures with MemTracker on CPU, for every method and U at a few lengths.
 
     python benchmarks/validate_planner.py                       # C=4, H=32, KV=8, d=16, hidden 512
@@ -55,9 +55,17 @@ def main() -> int:
             if r.kind == "alst"
             else planner.AttentionScheme("upipe", r.head_chunk_size, r.fused, args.overlap_comm)
         )
-        pred, where = planner.layer_peak_bytes(
-            dims, m, r.seq_len, args.world, {"float32": "fp32", "bfloat16": "bf16"}[args.dtype], tiled_mlp=tiled
+        setup = planner.TrainSetup(
+            gpus=args.world,
+            dtype={"float32": "fp32", "bfloat16": "bf16"}[args.dtype],
+            tiled_mlp=tiled,
+            tiled_norm=False,
+            tiled_loss=False,
+            kernel="none",
+            comm_backend="gloo",
         )
+        peak = planner.layer_peak(dims, setup, m, r.seq_len)
+        pred, where = peak.total, peak.at
         err = pred / r.peak_bytes - 1
         points.append(
             {

@@ -53,7 +53,8 @@ def _combine(
     total = stats[1].clamp_min(1.0)
     value = (stats[0] / total).to(local_sum.dtype)
     scale = size if grad_reduction == "mean" else 1
-    local = local_sum * (scale / total.item())
+    # a tensor, not .item(): no host sync on the GPU, and the fake-tensor planner can run it
+    local = local_sum * (scale / total).to(local_sum.dtype)
     return value + (local - local.detach())  # value of the global mean, gradient of the local part
 
 

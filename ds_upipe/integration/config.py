@@ -272,19 +272,33 @@ def attention_stage_bytes(
     dtype_bytes: int,
     ring_size: int = 1,
 ) -> int:
-    """Predicted per-rank peak of one UPipe attention stage (backward, the larger pass), in bytes.
+    """Per-rank attention stage memory of UPipe at this head chunk size, in bytes: the intermediate
+    peak (peak minus q, k, v, out, dout, dq, dk, dv) of ``UPipeDistributedAttention`` forward+backward,
+    measured by running it on fake tensors as rank 0 of the group (``fake_run.core_step``, the same
+    fake-tensor execution ``ds-upipe plan`` uses; in a process that already has a process group it
+    runs in a child process).  Kernel-internal CUDA workspaces are not included."""
+    from . import fake_run
 
-    A simple analytic estimate, enough to choose a head chunk size: in backward a rank holds, over
-    the full sequence, u = U/C query heads' q, out, dout, dq and the two all-to-all buffers (6u),
-    the round's KV heads' k, v, dk, dv (4 kv) plus their float32 accumulators (8 bytes per kv
-    element), and the float32 lse of its u heads.  With a ring (``group_size`` = C_u) a stage
-    holds its ring block (seq_length / ring_size tokens) instead, plus the K/V block and the
-    float32 dK/dV travelling around the ring.  ds_upipe/tools/planner.py refines this."""
-    plan = build_plan(num_heads, num_kv_heads, group_size, head_chunk_size)
-    u, kv = plan.heads_per_rank, plan.kv_heads_per_rank
-    tokens = micro_batch_size * -(-seq_length // ring_size)
-    ring = tokens * head_dim * kv * (2 * dtype_bytes + 8) if ring_size > 1 else 0
-    return tokens * head_dim * (dtype_bytes * (6 * u + 4 * kv) + 8 * kv) + 4 * tokens * u + ring
+    dtype = {2: "bf16", 4: "fp32", 8: "fp64"}[dtype_bytes]
+    # with a ring a stage attends over its ring block (seq_length / ring_size tokens per Ulysses group);
+    # the K/V block and its float32 dK/dV travelling around the ring are added analytically, since the
+    # fake process group cannot run the ring's point-to-point exchange
+    block = -(-seq_length // ring_size)
+    seq = block - block % group_size or group_size
+    peak = fake_run.isolated(
+        "core_step",
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        group_size=group_size,
+        head_chunk_size=head_chunk_size,
+        seq_len=seq,
+        batch=micro_batch_size,
+        dtype=dtype,
+    )
+    kv = build_plan(num_heads, num_kv_heads, group_size, head_chunk_size).kv_heads_per_rank
+    ring = micro_batch_size * block * head_dim * kv * (2 * dtype_bytes + 8) if ring_size > 1 else 0
+    return int(peak["total"] - peak["weights"]) + ring
 
 
 def choose_head_chunk_size(

@@ -45,28 +45,32 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser(
         "plan",
         help="predict per-GPU peak memory and the largest context that fits",
-        description="Analytic per-GPU memory model for Ulysses (DeepSpeed ALST) and UPipe at each valid head "
-        "chunk size U.  Defaults are the paper's memory-efficient setting (ZeRO-3, full checkpointing with CPU "
-        "offload, tiled MLP and loss, bf16).",
+        description="Per-GPU peak memory of a sequence-parallel training step for DeepSpeed ALST (Ulysses) and UPipe: "
+        "the real decoder layer and loss run on fake tensors (rank 0 of C, MemTracker), plus model states, ZeRO "
+        "buffers, checkpoints and the CUDA kernel workspace.  --config: what that ds_config runs.  Without it: "
+        "ALST and UPipe at every U, with ZeRO-3, offloaded checkpoints and the long-context stack.",
     )
+    plan.add_argument("--config", type=Path, help="a ds_config JSON: predict only what it runs")
     plan.add_argument("--model", default="llama3-8b", help="preset (llama3-8b, qwen3-32b) or a config.json path")
-    plan.add_argument("--gpus", type=int, default=8, help="sequence-parallel GPUs (default 8)")
+    plan.add_argument("--gpus", type=int, default=None, help="sequence-parallel GPUs (default: the preset's, or 8)")
     plan.add_argument("--gpu-memory", type=float, default=79.6, help="GiB per GPU (default 79.6: an 80 GB card)")
-    plan.add_argument("--zero", type=int, default=3, choices=(0, 1, 2, 3), help="ZeRO stage (default 3)")
+    plan.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="ZeRO stage (default 3)")
     plan.add_argument("--no-checkpointing", action="store_true", help="no activation checkpointing")
     plan.add_argument("--no-offload", action="store_true", help="keep activation checkpoints on the GPU")
-    plan.add_argument("--no-tiled-mlp", action="store_true", help="plain MLP instead of DeepSpeed's TiledMLP")
-    plan.add_argument("--no-tiled-loss", action="store_true", help="full logits instead of a tiled loss")
-    plan.add_argument(
-        "--fused-rmsnorm", action="store_true", help="a fused RMSNorm kernel (Liger) instead of transformers' eager one"
-    )
-    plan.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
-    plan.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
+    for part in ("loss", "norm", "mlp"):
+        plan.add_argument(
+            f"--tiled-{part}",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=f"hf_patches' long-context stack: tiled {part} (default on without --config)",
+        )
+    plan.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"))
+    plan.add_argument("--batch", type=int, default=None, help="micro-batch size (default 1)")
     plan.add_argument(
         "--kernel",
         default="fa2",
         choices=("fa2", "fa3", "none"),
-        help="attention kernel's backward workspace: fa2 = torch SDPA flash / flash-attn 2 (default), fa3",
+        help="attention kernel's backward workspace: fa2 = torch SDPA flash / flash-attn 2 (default), fa3, none",
     )
     plan.add_argument("--reserve", type=float, default=2.0, help="GiB for CUDA context and fragmentation (default 2)")
     plan.add_argument("--unfused", action="store_true", help="UPipe without fused projections")
@@ -78,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="sequence lengths of the table (default: the paper's 128K,...,5M)",
     )
     plan.add_argument("--tokens", type=parse_tokens, help="which head chunk size U do I need for this many tokens?")
+    plan.add_argument(
+        "--breakdown", action="store_true", help="components of the peak at --tokens (else at the max context)"
+    )
     plan.add_argument("--json", type=Path, help="also write the predictions to this JSON file")
 
     bench = sub.add_parser(
@@ -109,38 +116,64 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _plan(args: argparse.Namespace) -> int:
+def _plan_setup(args: argparse.Namespace) -> tuple:
+    """(dims, setup, methods) from --config and the flags (a flag given overrides the config)."""
+    from dataclasses import replace
+
     from . import planner
 
     dims = planner.model_dims(args.model)
-    setup = planner.TrainSetup(
-        gpus=args.gpus,
-        gpu_memory_gib=args.gpu_memory,
-        zero_stage=args.zero,
-        checkpointing=not args.no_checkpointing,
-        offload_checkpoints=not (args.no_offload or args.no_checkpointing),
-        tiled_mlp=not args.no_tiled_mlp,
-        tiled_loss=not args.no_tiled_loss,
-        fused_rmsnorm=args.fused_rmsnorm,
-        dtype=args.dtype,
-        batch=args.batch,
-        kernel=args.kernel,
-        reserve_gib=args.reserve,
-    )
-    fused, overlap = not args.unfused, args.overlap_comm
+    base = planner.TrainSetup(gpus=args.gpus or planner.PRESET_GPUS.get(args.model, 8), gpu_memory_gib=args.gpu_memory)
+    if args.config is not None:
+        from ..integration.config import load_config
+
+        setup, scheme, _ = planner.from_ds_config(load_config(args.config), base)
+        if scheme.kind == "upipe" and scheme.head_chunk_size is None:
+            scheme = replace(scheme, head_chunk_size=setup.gpus)
+        methods = [scheme]
+    else:
+        setup = base
+        methods = planner.methods_for(dims, setup.gpus, not args.unfused, args.overlap_comm)
+    changes = {
+        "gpus": args.gpus,
+        "zero_stage": args.zero,
+        "dtype": args.dtype,
+        "batch": args.batch,
+        "tiled_loss": args.tiled_loss,
+        "tiled_norm": args.tiled_norm,
+        "tiled_mlp": args.tiled_mlp,
+    }
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if args.no_checkpointing:
+        changes.update(checkpointing=False, offload_checkpoints=False)
+    elif args.no_offload:
+        changes.update(offload_checkpoints=False)
+    setup = replace(setup, kernel=args.kernel, reserve_gib=args.reserve, **changes)
+    return dims, setup, methods
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from . import planner
+
+    dims, setup, methods = _plan_setup(args)
     seq_lens = args.seq or planner.PAPER_STEPS
     bad = [s for s in seq_lens if s < setup.gpus or s % setup.gpus]
     if bad:
         raise ValueError(f"--seq {bad}: every length must be a positive multiple of --gpus {setup.gpus}")
-    print(planner.plan_table(dims, setup, seq_lens, fused, overlap))
-    if args.tokens is not None:
+    print(planner.plan_table(dims, setup, seq_lens, methods))
+    if args.tokens is not None and args.config is None:
         print()
-        print(planner.which_head_chunk_report(dims, setup, args.tokens, fused, overlap))
+        print(planner.which_head_chunk_report(dims, setup, args.tokens, not args.unfused, args.overlap_comm))
+    if args.breakdown:
+        for method in methods:
+            at = args.tokens or planner.max_context(dims, setup, method)
+            if at:
+                print()
+                print(planner.breakdown_report(dims, setup, method, at))
     if args.json:
-        payload = planner.to_json(dims, setup, seq_lens, fused, overlap)
+        payload = planner.to_json(dims, setup, seq_lens, methods)
         if args.tokens is not None:
-            preds = planner.which_head_chunk(dims, setup, args.tokens, fused, overlap)
-            payload["which_u"] = [vars(p) for p in preds]
+            payload["at_tokens"] = [vars(planner.predict(dims, setup, m, args.tokens)) for m in methods]
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"\nwrote {args.json}")
