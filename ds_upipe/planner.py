@@ -655,15 +655,19 @@ class _LocalSource:
         self.sim.free(grad)
 
 
-def _gather(sim: Sim, nbytes: int, copy: bool, tag: str) -> Buf:
-    """comm.heads_to_sequence: the send copy (released once the synchronous exchange returns), the
-    receive buffer, then the reshape into [b, n, S, d] (a copy unless already contiguous)."""
-    return _finish(sim, _exchange(sim, nbytes, tag), copy, tag)
+def _gather(sim: Sim, local: Buf, nbytes: int, copy: bool, tag: str) -> Buf:
+    """PipelineContext.gather: the send copy (``local`` is freed once it exists), the receive buffer
+    (the send copy goes when the synchronous exchange returns), then the reshape into [b, n, S, d]
+    (a copy unless already contiguous)."""
+    _, recv = _start(sim, local, nbytes, tag, async_op=False)
+    return _finish(sim, recv, copy, tag)
 
 
-def _start(sim: Sim, nbytes: int, tag: str, async_op: bool) -> tuple[Buf | None, Buf]:
-    """comm.start_heads_to_sequence: (send, recv); a synchronous exchange has already dropped its send."""
+def _start(sim: Sim, local: Buf, nbytes: int, tag: str, async_op: bool) -> tuple[Buf | None, Buf]:
+    """PipelineContext.start_gather: (send, recv); ``local`` is freed once its send copy exists, and a
+    synchronous exchange has already dropped its send."""
     send = sim.alloc(f"{tag}.send", nbytes)
+    sim.free(local)
     recv = sim.alloc(f"{tag}.recv", nbytes)
     if async_op:
         return send, recv
@@ -671,33 +675,39 @@ def _start(sim: Sim, nbytes: int, tag: str, async_op: bool) -> tuple[Buf | None,
     return None, recv
 
 
-def _wait(sim: Sim, ex: list[tuple[Buf | None, Buf]], copy: bool, tag: str) -> tuple[list[Buf], list[Buf]]:
-    """PendingExchange.wait for each exchange: (the gathered buffers, what the handles still hold).
-
-    An asynchronous exchange's Work keeps its send and receive buffers until the handle dies."""
-    held, dead = [], []
+def _wait(sim: Sim, ex: list[tuple[Buf | None, Buf]], copy: bool, tag: str) -> list[Buf]:
+    """PendingExchange.wait for each exchange: the gathered buffers.  The reshape into [b, n, S, d]
+    (a copy unless contiguous), then the handle drops its send and receive buffers and the work
+    object that referenced them."""
+    held = []
     for send, recv in ex:
-        if send is None:  # synchronous: the send is gone, the receive buffer goes with the reshape
-            held.append(_finish(sim, recv, copy, tag))
-            continue
-        out = sim.alloc(f"{tag}.rearranged", recv.nbytes) if copy else recv
-        held.append(out)
-        dead += [send] + ([recv] if copy else [])
-    return held, dead
+        held.append(_finish(sim, recv, copy, tag))
+        sim.free(send)
+    return held
+
+
+def _scatter(sim: Sim, full: Buf, nbytes: int, send_copy: bool, tag: str) -> Buf:
+    """PipelineContext.scatter_by_rank: the send-layout copy of ``full`` when its layout (or dtype)
+    needs one, with ``full`` freed once it exists; the receive buffer, [C, b, s, n, d], which the
+    caller hands over per source rank (no final rearrangement)."""
+    send = full
+    if send_copy:
+        send = sim.alloc(f"{tag}.send", nbytes)
+        sim.free(full)
+    recv = sim.alloc(f"{tag}.recv", nbytes)
+    sim.free(send)
+    return recv
 
 
 def _prefetched(sim: Sim, n: int, start, copy: bool, tag: str, overlap: bool):
     """PipelineContext.prefetched: per stage, (its gathered buffers, what ``start`` returned besides
-    the exchanges).  With overlap the next stage is started before the current one is handed out,
-    and the current handles die when ``pending`` is reassigned."""
+    the exchanges).  With overlap the next stage is started before the current one is handed out."""
     pending = start() if n else None
     for i in range(n):
         ex, extra = pending
-        held, dead = _wait(sim, ex, copy, tag)
+        held = _wait(sim, ex, copy, tag)
         has_next = i + 1 < n
-        nxt = start() if overlap and has_next else None
-        sim.free(*dead)
-        pending = nxt
+        pending = start() if overlap and has_next else None
         yield held, extra
         if not overlap and has_next:
             pending = start()
@@ -723,22 +733,19 @@ def _upipe_attention(sim: Sim, sh: Shapes, method: Method, n1: Buf, grad: bool, 
     src_f: _FusedSource | _LocalSource = _FusedSource(sim, sh, False) if method.fused else _LocalSource(sim, sh)
     for rnd in plan.rounds:
         kc, vc, _ = src_f.key_value(nkv_rd, rows_kv)
-        kf = _gather(sim, e * nkv_rd, copy_kv, "upipe.k")
-        vf = _gather(sim, e * nkv_rd, copy_kv, "upipe.v")
-        sim.free(kc, vc)
+        kf = _gather(sim, kc, e * nkv_rd, copy_kv, "upipe.k")
+        vf = _gather(sim, vc, e * nkv_rd, copy_kv, "upipe.v")
 
         def start_fwd() -> tuple[list[tuple[Buf | None, Buf]], None]:
             qc, _ = src_f.query(nq_st, rows_q)
-            ex = [_start(sim, e * nq_st, "upipe.q", method.overlap_comm)]
-            sim.free(qc)
-            return ex, None
+            return [_start(sim, qc, e * nq_st, "upipe.q", method.overlap_comm)], None
 
         for (qf,), _ in _prefetched(sim, len(rnd.stages), start_fwd, copy_q, "upipe.q", method.overlap_comm):
             of = sim.alloc("kernel.out", e * nq_st)
             lses.append(sim.alloc("kernel.lse", lse_st))
             sim.free(qf)
-            back = _finish(sim, _exchange(sim, e * nq_st, "upipe.out"), True, "upipe.out")
-            sim.free(back, of)
+            # written into the output per source rank (index_copy_), no rearranged copy
+            sim.free(_scatter(sim, of, e * nq_st, copy_q, "upipe.out"))
         sim.free(kf, vf)
     if not grad:
         sim.free(*lses)
@@ -756,31 +763,42 @@ def _upipe_attention(sim: Sim, sh: Shapes, method: Method, n1: Buf, grad: bool, 
             params.grad("o_proj")
             d_out = sim.alloc("o_proj.bwd.d_input", e * sh.nq)
             src = _LocalSource(sim, sh)
+        # RoundKeyValueGrads: LocalTensorSource takes partial gradients, per source rank (no rearranged
+        # copy), and with gradients in the accumulation dtype each stage's dK/dV goes back at once
+        by_rank = not method.fused
+        per_stage = by_rank and sh.acc == e
         for rnd in plan.rounds:
             kc, vc, kv_pending = src.key_value(nkv_rd, rows_kv)
-            kf = _gather(sim, e * nkv_rd, copy_kv, "upipe.bwd.k")
-            vf = _gather(sim, e * nkv_rd, copy_kv, "upipe.bwd.v")
-            sim.free(kc, vc)
-            gka = sim.alloc("upipe.bwd.dk_acc", sh.acc * nkv_rd)
-            gva = sim.alloc("upipe.bwd.dv_acc", sh.acc * nkv_rd)
+            kf = _gather(sim, kc, e * nkv_rd, copy_kv, "upipe.bwd.k")
+            vf = _gather(sim, vc, e * nkv_rd, copy_kv, "upipe.bwd.v")
+            if not per_stage:  # allocated in the send layout
+                gka = sim.alloc("upipe.bwd.dk_acc", sh.acc * nkv_rd)
+                gva = sim.alloc("upipe.bwd.dv_acc", sh.acc * nkv_rd)
+
+            def send_kv(dk: Buf, dv: Buf, send_copy: bool, kv_pending: list[Buf]) -> None:
+                """RoundKeyValueGrads._send: dK then dV all-to-all'd, then handed to the source."""
+                locs = [_scatter(sim, g, e * nkv_rd, send_copy, f"upipe.bwd.d{n}") for g, n in ((dk, "k"), (dv, "v"))]
+                if not by_rank and copy_kv:  # comm.from_ranks: one [b, s, C*n, d] copy each
+                    rearranged = [sim.alloc(f"upipe.bwd.d{n}.rearranged", e * nkv_rd) for n in "kv"]
+                    sim.free(*locs)
+                    locs = rearranged
+                src.grad_chunk(locs[0], nkv_rd, rows_kv, kv_pending, "k")
+                src.grad_chunk(locs[1], nkv_rd, rows_kv, kv_pending, "v", rope=False)
 
             def start_bwd() -> tuple[list[tuple[Buf | None, Buf]], list[Buf]]:
                 # start_stage: q, then this stage's dout, then its output, each exchange started at
                 # once; a synchronous one drops its send copy on return, an async one owns it
                 qc, q_pending = src.query(nq_st, rows_q)
-                ex = [_start(sim, e * nq_st, "upipe.bwd.q", method.overlap_comm)]
-                sim.free(qc)
+                ex = [_start(sim, qc, e * nq_st, "upipe.bwd.q", method.overlap_comm)]
                 if method.fused:
                     cols = sim.alloc("fused.o_proj.weight_columns", sh.pe * dims.hidden_size * rows_q)
                     dsel = sim.alloc("fused.dout_chunk", e * nq_st)
                     sim.free(cols)
                 else:
                     dsel = sim.alloc("upipe.bwd.dout.select", e * nq_st)
-                ex.append(_start(sim, e * nq_st, "upipe.bwd.dout", method.overlap_comm))
-                sim.free(dsel)
+                ex.append(_start(sim, dsel, e * nq_st, "upipe.bwd.dout", method.overlap_comm))
                 osel = sim.alloc("upipe.bwd.out.select", e * nq_st)
-                ex.append(_start(sim, e * nq_st, "upipe.bwd.out", method.overlap_comm))
-                sim.free(osel)
+                ex.append(_start(sim, osel, e * nq_st, "upipe.bwd.out", method.overlap_comm))
                 return ex, q_pending
 
             stages = _prefetched(sim, len(rnd.stages), start_bwd, copy_q, "upipe.bwd.gathered", method.overlap_comm)
@@ -789,20 +807,21 @@ def _upipe_attention(sim: Sim, sh: Shapes, method: Method, n1: Buf, grad: bool, 
                 dk = sim.alloc("kernel.bwd.dk", e * nkv_rd)
                 dv = sim.alloc("kernel.bwd.dv", e * nkv_rd)
                 _kernel_workspace(sim, sh, nq_st, nkv_rd, u > kvpr, expand_inputs=True)
-                sim.free(*held, dk, dv)
-                # the kernel's dq is laid out [b, S, n, d]: its send needs no copy
-                dq_loc = _finish(sim, _exchange(sim, e * nq_st, "upipe.bwd.dq", copy_in=False), True, "upipe.bwd.dq")
-                sim.free(dq)
+                sim.free(*held)
+                # the kernel's dq is [b, n, S, d]: its send layout is a copy unless b = n = 1
+                dq_loc = _scatter(sim, dq, e * nq_st, copy_q, "upipe.bwd.dq")
+                if not by_rank and copy_q:  # comm.from_ranks
+                    rearranged = sim.alloc("upipe.bwd.dq.rearranged", e * nq_st)
+                    sim.free(dq_loc)
+                    dq_loc = rearranged
                 src.grad_chunk(dq_loc, nq_st, rows_q, q_pending, "q")
+                if per_stage:
+                    send_kv(dk, dv, copy_kv, kv_pending)
+                else:
+                    sim.free(dk, dv)  # summed into the accumulators in place
             sim.free(kf, vf)
-            locs = []
-            for name in ("k", "v"):
-                cast = sim.alloc(f"upipe.bwd.d{name}_cast", e * nkv_rd) if sh.acc != e else None
-                locs.append(_finish(sim, _exchange(sim, e * nkv_rd, f"upipe.bwd.d{name}"), True, f"upipe.bwd.d{name}"))
-                sim.free(cast)
-            src.grad_chunk(locs[0], nkv_rd, rows_kv, kv_pending, "k")
-            src.grad_chunk(locs[1], nkv_rd, rows_kv, kv_pending, "v", rope=False)
-            sim.free(gka, gva)
+            if not per_stage:  # the accumulators are sent as they are, cast to 16 bits first if need be
+                send_kv(gka, gva, sh.acc != e, kv_pending)
         if method.fused:
             assert isinstance(src, _FusedSource)
             if e == 2:  # FusedProjectionSource.results(): casts to the input/param dtypes
