@@ -1,8 +1,18 @@
-"""Per-rank memory of one attention forward+backward, measured with torch's MemTracker (CPU) or the
-CUDA allocator.  Shared by the memory tests and ``ds-upipe bench``.
+"""The core "intermediate" memory metric, defined once (docs/benchmarks.md, "Metric definitions") and
+used by ``ds-upipe bench`` (core level) and tests/test_core_memory.py.
 
-"Intermediate peak" is what the attention layer holds beyond its inputs, its output and their
-gradients: peak total minus the bytes of q, k, v, out, dout, dq, dk and dv.
+One forward and one backward of ``attention(q, k, v, batch_dim_idx)`` on this rank, where
+
+- q, k, v are fresh leaf tensors with ``requires_grad=True`` (inside a model the attention's inputs
+  always need gradients);
+- the output gradient ``dout`` is a materialized tensor of the output's shape (e.g. ``torch.randn``),
+  not the broadcast scalar gradient of ``out.sum().backward()``, which needs no memory;
+- **peak** is the largest total of live tensor bytes during the call, counting q, k, v and dout:
+  torch's MemTracker on CPU (with its module tracking off: its hooks on a module's inputs hold their
+  gradients, which makes autograd copy them instead of taking them over, so the tracker would
+  perturb what it measures), the CUDA allocator's peak on GPU;
+- **intermediate** = peak minus the bytes of q, k, v, out, dout, dq, dk and dv: what the attention
+  holds beyond its inputs, its output and their gradients.
 """
 
 from __future__ import annotations
@@ -10,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -20,45 +31,86 @@ class AttentionMemory:
     peak_bytes: int
     io_bytes: int  # q, k, v, out, dout, dq, dk, dv
     seconds: float
+    out: Tensor  # detached
+    grads: tuple[Tensor, Tensor, Tensor]  # dq, dk, dv
 
     @property
     def intermediate_bytes(self) -> int:
         return self.peak_bytes - self.io_bytes
 
 
-def _nbytes(*tensors: Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+def tensor_bytes(*tensors: Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class _NoModuleTracking:
+    """Stands in for MemTracker's ModTracker.  Its hooks on a module's inputs hold their gradients
+    until every one has arrived, so autograd copies each input gradient instead of taking it over
+    (the copy exists only under the tracker); and its backward hooks fail on modules called inside an
+    autograd Function's no-grad forward (DeepSpeed's TiledMLP calls gate/up/down_proj there).  The
+    per-storage accounting, and so the peak total, does not need it."""
+
+    is_bw = False
+    parents: set[str] = set()
+
+    def register_user_hooks(self, *hooks: Any) -> None: ...
+
+    def clear_user_hooks(self) -> None: ...
+
+    def __enter__(self) -> _NoModuleTracking:
+        return self
+
+    def __exit__(self, *args: Any) -> None: ...
+
+
+def storage_tracker() -> Any:
+    """torch's MemTracker (per-storage accounting of every tensor allocated) without module tracking."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker._mod_tracker = _NoModuleTracking()
+    return tracker
+
+
+def _check_materialized(dout: Tensor, out: Tensor) -> None:
+    if dout.shape != out.shape or 0 in dout.stride():
+        raise ValueError(
+            f"dout must be a materialized tensor of the output's shape {tuple(out.shape)}, got shape "
+            f"{tuple(dout.shape)} and strides {dout.stride()} (an expanded tensor, such as the gradient of "
+            "out.sum(), would hide the memory an output gradient takes)"
+        )
 
 
 def measure_attention(
     attention: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, dout: Tensor, batch_dim_idx: int
 ) -> AttentionMemory:
-    """Run ``attention(q, k, v, batch_dim_idx)`` forward+backward once and measure this rank's peak.
-
-    q, k, v must be leaf tensors with requires_grad; their .grad is reset first."""
-    for t in (q, k, v):
-        t.grad = None
+    """Run ``attention(q, k, v, batch_dim_idx)`` forward and ``backward(dout)`` once on fresh leaf
+    copies of q, k, v that require grad, and measure this rank's peak and intermediate memory as
+    defined in the module docstring."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    ql, kl, vl = leaves
     if q.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         start = time.perf_counter()
-        out = attention(q, k, v, batch_dim_idx)
+        out = attention(ql, kl, vl, batch_dim_idx)
+        _check_materialized(dout, out)
         out.backward(dout)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         # everything allocated before the call except q, k, v, dout is not the layer's
-        peak = torch.cuda.max_memory_allocated() - base + _nbytes(q, k, v, dout)
+        peak = torch.cuda.max_memory_allocated() - base + tensor_bytes(ql, kl, vl, dout)
     else:
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = MemTracker()
-        tracker.track_external(q, k, v, dout)
+        tracker = storage_tracker()
+        tracker.track_external(ql, kl, vl, dout)
         start = time.perf_counter()
         with tracker:
-            out = attention(q, k, v, batch_dim_idx)
+            out = attention(ql, kl, vl, batch_dim_idx)
+            _check_materialized(dout, out)
             out.backward(dout)
         seconds = time.perf_counter() - start
         peak = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
-    io = _nbytes(q, k, v, out, dout, q.grad, k.grad, v.grad)
-    return AttentionMemory(peak_bytes=peak, io_bytes=io, seconds=seconds)
+    grads = (ql.grad, kl.grad, vl.grad)
+    io = tensor_bytes(ql, kl, vl, out, dout, *grads)
+    return AttentionMemory(peak_bytes=int(peak), io_bytes=io, seconds=seconds, out=out.detach(), grads=grads)
