@@ -646,7 +646,7 @@ def plot(path: str | Path, rows: list[Measurement], title: str = "") -> None:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("sequence length (tokens)")
             ax.set_ylabel(ylabel)
-            ax.set_title(f"{level} level")
+            ax.set_title(f"{level} level" + (" (deepspeed: gqa_native_sdpa)" if level == "core" else ""))
             ax.grid(True, alpha=0.3)
         row_axes[2].legend(fontsize=7)
     if title:
