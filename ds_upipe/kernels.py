@@ -13,8 +13,9 @@ has a fixed length per kernel and input dtype/device, so a caller can ``save_for
 next to the lse.
 
 A kernel instance is also a plain callable with DeepSpeed ``DistributedAttention``'s local-attention
-contract (``kernel(q, k, v)`` with [b, S, h, d] tensors, autograd through torch), so the same kernel
-can serve DeepSpeed's baseline and UPipe in a side-by-side comparison.
+contract (``kernel(q, k, v)`` with [b, S, h, d] tensors, autograd through torch), GQA-native like
+``gqa_native_sdpa``: K/V keep their heads, nothing is expanded.  ``gqa_native_sdpa`` is the local
+attention a DeepSpeed user writes, and the baseline of the core-level measurements.
 """
 
 from __future__ import annotations
@@ -37,10 +38,27 @@ aten = torch.ops.aten
 
 def _expand_kv(kv: Tensor, num_q_heads: int) -> Tensor:
     """GQA broadcast of [b, hkv, S, d] to [b, hq, S, d]; a copy when hq > hkv (the repeated heads
-    are not expressible as one 4-D stride), so only the math reference and the autograd callable use it."""
+    are not expressible as one 4-D stride), so only the float64 math reference uses it."""
     b, hkv, seq, d = kv.shape
     group = num_q_heads // hkv
     return kv[:, :, None].expand(b, hkv, group, seq, d).reshape(b, num_q_heads, seq, d) if group > 1 else kv
+
+
+def gqa_native_sdpa(
+    q: Tensor, k: Tensor, v: Tensor, *args: object, causal: bool = True, softmax_scale: float | None = None, **kwargs
+) -> Tensor:
+    """Local attention with DeepSpeed ``DistributedAttention``'s contract, as a user writes it: [b, S, h, d]
+    in and out, ``F.scaled_dot_product_attention(..., enable_gqa=True)`` on the [b, h, S, d] transposes,
+    autograd by torch.  K/V keep their (fewer) heads: no GQA-expanded copy is made or differentiated
+    through.  Extra positional/keyword arguments from DistributedAttention's forward are ignored.
+
+    ``enable_gqa`` is passed only when the head counts differ: on CUDA torch serves GQA with its flash
+    (fp16/bf16) and math kernels only, so equal head counts keep the memory-efficient kernel in float32."""
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qh, kh, vh, is_causal=causal, scale=softmax_scale, enable_gqa=kh.shape[1] != qh.shape[1]
+    )
+    return out.transpose(1, 2)
 
 
 def _reduce_kv_grad(grad: Tensor, num_kv_heads: int) -> Tensor:
@@ -73,16 +91,9 @@ class AttentionKernel(abc.ABC):
     ) -> tuple[Tensor, Tensor, Tensor]: ...
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs) -> Tensor:
-        """DistributedAttention's local-attention contract: [b, S, h, d] in and out, autograd by torch."""
-        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qh,
-            _expand_kv(kh, qh.shape[1]),
-            _expand_kv(vh, qh.shape[1]),
-            is_causal=self.causal,
-            scale=self.scale_for(q.shape[-1]),
-        )
-        return out.transpose(1, 2).contiguous()
+        """DistributedAttention's local-attention contract: [b, S, h, d] in and out, autograd by torch,
+        GQA-native (``gqa_native_sdpa`` with this kernel's causal flag and scale)."""
+        return gqa_native_sdpa(q, k, v, causal=self.causal, softmax_scale=self.scale_for(q.shape[-1]))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(causal={self.causal}, softmax_scale={self.softmax_scale})"

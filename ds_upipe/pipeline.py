@@ -3,8 +3,9 @@
 Forward runs the stage plan: per round, gather the round's KV heads once; per stage, gather u query
 heads per rank over the full sequence, attend, send the output back and write it at the heads' own
 indices.  Only sequence-sharded tensors are saved (the inputs, the output, per-stage lse and kernel
-aux), so no gathered full-sequence tensor outlives its stage.  Backward replays each stage's all-to-alls,
-accumulates dK/dV of a round in float32 and sends them back once per round.
+aux), so no gathered full-sequence tensor outlives its stage.  Backward replays each stage's all-to-alls
+and returns dK/dV as ``RoundKeyValueGrads`` decides: per stage into the source's own gradients when
+those can be the accumulator, else summed in float32 over the round and sent back once.
 
 Where the stage inputs come from is abstracted by ``StageSource``: plain local q/k/v tensors here,
 per-stage projections of the layer input in hf_patches' fused mode.  The loop itself never changes.
@@ -20,7 +21,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm import PendingExchange, heads_to_sequence, sequence_to_heads, start_heads_to_sequence
+from .comm import (
+    PendingExchange,
+    exchange_send_layout,
+    from_ranks,
+    heads_send_buffer,
+    start_heads_exchange,
+    to_send_layout,
+)
 from .kernels import AttentionKernel
 from .schedule import StagePlan
 
@@ -30,7 +38,12 @@ STAGE_RUNS: list[int] = [0]
 
 class StageSource(Protocol):
     """Supplies a stage's local heads ([b, s, n, d] views of this rank's sequence shard) and takes
-    their gradients back.  ``heads`` is a 1-D index tensor of global head indices (may repeat)."""
+    their gradients back.  ``heads`` is a 1-D index tensor of global head indices (may repeat).
+
+    A source may set ``accepts_partial_grads = True``: its ``add_*_grad`` then sum whatever part of a
+    gradient they are given, any number of times (per source rank, per stage), so the pipeline hands
+    gradients over without copying them into one piece and may return dK/dV per stage.  Without it,
+    each ``query``/``key_value`` call gets exactly one matching ``add_*_grad`` call, in order."""
 
     def query(self, heads: Tensor) -> Tensor: ...
 
@@ -43,6 +56,9 @@ class StageSource(Protocol):
 
 class LocalTensorSource:
     """Stage inputs taken from already computed local q, k, v ([b, s, h, d] views)."""
+
+    #: gradients are summed into grad_q/grad_k/grad_v by index_add, piece by piece
+    accepts_partial_grads = True
 
     def __init__(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         self.q, self.k, self.v = query, key, value
@@ -110,11 +126,19 @@ class PipelineContext:
     def uses_kernel(self) -> bool:
         return isinstance(self.attention, AttentionKernel)
 
-    def gather(self, local_heads: Tensor) -> Tensor:
-        return heads_to_sequence(local_heads, self.plan.group_size, self.group)
+    # The exchanges take their input out of a list (``owner``) that holds its only reference, so the
+    # input is freed as soon as its send-layout copy exists, before the receive buffer is allocated.
+    def gather(self, owner: list[Tensor]) -> Tensor:
+        """Pop the first [b, s, C*n, d] local heads of ``owner``; return them gathered, [b, n, S, d]."""
+        return self._start_gather(owner, async_op=False).wait()
 
-    def start_gather(self, local_heads: Tensor) -> PendingExchange:
-        return start_heads_to_sequence(local_heads, self.plan.group_size, self.group, async_op=self.overlap_comm)
+    def start_gather(self, owner: list[Tensor]) -> PendingExchange:
+        """``gather`` issued asynchronously with overlap_comm (the handle's ``wait()`` finishes it)."""
+        return self._start_gather(owner, async_op=self.overlap_comm)
+
+    def _start_gather(self, owner: list[Tensor], async_op: bool) -> PendingExchange:
+        send = heads_send_buffer(owner.pop(0), self.plan.group_size)
+        return start_heads_exchange(send, self.plan.group_size, self.group, async_op=async_op)
 
     def prefetched(
         self, items: Sequence[Tensor], start: Callable[[Tensor], tuple[PendingExchange, ...]]
@@ -131,8 +155,15 @@ class PipelineContext:
             if not self.overlap_comm and has_next:
                 pending = start(items[i + 1])
 
-    def scatter(self, full_heads: Tensor) -> Tensor:
-        return sequence_to_heads(full_heads, self.plan.group_size, self.group)
+    def scatter_by_rank(self, owner: list[Tensor], dtype: torch.dtype) -> Tensor:
+        """Pop the first tensor of ``owner`` ([b, n, S, d], or a buffer already in the [C, b, s, n, d]
+        send layout) and all-to-all it in ``dtype`` to [C, b, s, n, d]: this rank's sequence chunk, per
+        source rank.  Popping hands over the last reference, so the tensor is freed as soon as its
+        send-layout copy exists, before the receive buffer is allocated."""
+        full = owner.pop(0)
+        send = (full if full.dim() == 5 else to_send_layout(full, self.plan.group_size)).to(dtype).contiguous()
+        del full
+        return exchange_send_layout(send, self.plan.group_size, self.group)
 
     def count_stage(self) -> None:
         STAGE_RUNS[0] += 1
@@ -164,19 +195,21 @@ def pipeline_forward(ctx: PipelineContext, source: StageSource, out: Tensor) -> 
     stage, the kernel's lse followed by its aux (tensors or None, for ``save_for_backward``)."""
     saved: list[Tensor | None] = []
     for round_idx, kv_idx in enumerate(ctx.indices.kv):
-        key, value = source.key_value(kv_idx)
-        k_full, v_full = ctx.gather(key), ctx.gather(value)
-        del key, value
+        key_value = list(source.key_value(kv_idx))
+        k_full, v_full = ctx.gather(key_value), ctx.gather(key_value)
         stages = ctx.indices.query[round_idx]
-        for q_idx, (q_full,) in ctx.prefetched(stages, lambda idx: (ctx.start_gather(source.query(idx)),)):
+        for q_idx, (q_full,) in ctx.prefetched(stages, lambda idx: (ctx.start_gather([source.query(idx)]),)):
             if ctx.uses_kernel:
                 o_full, lse, aux = ctx.attention.forward(q_full, k_full, v_full)
                 saved += (lse, *aux)
             else:
                 o_full = ctx.call_generic(q_full, k_full, v_full)
             del q_full
-            out.index_copy_(2, q_idx, ctx.scatter(o_full).to(out.dtype))
+            owner = [o_full]  # the only reference: scatter_by_rank frees it once it is copied to send
             del o_full
+            o_local = ctx.scatter_by_rank(owner, out.dtype)
+            _hand_over(lambda heads, o: out.index_copy_(2, heads, o.to(out.dtype)), q_idx, (o_local,), True)
+            del o_local
             ctx.count_stage()
         del k_full, v_full
     return saved
@@ -196,46 +229,105 @@ def pipeline_backward(
     the given heads ([b, s, n, d]): a caller that fuses the output projection computes each stage's
     slice on demand instead of materializing the full gradient."""
     dtype = out.dtype
+    by_rank = getattr(source, "accepts_partial_grads", False)
     stage_number = 0
     per_stage = len(saved) // ctx.plan.num_stages  # lse + the kernel's aux, the same for every stage
     for round_idx, kv_idx in enumerate(ctx.indices.kv):
-        key, value = source.key_value(kv_idx)
-        k_full, v_full = ctx.gather(key), ctx.gather(value)
-        del key, value
-        # accumulate in (at least) float32 across the stages that share these KV heads
-        acc_dtype = torch.float64 if k_full.dtype == torch.float64 else torch.float32
-        grad_k_acc = torch.zeros(k_full.shape, dtype=acc_dtype, device=k_full.device)
-        grad_v_acc = torch.zeros(v_full.shape, dtype=acc_dtype, device=v_full.device)
+        key_value = list(source.key_value(kv_idx))
+        k_full, v_full = ctx.gather(key_value), ctx.gather(key_value)
+        kv_grads = RoundKeyValueGrads(ctx, source, kv_idx, k_full, dtype)
 
         def start_stage(idx: Tensor) -> tuple[PendingExchange, ...]:
             exchanges = [
-                ctx.start_gather(source.query(idx)),
-                ctx.start_gather(grad_out(idx) if callable(grad_out) else grad_out.index_select(2, idx)),
+                ctx.start_gather([source.query(idx)]),
+                ctx.start_gather([grad_out(idx) if callable(grad_out) else grad_out.index_select(2, idx)]),
             ]
             if ctx.uses_kernel:  # lse-based backward needs the stage output; a recompute does not
-                exchanges.append(ctx.start_gather(out.index_select(2, idx)))
+                exchanges.append(ctx.start_gather([out.index_select(2, idx)]))
             return tuple(exchanges)
 
         for q_idx, (q_full, dout_full, *o_full) in ctx.prefetched(ctx.indices.query[round_idx], start_stage):
+            # [dq, dk, dv], the only references: each is freed as soon as it is on its way back
             if ctx.uses_kernel:
                 lse, *aux = saved[stage_number * per_stage : (stage_number + 1) * per_stage]
-                dq, dk, dv = ctx.attention.backward(dout_full, q_full, k_full, v_full, o_full[0], lse, tuple(aux))
+                grads = list(ctx.attention.backward(dout_full, q_full, k_full, v_full, o_full[0], lse, tuple(aux)))
                 del o_full
             else:
-                dq, dk, dv = _generic_backward(ctx, q_full, k_full, v_full, dout_full)
-            del q_full, dout_full
-            grad_k_acc += dk
-            grad_v_acc += dv
-            del dk, dv
-            dq_local = ctx.scatter(dq.to(dtype))
-            del dq  # free the stage's buffers before the source turns dq into its own gradients
-            source.add_query_grad(q_idx, dq_local)
+                grads = list(_generic_backward(ctx, q_full, k_full, v_full, dout_full))
+            del q_full, dout_full  # free the stage's inputs before its gradients travel
+            dq_local = ctx.scatter_by_rank(grads, dtype)
+            _hand_over(source.add_query_grad, q_idx, (dq_local,), by_rank)
             del dq_local
+            kv_grads.add(grads)
             stage_number += 1
             ctx.count_stage()
         del k_full, v_full
-        source.add_key_value_grad(kv_idx, ctx.scatter(grad_k_acc.to(dtype)), ctx.scatter(grad_v_acc.to(dtype)))
-        del grad_k_acc, grad_v_acc
+        kv_grads.finish()
+
+
+class RoundKeyValueGrads:
+    """Where the dK/dV of one round (the stages sharing its KV heads) go.
+
+    Per stage, when the source sums partial gradients and its gradients are in the accumulation dtype
+    (float32/float64): each stage's dK/dV is sent back at once and summed into the source's own
+    gradient buffers (for UPipeDistributedAttention, the layer's dk/dv), which are the accumulator.
+    No round-sized accumulator is alive while the kernel runs, at the price of one dK/dV all-to-all per
+    stage.  The sum is the same, in the same order (0 + dK_1 + dK_2 + ...), except that KV heads
+    replicated over ranks (Hkv < C) interleave their replicas' terms.
+
+    Per round otherwise (half precision, whose stage gradients are summed in float32 before one
+    rounding; or a source taking one gradient per round): an accumulator in float32 (float64 for
+    float64), allocated in the all-to-all's send layout and summed into through a [b, n, S, d] view,
+    so it is sent once at the end without a layout copy.
+
+    The kernels' backward ops return new dK/dV (none of torch's has an ``out=`` form), so a kernel's
+    output cannot land in the accumulator itself."""
+
+    def __init__(self, ctx: PipelineContext, source: StageSource, kv_idx: Tensor, k_full: Tensor, dtype: torch.dtype):
+        self.ctx, self.source, self.kv_idx, self.dtype = ctx, source, kv_idx, dtype
+        self.by_rank = getattr(source, "accepts_partial_grads", False)
+        acc_dtype = torch.float64 if k_full.dtype == torch.float64 else torch.float32
+        self.acc: tuple[Tensor, ...] | None = None
+        if not (self.by_rank and k_full.dtype == acc_dtype == dtype):  # per round
+            b, n, seq, d = k_full.shape
+            c = ctx.plan.group_size
+            self.acc = tuple(
+                torch.zeros((c, b, seq // c, n, d), dtype=acc_dtype, device=k_full.device) for _ in range(2)
+            )
+
+    def add(self, grads: list[Tensor]) -> None:
+        """One stage's [dK, dV] ([b, n, S, d], this rank's KV heads of the round), taken out of ``grads``."""
+        if self.acc is None:
+            self._send(grads)
+            return
+        for acc in self.acc:
+            acc += to_send_layout(grads.pop(0), self.ctx.plan.group_size)
+
+    def finish(self) -> None:
+        """After the round's last stage: send the round's accumulated dK/dV back (per-round mode)."""
+        if self.acc is not None:
+            acc, self.acc = list(self.acc), None
+            self._send(acc)
+
+    def _send(self, grads: list[Tensor]) -> None:
+        """All-to-all [dK, dV] back to sequence layout (emptying ``grads``, so each goes once sent) and
+        hand them to the source.  Each is a stage's [b, n, S, d] gradient or a round's accumulator,
+        already in the [C, b, s, n, d] send layout."""
+        local = [self.ctx.scatter_by_rank(grads, self.dtype) for _ in range(2)]
+        _hand_over(self.source.add_key_value_grad, self.kv_idx, tuple(local), self.by_rank)
+
+
+def _hand_over(add: Callable[..., Any], heads: Tensor, by_rank_tensors: tuple[Tensor, ...], by_rank: bool) -> None:
+    """``add(heads, *tensors)`` from ``scatter_by_rank`` results ([C, b, s, n, d] each): once
+    per source rank with contiguous [b, s, n, d] views when ``by_rank``, else once with all ranks'
+    heads as one [b, s, C*n, d] copy each.  A function of its own, so that no loop variable keeps a
+    piece (and with it the whole received buffer) alive after the hand-over."""
+    if not by_rank:
+        add(heads, *(from_ranks(t) for t in by_rank_tensors))
+        return
+    n = by_rank_tensors[0].shape[3]
+    for src in range(by_rank_tensors[0].shape[0]):
+        add(heads.narrow(0, src * n, n), *(t[src] for t in by_rank_tensors))
 
 
 def _generic_backward(

@@ -210,20 +210,26 @@ def bad_input_errors(rank, world):
 
 
 def memory_by_head_chunk(rank, world, seq_per_rank=64, batch=1, heads=32, kv_heads=8, head_dim=64):
-    """Intermediate peak (bytes) of DeepSpeed's DistributedAttention and UPipe at each valid U, float32."""
+    """Intermediate peak (bytes, ``ds_upipe.tools.memory.measure_attention``) of DeepSpeed's DistributedAttention
+    with the GQA-native local attention a user passes (``gqa_native_sdpa``), of DeepSpeed with a
+    ``TorchSDPAKernel`` instance as its local attention (GQA-native too), and of UPipe at each valid U,
+    float32."""
     from deepspeed.sequence.layer import DistributedAttention
 
+    from ds_upipe.kernels import gqa_native_sdpa
     from ds_upipe.schedule import valid_head_chunk_sizes
     from ds_upipe.tools.memory import measure_attention
 
-    kernel = TorchSDPAKernel(causal=True)
     gen = torch.Generator().manual_seed(rank)
     shape_q, shape_kv = (batch, seq_per_rank, heads, head_dim), (batch, seq_per_rank, kv_heads, head_dim)
     q, k, v, dout = (torch.randn(s, generator=gen) for s in (shape_q, shape_kv, shape_kv, shape_q))
-    for t in (q, k, v):
-        t.requires_grad_(True)
-    results = {"deepspeed": measure_attention(DistributedAttention(kernel, dist.group.WORLD), q, k, v, dout, 0)}
+    results = {
+        "deepspeed": measure_attention(DistributedAttention(gqa_native_sdpa, dist.group.WORLD), q, k, v, dout, 0),
+        "deepspeed_kernel": measure_attention(
+            DistributedAttention(TorchSDPAKernel(causal=True), dist.group.WORLD), q, k, v, dout, 0
+        ),
+    }
     for u in valid_head_chunk_sizes(heads, kv_heads, world):
-        attn = UPipeDistributedAttention(kernel, dist.group.WORLD, head_chunk_size=u)
+        attn = UPipeDistributedAttention(TorchSDPAKernel(causal=True), dist.group.WORLD, head_chunk_size=u)
         results[u] = measure_attention(attn, q, k, v, dout, 0)
     return {key: (m.intermediate_bytes, m.peak_bytes, m.seconds) for key, m in results.items()}

@@ -37,6 +37,7 @@ def test_bench_command_writes_sane_json_and_png(tmp_path):
     proc = _run(cmd, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[core level] ratios (x) vs deepspeed" in proc.stdout and "[layer level] ratios (x) vs alst" in proc.stdout
+    assert "local attention: deepspeed: ds_upipe.kernels.gqa_native_sdpa" in proc.stdout
 
     data = json.loads(out.with_suffix(".json").read_text())
     rows = data["results"]
@@ -53,11 +54,15 @@ def test_bench_command_writes_sane_json_and_png(tmp_path):
             assert r["peak_ratio"] == r["intermediate_ratio"] == r["time_ratio"] == 1.0
     for seq in (512, 1024):
         by = {r["method"]: r for r in core if r["seq_len"] == seq}
-        # the core issue's claim: UPipe at U = C holds far less than DeepSpeed, and grows with U
-        assert by["upipe[U=2]"]["intermediate_ratio"] <= 0.5
+        # UPipe at U = C holds less than DeepSpeed (with its GQA-native local attention), and grows with
+        # U; at C = 2 a stage still carries half of DeepSpeed's heads: 8 head-sized buffers against 14
+        # (the <= 30% bound at C = 4 is tests/test_core_memory.py's)
+        assert by["upipe[U=2]"]["intermediate_ratio"] <= 0.6
         assert by["upipe[U=2]"]["intermediate_bytes"] < by["upipe[U=8]"]["intermediate_bytes"]
-        # ALST and DeepSpeed hold the same gathered tensors
-        assert abs(by["alst"]["intermediate_ratio"] - 1) < 0.05
+        # ALST (with transformers' sdpa) gathers what DeepSpeed gathers, so it too holds more than UPipe
+        # at U = C; how much more varies by a buffer or so between runs at these tiny shapes (gloo's worker
+        # thread frees DeepSpeed's and ALST's exchange buffers whenever it gets the GIL)
+        assert by["alst"]["intermediate_bytes"] > by["upipe[U=2]"]["intermediate_bytes"]
     # memory grows with the sequence length
     for level, method in {(r["level"], r["method"]) for r in rows}:
         same = sorted((r for r in rows if (r["level"], r["method"]) == (level, method)), key=lambda r: r["seq_len"])

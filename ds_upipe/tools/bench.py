@@ -4,14 +4,17 @@ One invocation spawns C ranks (gloo on CPU, nccl on GPU) and runs, for every seq
 method over identical inputs:
 
 - core level (the attention core, local q/k/v in, local output out): DeepSpeed's
-  ``DistributedAttention`` (the baseline), ALST's ``UlyssesSPAttentionHF`` and UPipe at each valid U,
-  all with the same local attention (a ``TorchSDPAKernel`` instance serves both contracts);
+  ``DistributedAttention`` (the baseline) with the GQA-native local attention a user passes
+  (``kernels.gqa_native_sdpa``: torch SDPA with ``enable_gqa``), ALST's ``UlyssesSPAttentionHF`` with
+  transformers' "sdpa" attention, and UPipe at each valid U with ``TorchSDPAKernel`` (the same torch
+  SDPA kernels with an explicit lse);
 - layer level (one HF Llama decoder layer): ALST (the baseline) and UPipe fused/unfused at each U,
   through ``hf_patches``.
 
 Per rank it records the peak memory (MemTracker on CPU, the CUDA allocator's peak on GPU), the
-"intermediate" memory (peak minus the bytes of q, k, v, out, dout, dq, dk, dv at the core level;
-the activation memory, peak minus the layer's weights and their gradients, at the layer level) and
+"intermediate" memory (at the core level ``memory.measure_attention``, the one definition shared with
+the tests; the activation memory, peak minus the layer's weights and their gradients, at the layer
+level) and
 the forward+backward time; the report takes the worst rank and gives ratios to the level's baseline.
 Output: a terminal table, a JSON file and a PNG plot; a progress bar while it runs.
 """
@@ -174,30 +177,34 @@ class _HFModuleStub(torch.nn.Module):
         self.num_key_value_groups = num_kv_groups
 
 
-def _core_attention(method: Method, spec: BenchSpec, group: Any) -> Callable[..., torch.Tensor]:
-    """A function (q, k, v [b, s, h, d] local shards, position_ids) -> local output [b, s, h, d]."""
+#: each core-level method's local attention, stated in the report
+CORE_LOCAL_ATTENTION = {
+    "deepspeed": "ds_upipe.kernels.gqa_native_sdpa (torch SDPA, enable_gqa)",
+    "alst": "transformers' sdpa_attention_forward",
+    "upipe": "ds_upipe.TorchSDPAKernel (torch SDPA ops with lse)",
+}
+
+
+def _core_attention(method: Method, spec: BenchSpec, group: Any, pos: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """A function (q, k, v [b, s, h, d] local shards, batch_dim_idx) -> local output [b, s, h, d],
+    with the local attention each method's user passes (``CORE_LOCAL_ATTENTION``); ``pos`` are the
+    shard's position ids (ALST takes them)."""
     from deepspeed.sequence.layer import DistributedAttention
 
-    from ..kernels import TorchSDPAKernel
+    from ..kernels import TorchSDPAKernel, gqa_native_sdpa
     from ..layer import UPipeDistributedAttention
 
-    kernel = TorchSDPAKernel(causal=True)
     if method.kind == "deepspeed":
-        attn = DistributedAttention(kernel, group)
-        return lambda q, k, v, pos: attn(q, k, v, 0)
+        return DistributedAttention(gqa_native_sdpa, group)
     if method.kind == "upipe":
-        attn = UPipeDistributedAttention(
-            kernel, group, head_chunk_size=method.head_chunk_size, overlap_comm=spec.overlap_comm
+        return UPipeDistributedAttention(
+            TorchSDPAKernel(causal=True), group, head_chunk_size=method.head_chunk_size, overlap_comm=spec.overlap_comm
         )
-        return lambda q, k, v, pos: attn(q, k, v, 0)
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
-
-    def hf_attention(module, q, k, v, mask, *args, **kwargs):
-        # HF's [b, h, S, d] in, [b, S, h, d] out: the same kernel, DistributedAttention's contract
-        return kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     alst = UlyssesSPAttentionHF(
-        attn=hf_attention,
+        attn=sdpa_attention_forward,
         batch_size=spec.batch,
         attn_head_count=spec.heads,
         attn_head_size=spec.head_dim,
@@ -208,7 +215,7 @@ def _core_attention(method: Method, spec: BenchSpec, group: Any) -> Callable[...
     )
     stub = _HFModuleStub(spec.heads // spec.kv_heads)
 
-    def run(q, k, v, pos):
+    def run(q, k, v, batch_dim_idx):
         out, _ = alst(stub, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, position_ids=pos)
         return out.view(q.shape)
 
@@ -232,29 +239,21 @@ def _core_inputs(spec: BenchSpec, seq: int, rank: int, device: torch.device) -> 
 
 
 def run_core_case(method: Method, spec: BenchSpec, seq: int, rank: int, device: torch.device) -> dict[str, Any]:
-    """Memory, time and results of one forward+backward of the attention core on this rank."""
+    """Memory (``memory.measure_attention``: the core metric's one definition), time and results of
+    one forward+backward of the attention core on this rank."""
     import torch.distributed as dist
 
     from .memory import measure_attention
 
-    attention = _core_attention(method, spec, dist.group.WORLD)
     data = _core_inputs(spec, seq, rank, device)
-    result: dict[str, torch.Tensor] = {}
-
-    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch_dim_idx: int = 0) -> torch.Tensor:
-        out = attention(q, k, v, data["pos"])
-        result["out"] = out
-        return out
-
-    def fresh_leaves() -> list[torch.Tensor]:
-        return [data[n].detach().clone().requires_grad_(True) for n in "qkv"]
+    attention = _core_attention(method, spec, dist.group.WORLD, data["pos"])
+    mem = measure_attention(attention, data["q"], data["k"], data["v"], data["dout"], 0)
+    values = {"out": mem.out, "dq": mem.grads[0], "dk": mem.grads[1], "dv": mem.grads[2]}
 
     def step() -> None:
-        call(*fresh_leaves()).backward(data["dout"])
+        leaves = [data[n].detach().clone().requires_grad_(True) for n in "qkv"]
+        attention(*leaves, 0).backward(data["dout"])
 
-    leaves = fresh_leaves()
-    mem = measure_attention(call, *leaves, data["dout"], 0)
-    values = {"out": result.pop("out").detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
     seconds = time_step(step, spec.repeats, spec.warmup, device) if spec.repeats else math.nan
     return {"peak": mem.peak_bytes, "intermediate": mem.intermediate_bytes, "time": seconds, "values": values}
 
@@ -513,7 +512,7 @@ def _is_first(m: Measurement, rows: list[Measurement]) -> bool:
 
 #: what "intermediate" means per level (the JSON field ``intermediate_bytes``)
 INTERMEDIATE = {
-    "core": "peak minus q, k, v, out, dout, dq, dk, dv",
+    "core": "peak minus q, k, v, out, dout, dq, dk, dv (q, k, v require grad; dout materialized)",
     "layer": "activation memory: peak minus the layer's weights and weight gradients",
 }
 
@@ -528,6 +527,8 @@ def format_table(rows: list[Measurement]) -> str:
             f"[{level} level] ratios (x) vs {base}; per-rank memory of the worst rank in MiB; {mid} = "
             f"{INTERMEDIATE[level]}"
         )
+        if level == "core":
+            lines.append("local attention: " + "; ".join(f"{k}: {v}" for k, v in CORE_LOCAL_ATTENTION.items()))
         header = (
             f"{'method':<22}{'seq':>9}{'peak':>10}{'x':>6}{mid:>10}{'x':>6}{'fwd+bwd s':>11}{'x':>6}{'maxdiff':>10}"
         )
@@ -558,6 +559,7 @@ def write_json(path: str | Path, spec: BenchSpec, rows: list[Measurement], extra
             "cpus": os.cpu_count(),
         },
         "intermediate_bytes": INTERMEDIATE,
+        "core_local_attention": CORE_LOCAL_ATTENTION,
         "results": [asdict(r) for r in rows],
         **(extra or {}),
     }
@@ -604,7 +606,7 @@ def plot(path: str | Path, rows: list[Measurement], title: str = "") -> None:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("sequence length (tokens)")
             ax.set_ylabel(ylabel)
-            ax.set_title(f"{level} level")
+            ax.set_title(f"{level} level" + (" (deepspeed: gqa_native_sdpa)" if level == "core" else ""))
             ax.grid(True, alpha=0.3)
         row_axes[2].legend(fontsize=7)
     if title:

@@ -1,8 +1,20 @@
 """Per-rank peak memory of one step, measured with torch's MemTracker (CPU) or the CUDA allocator:
-the one measurement of the bench, the HF layer measurement (hf_memory) and the memory tests.
+the one measurement of the bench, the HF layer measurement (hf_memory), the planner's validation
+and the memory tests.
 
-"Intermediate peak" is what the attention layer holds beyond its inputs, its output and their
-gradients: peak total minus the bytes of q, k, v, out, dout, dq, dk and dv.
+The core "intermediate" metric (docs/benchmarks.md, "Metric definitions"), ``measure_attention``:
+one forward and one backward of ``attention(q, k, v, batch_dim_idx)`` on this rank, where
+
+- q, k, v are fresh leaf tensors with ``requires_grad=True`` (inside a model the attention's inputs
+  always need gradients);
+- the output gradient ``dout`` is a materialized tensor of the output's shape (e.g. ``torch.randn``),
+  not the broadcast scalar gradient of ``out.sum().backward()``, which needs no memory;
+- **peak** is the largest total of live tensor bytes during the call, counting q, k, v and dout:
+  torch's MemTracker on CPU with its module tracking off (its hooks on a module's inputs hold their
+  gradients, which makes autograd copy them instead of taking them over, so the tracker would
+  perturb what it measures), the CUDA allocator's peak on GPU;
+- **intermediate** = peak minus the bytes of q, k, v, out, dout, dq, dk and dv: what the attention
+  holds beyond its inputs, its output and their gradients.
 """
 
 from __future__ import annotations
@@ -21,6 +33,8 @@ class AttentionMemory:
     peak_bytes: int
     io_bytes: int  # q, k, v, out, dout, dq, dk, dv
     seconds: float
+    out: Tensor  # detached
+    grads: tuple[Tensor, Tensor, Tensor]  # dq, dk, dv
 
     @property
     def intermediate_bytes(self) -> int:
@@ -31,25 +45,36 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def _check_materialized(dout: Tensor, out: Tensor) -> None:
+    if dout.shape != out.shape or 0 in dout.stride():
+        raise ValueError(
+            f"dout must be a materialized tensor of the output's shape {tuple(out.shape)}, got shape "
+            f"{tuple(dout.shape)} and strides {dout.stride()} (an expanded tensor, such as the gradient of "
+            "out.sum(), would hide the memory an output gradient takes)"
+        )
+
+
 def measure_attention(
     attention: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, dout: Tensor, batch_dim_idx: int
 ) -> AttentionMemory:
-    """Run ``attention(q, k, v, batch_dim_idx)`` forward+backward once and measure this rank's peak.
-
-    q, k, v must be leaf tensors with requires_grad; their .grad is reset first."""
-    for t in (q, k, v):
-        t.grad = None
+    """Run ``attention(q, k, v, batch_dim_idx)`` forward and ``backward(dout)`` once on fresh leaf
+    copies of q, k, v that require grad, and measure this rank's peak and intermediate memory as
+    defined in the module docstring."""
+    ql, kl, vl = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     result: dict[str, Tensor] = {}
 
     def step() -> None:
-        result["out"] = attention(q, k, v, batch_dim_idx)
-        result["out"].backward(dout)
+        out = attention(ql, kl, vl, batch_dim_idx)
+        _check_materialized(dout, out)
+        out.backward(dout)
+        result["out"] = out
 
     start = time.perf_counter()
-    peak = measure_peak(step, [q, k, v, dout], q.device)
+    peak = measure_peak(step, [ql, kl, vl, dout], q.device)
     seconds = time.perf_counter() - start
-    io = tensor_bytes(q, k, v, result["out"], dout, q.grad, k.grad, v.grad)
-    return AttentionMemory(peak_bytes=peak, io_bytes=io, seconds=seconds)
+    grads = (ql.grad, kl.grad, vl.grad)
+    io = tensor_bytes(ql, kl, vl, result["out"], dout, *grads)
+    return AttentionMemory(peak, io, seconds, result["out"].detach(), grads)
 
 
 def measure_peak(step: Callable[[], Any], tracked: list[Any], device: torch.device) -> int:
@@ -87,7 +112,9 @@ def peak_snapshot(step: Callable[[], Any], tracked: list[Any], module_tracking: 
 
 
 class _NoModuleTracking:
-    """Stands in for MemTracker's ModTracker, whose backward hooks fail on modules called inside an
+    """Stands in for MemTracker's ModTracker.  Its hooks on a module's inputs hold their gradients
+    until every one has arrived, so autograd copies each input gradient instead of taking it over
+    (the copy exists only under the tracker); and its backward hooks fail on modules called inside an
     autograd Function's no-grad forward (DeepSpeed's TiledMLP calls gate/up/down_proj there).  The
     per-storage accounting, and so the peak total, does not depend on it."""
 
