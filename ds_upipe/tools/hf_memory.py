@@ -7,10 +7,11 @@ gradients held at that moment, in units of the layer's hidden-state size (b * s_
 element size), so the numbers do not depend on the sequence length once activations dominate.
 
 What one measurement runs (forward + backward, by default after one untracked warm-up step):
-``loss = part(x).sum(); loss.backward()`` with x a [b, s_local, hidden] leaf that requires grad,
-so the output is freed after the sum (as a residual add would) and its gradient is a broadcast
-scalar (as from upstream layers, nothing held).  The input, its gradient and the RoPE cos/sin
-count as activations for every method alike.
+``part(x).backward(dout)`` with x a [b, s_local, hidden] leaf that requires grad and dout a
+materialized output gradient made before the step (the block metric of docs/benchmarks.md, "Metric
+definitions": inside a model the block's input needs a gradient and its output gradient is a real
+tensor; the broadcast scalar gradient of ``out.sum()`` would hide one hidden state).  The input,
+dout, the input's gradient and the RoPE cos/sin count as activations for every method alike.
 
 Methods: ``"upipe_fused"`` and ``"upipe_unfused"`` patch the model with ``apply_upipe``;
 ``"alst"`` registers DeepSpeed's ``UlyssesSPAttentionHF`` through its
@@ -174,20 +175,20 @@ def measure_peak_activation(
         x = torch.randn(batch, seq_local, hidden_size, generator=gen, dtype=dtype).requires_grad_(True)
         position_ids = torch.arange(rank * seq_local, (rank + 1) * seq_local).unsqueeze(0)
         cos, sin = model.rotary_emb(x, position_ids)
+        # the output gradient a model hands the block: a materialized tensor (docs/benchmarks.md, "Metric
+        # definitions"), not the broadcast scalar gradient of out.sum(), which costs no memory
+        dout = torch.randn(batch, seq_local, hidden_size, generator=gen, dtype=dtype)
 
         def step() -> None:
             kwargs = dict(attention_mask=None, position_ids=position_ids, position_embeddings=(cos, sin))
-            if part == "attention":
-                loss = layer.self_attn(hidden_states=x, **kwargs)[0].sum()
-            else:
-                loss = layer(x, **kwargs).sum()
-            loss.backward()
+            out = layer.self_attn(hidden_states=x, **kwargs)[0] if part == "attention" else layer(x, **kwargs)
+            out.backward(dout)
 
         if warmup:  # lazy caches (plan indices, ALST shapes) are not activations
             step()
             model.zero_grad(set_to_none=True)
             x.grad = None
-        peak = next(iter(peak_snapshot(step, [model, x, cos, sin, position_ids]).values()))
+        peak = next(iter(peak_snapshot(step, [model, x, dout, cos, sin, position_ids]).values()))
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = original_sdpa
     params, grads = peak.get("Parameter", 0), peak.get("Gradient", 0)
