@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--unfused", action="store_true", help="UPipe without fused projections")
     plan.add_argument("--overlap-comm", action="store_true", help="UPipe prefetches the next stage's all-to-alls")
     plan.add_argument(
+        "--accumulate-dtype",
+        choices=("fp32", "input"),
+        default=None,
+        help="upipe.accumulate_dtype: sum bf16/fp16 gradients over the stages in float32 or the input dtype "
+        "(overrides the config; default fp32 without --config)",
+    )
+    plan.add_argument(
         "--seq",
         type=parse_token_list,
         default=None,
@@ -144,6 +151,9 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
         "tiled_mlp": args.tiled_mlp,
     }
     changes = {k: v for k, v in changes.items() if v is not None}
+    if args.accumulate_dtype is not None:
+        on = args.accumulate_dtype == "input"
+        methods = [replace(m, accumulate_in_input_dtype=on) if m.kind == "upipe" else m for m in methods]
     if args.no_checkpointing:
         changes.update(checkpointing=False, offload_checkpoints=False)
     elif args.no_offload:
