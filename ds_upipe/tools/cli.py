@@ -135,8 +135,6 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
         from ..integration.config import load_config
 
         setup, scheme, _ = planner.from_ds_config(load_config(args.config), base)
-        if scheme.kind == "upipe" and scheme.head_chunk_size is None:
-            scheme = replace(scheme, head_chunk_size=setup.gpus)
         methods = [scheme]
     else:
         setup = base
@@ -159,6 +157,11 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
     elif args.no_offload:
         changes.update(offload_checkpoints=False)
     setup = replace(setup, kernel=args.kernel, reserve_gib=args.reserve, **changes)
+    # head_chunk_size null is U = C of the GPUs planned for (after --gpus, which overrides the config's sp)
+    methods = [
+        replace(m, head_chunk_size=setup.gpus) if m.kind == "upipe" and m.head_chunk_size is None else m
+        for m in methods
+    ]
     return dims, setup, methods
 
 
