@@ -121,6 +121,16 @@ class PipelineContext:
     #: issue the next stage's input all-to-alls before computing the current stage (two stages'
     #: input buffers alive instead of one)
     overlap_comm: bool = False
+    #: sum half-precision gradients over stages in their own dtype (as the UPipe paper does) instead
+    #: of float32: the round's dK/dV accumulator (and a fused source's dx / weight-gradient ones) are
+    #: half the size, at the cost of one rounding per stage
+    accumulate_in_input_dtype: bool = False
+
+    def accumulate_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype gradients of ``dtype`` are summed in over the stages."""
+        if dtype == torch.float64 or (self.accumulate_in_input_dtype and dtype in (torch.float16, torch.bfloat16)):
+            return dtype
+        return torch.float32
 
     @property
     def uses_kernel(self) -> bool:
@@ -277,8 +287,9 @@ class RoundKeyValueGrads:
 
     Per round otherwise (half precision, whose stage gradients are summed in float32 before one
     rounding; or a source taking one gradient per round): an accumulator in float32 (float64 for
-    float64), allocated in the all-to-all's send layout and summed into through a [b, n, S, d] view,
-    so it is sent once at the end without a layout copy.
+    float64; the half dtype itself with ``ctx.accumulate_in_input_dtype``), allocated in the
+    all-to-all's send layout and summed into through a [b, n, S, d] view, so it is sent once at the
+    end without a layout copy.
 
     The kernels' backward ops return new dK/dV (none of torch's has an ``out=`` form), so a kernel's
     output cannot land in the accumulator itself."""
@@ -286,7 +297,7 @@ class RoundKeyValueGrads:
     def __init__(self, ctx: PipelineContext, source: StageSource, kv_idx: Tensor, k_full: Tensor, dtype: torch.dtype):
         self.ctx, self.source, self.kv_idx, self.dtype = ctx, source, kv_idx, dtype
         self.by_rank = getattr(source, "accepts_partial_grads", False)
-        acc_dtype = torch.float64 if k_full.dtype == torch.float64 else torch.float32
+        acc_dtype = ctx.accumulate_dtype(k_full.dtype)
         self.acc: tuple[Tensor, ...] | None = None
         if not (self.by_rank and k_full.dtype == acc_dtype == dtype):  # per round
             b, n, seq, d = k_full.shape

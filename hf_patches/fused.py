@@ -129,6 +129,7 @@ class FusedProjectionSource:
         *,
         backward: bool = False,
         needs_grad: tuple[bool, ...] = (),
+        accumulate_in_input_dtype: bool = False,
     ) -> None:
         self.x = x
         self.x2d = x.reshape(-1, x.shape[-1])
@@ -141,6 +142,8 @@ class FusedProjectionSource:
         # needs_grad: x first, then the params (as in FusedProjections.params())
         self.need_x = bool(needs_grad[0]) if backward else False
         self.need_p = tuple(bool(n) for n in needs_grad[1:]) if backward else (False,) * NUM_PARAMS
+        # float32 sums for half-precision x / weights unless asked to sum in their own dtype
+        self.accumulate_in_input_dtype = accumulate_in_input_dtype
         self.grad_x: Tensor | None = None
         self.grad_p: list[Tensor | None] = [None] * NUM_PARAMS
         # FIFO: with overlapped communication the next stage is fetched before this one's gradient returns
@@ -207,7 +210,7 @@ class FusedProjectionSource:
         g = grad.reshape(-1, rows.numel()).to(self.x.dtype)
         if self.need_x:
             if self.grad_x is None:
-                acc_dtype = torch.float32 if self.x.dtype in _LOW_PRECISION else self.x.dtype
+                acc_dtype = self._acc_dtype(self.x.dtype)
                 self.grad_x = torch.zeros(self.x2d.shape, dtype=acc_dtype, device=self.x.device)
             w_rows = self.weights[w_idx].index_select(0, rows)
             self.grad_x.addmm_(g.to(self.grad_x.dtype), w_rows.to(self.grad_x.dtype))
@@ -216,10 +219,15 @@ class FusedProjectionSource:
         if self.weights[w_idx + 1] is not None and self.need_p[w_idx + 1]:
             self._accumulate(w_idx + 1, rows, g.sum(0))
 
+    def _acc_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        if dtype in _LOW_PRECISION and not self.accumulate_in_input_dtype:
+            return torch.float32
+        return dtype
+
     def _accumulate(self, idx: int, rows: Tensor | None, grad: Tensor) -> None:
         param = self.weights[idx]
         if self.grad_p[idx] is None:
-            acc_dtype = torch.float32 if param.dtype in _LOW_PRECISION else param.dtype
+            acc_dtype = self._acc_dtype(param.dtype)
             self.grad_p[idx] = torch.zeros(param.shape, dtype=acc_dtype, device=param.device)
         if rows is None:
             self.grad_p[idx] += grad
@@ -257,7 +265,15 @@ class FusedUPipeAttention(torch.autograd.Function):
     def backward(fctx, grad_y: Tensor):
         x, cos, sin, out, *lses = fctx.saved_tensors
         needs = (fctx.needs_input_grad[0], *fctx.needs_input_grad[5:])
-        source = FusedProjectionSource(x, cos, sin, fctx.proj, backward=True, needs_grad=needs)
+        source = FusedProjectionSource(
+            x,
+            cos,
+            sin,
+            fctx.proj,
+            backward=True,
+            needs_grad=needs,
+            accumulate_in_input_dtype=fctx.pctx.accumulate_in_input_dtype,
+        )
         dy = grad_y.reshape(-1, grad_y.shape[-1])
         w_o = fctx.proj.o_proj.weight
         b, s, num_heads, d = out.shape

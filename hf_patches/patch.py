@@ -118,6 +118,7 @@ def apply_upipe(
     kernel: str = "sdpa",
     overlap_comm: bool = False,
     ring_group: dist.ProcessGroup | None = None,
+    accumulate_in_input_dtype: bool = False,
 ) -> nn.Module:
     """Patch a Llama/Mistral/Qwen2/Qwen3 ``*ForCausalLM`` or base ``*Model`` in place for UPipe.
 
@@ -134,6 +135,11 @@ def apply_upipe(
             (C_u ranks) and each stage attends over the whole sequence by ring attention over this
             group (R ranks); both come from ``ds_upipe.ring.build_sequence_groups``.  The heads are
             split over C_u only.
+        accumulate_in_input_dtype: with bf16/fp16 inputs, sum the gradients over the stages (dK/dV
+            per round; in fused mode also dx and the q/k/v weight gradients) in that dtype, as the
+            UPipe paper does, instead of float32: those accumulators take half the memory, and each
+            stage adds one rounding (docs/config.md, ``accumulate_dtype``, has the measured error).
+            No effect on float32/float64 inputs.
 
     Returns the same model.  Every rank must then pass its sequence shard and the matching global
     ``position_ids`` (see ``shard_batch``): the contiguous shard of its rank without a ring, its
@@ -177,6 +183,7 @@ def apply_upipe(
         overlap_comm=bool(overlap_comm),
         ring_group=ring_group if ring_size > 1 else None,
         ring_size=ring_size,
+        accumulate_in_input_dtype=bool(accumulate_in_input_dtype),
     )
     register_attention_function()
     for attn in attentions:

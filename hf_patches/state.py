@@ -40,6 +40,9 @@ class UPipeState:
     #: then C_u x R ranks, each holding its zigzag shard (``ds_upipe.ring.zigzag_positions``)
     ring_group: dist.ProcessGroup | None = None
     ring_size: int = 1
+    #: sum half-precision gradients over the stages in the input dtype instead of float32
+    #: (``apply_upipe(accumulate_in_input_dtype=...)``; settable after apply_upipe)
+    accumulate_in_input_dtype: bool = False
     _indices: dict[torch.device, PlanIndices] = field(default_factory=dict, repr=False)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> UPipeState:
@@ -78,4 +81,5 @@ class UPipeState:
             attention=self.attention(),
             stage_counter=self.stage_runs,
             overlap_comm=self.overlap_comm,
+            accumulate_in_input_dtype=self.accumulate_in_input_dtype,
         )

@@ -38,7 +38,9 @@ def test_defaults():
         False,
         False,
     )
+    assert cfg.accumulate_dtype == "fp32"  # docs/config.md: measured, the more accurate one
     assert set(ALLOWED) == set(UPipeConfig.model_fields)
+    assert parse_upipe_block({"accumulate_dtype": "input"}).accumulate_dtype == "input"
 
 
 def test_unknown_key_names_key_and_allowed_keys():
@@ -70,6 +72,8 @@ def test_unknown_key_names_key_and_allowed_keys():
         ("ring_size", 0),
         ("ring_size", 2.0),
         ("ring_size", True),
+        ("accumulate_dtype", "bf16"),
+        ("accumulate_dtype", None),
     ],
 )
 def test_bad_value_names_key_value_and_allowed(key, value):

@@ -107,6 +107,21 @@ def test_ds_config_sets_what_is_planned():
     stack["long_context"] = {"tiled_loss": True, "tiled_norm": True, "tiled_mlp": True, "mlp_tile_tokens": 512}
     setup, scheme, _ = planner.from_ds_config(stack)
     assert scheme.kind == "ulysses" and setup.offload_checkpoints and setup.tiled_loss and setup.mlp_tile_tokens == 512
+    _, scheme, _ = planner.from_ds_config({**cfg, "upipe": {**cfg["upipe"], "accumulate_dtype": "input"}})
+    assert scheme == planner.AttentionScheme("upipe", None, True, False, True)
+
+
+def test_input_dtype_accumulation_is_planned_by_running_it():
+    """upipe.accumulate_dtype="input" reaches the fake run: the fused path's float32 dx accumulator
+    (b x S/C x hidden x 4 bytes) becomes bf16 (x 2), and the layer's peak drops by at least that."""
+    setup = planner.TrainSetup()
+    seq = 2**20
+    fp32, bf16 = (
+        planner.layer_peak(LLAMA, setup, planner.AttentionScheme("upipe", 8, accumulate_in_input_dtype=on), seq)
+        for on in (False, True)
+    )
+    dx_saving = seq // 8 * LLAMA.hidden_size * 2
+    assert fp32.total - bf16.total >= dx_saving, (fp32.total, bf16.total)
 
 
 def test_cli_plan_with_a_config_breakdown_and_json(tmp_path, capsys):

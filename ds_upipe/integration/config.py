@@ -46,6 +46,7 @@ ALLOWED: dict[str, str] = {
     "offload_checkpoints": "true or false",
     "overlap_comm": "true or false",
     "ring_size": "an int >= 1 that divides sequence_parallel_size (1: no ring)",
+    "accumulate_dtype": '"fp32" or "input" (the dtype bf16/fp16 gradients are summed in over the stages)',
     "tiled_loss": TILED,
     "tiled_norm": TILED,
     "tiled_mlp": TILED,
@@ -86,6 +87,7 @@ class UPipeConfig(BaseModel):
     offload_checkpoints: StrictBool = False
     overlap_comm: StrictBool = False
     ring_size: StrictInt = 1
+    accumulate_dtype: Literal["fp32", "input"] = "fp32"
     # the long-context stack (hf_patches.apply_long_context_stack); also with enabled=false (ALST)
     tiled_loss: TiledSetting = False
     tiled_norm: TiledSetting = False

@@ -366,6 +366,7 @@ class StepSpec:
     head_chunk_size: int | None = None  # UPipe's U (None: C)
     fused: bool = True
     overlap_comm: bool = False
+    accumulate_in_input_dtype: bool = False  # upipe.accumulate_dtype = "input"
     batch: int = 1
     dtype: str = "bf16"
     tiled_norm: bool = False
@@ -460,6 +461,7 @@ def _patched_model(spec: StepSpec, group: dist.ProcessGroup) -> Iterator[torch.n
                 head_chunk_size=spec.head_chunk_size,
                 fused_projections=spec.fused,
                 overlap_comm=spec.overlap_comm,
+                accumulate_in_input_dtype=spec.accumulate_in_input_dtype,
             )
         if spec.tiled_norm or spec.tiled_mlp or spec.tiled_loss:
             hf_patches.apply_long_context_stack(

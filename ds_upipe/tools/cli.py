@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--unfused", action="store_true", help="UPipe without fused projections")
     plan.add_argument("--overlap-comm", action="store_true", help="UPipe prefetches the next stage's all-to-alls")
     plan.add_argument(
+        "--accumulate-dtype",
+        choices=("fp32", "input"),
+        default=None,
+        help="upipe.accumulate_dtype: sum bf16/fp16 gradients over the stages in float32 or the input dtype "
+        "(overrides the config; default fp32 without --config)",
+    )
+    plan.add_argument(
         "--seq",
         type=parse_token_list,
         default=None,
@@ -128,8 +135,6 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
         from ..integration.config import load_config
 
         setup, scheme, _ = planner.from_ds_config(load_config(args.config), base)
-        if scheme.kind == "upipe" and scheme.head_chunk_size is None:
-            scheme = replace(scheme, head_chunk_size=setup.gpus)
         methods = [scheme]
     else:
         setup = base
@@ -144,11 +149,19 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
         "tiled_mlp": args.tiled_mlp,
     }
     changes = {k: v for k, v in changes.items() if v is not None}
+    if args.accumulate_dtype is not None:
+        on = args.accumulate_dtype == "input"
+        methods = [replace(m, accumulate_in_input_dtype=on) if m.kind == "upipe" else m for m in methods]
     if args.no_checkpointing:
         changes.update(checkpointing=False, offload_checkpoints=False)
     elif args.no_offload:
         changes.update(offload_checkpoints=False)
     setup = replace(setup, kernel=args.kernel, reserve_gib=args.reserve, **changes)
+    # head_chunk_size null is U = C of the GPUs planned for (after --gpus, which overrides the config's sp)
+    methods = [
+        replace(m, head_chunk_size=setup.gpus) if m.kind == "upipe" and m.head_chunk_size is None else m
+        for m in methods
+    ]
     return dims, setup, methods
 
 

@@ -184,12 +184,18 @@ class AttentionScheme:
     head_chunk_size: int | None = None
     fused: bool = True
     overlap_comm: bool = False  # the pipeline's prefetch of the next stage (two stages' inputs alive)
+    #: upipe.accumulate_dtype = "input": bf16/fp16 gradients summed over the stages in that dtype
+    accumulate_in_input_dtype: bool = False
 
     @property
     def label(self) -> str:
         if self.kind == "ulysses":
             return "ulysses (ALST)"
-        extra = ("" if self.fused else "-unfused") + ("+overlap" if self.overlap_comm else "")
+        extra = (
+            ("" if self.fused else "-unfused")
+            + ("+overlap" if self.overlap_comm else "")
+            + ("+input-acc" if self.accumulate_in_input_dtype else "")
+        )
         return f"upipe{extra} U={self.head_chunk_size}"
 
 
@@ -320,7 +326,11 @@ def from_ds_config(
     if settings.upipe.enabled:
         u = settings.upipe.head_chunk_size
         scheme = AttentionScheme(
-            "upipe", None if u == "auto" else u, settings.upipe.fused_projections, settings.upipe.overlap_comm
+            "upipe",
+            None if u == "auto" else u,
+            settings.upipe.fused_projections,
+            settings.upipe.overlap_comm,
+            settings.upipe.accumulate_dtype == "input",
         )
     else:
         scheme = AttentionScheme("ulysses")
@@ -388,6 +398,7 @@ def step_spec(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_l
         head_chunk_size=scheme.head_chunk_size,
         fused=scheme.fused,
         overlap_comm=scheme.overlap_comm,
+        accumulate_in_input_dtype=scheme.accumulate_in_input_dtype,
         batch=setup.batch,
         dtype=setup.dtype,
         tiled_norm=setup.tiled_norm,
