@@ -98,9 +98,12 @@ class Peak:
 
 
 class NoModuleTracking:
-    """Stands in for MemTracker's ModTracker, whose backward hooks fail on modules called inside an
-    autograd Function's no-grad forward (DeepSpeed's TiledMLP calls gate/up/down_proj there).  The
-    per-storage accounting, and so the peak total, does not depend on it."""
+    """Stands in for MemTracker's ModTracker (also for ds_upipe.tools.memory's real measurements).  Its
+    hooks on a module's inputs hold their gradients until every one has arrived, so autograd copies
+    each input gradient instead of taking it over (the copy exists only under the tracker); and its
+    backward hooks fail on modules called inside an autograd Function's no-grad forward (DeepSpeed's
+    TiledMLP calls gate/up/down_proj there).  The per-storage accounting, and so the peak total, does
+    not depend on it."""
 
     is_bw = False
     parents: set[str] = set()

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..integration.fake_run import NoModuleTracking
+
 
 @dataclass
 class AttentionMemory:
@@ -104,28 +106,8 @@ def peak_snapshot(step: Callable[[], Any], tracked: list[Any], module_tracking: 
 
     tracker = MemTracker()
     if not module_tracking:
-        tracker._mod_tracker = _NoModuleTracking()
+        tracker._mod_tracker = NoModuleTracking()
     tracker.track_external(*tracked)
     with tracker:
         step()
     return tracker.get_tracker_snapshot("peak")
-
-
-class _NoModuleTracking:
-    """Stands in for MemTracker's ModTracker.  Its hooks on a module's inputs hold their gradients
-    until every one has arrived, so autograd copies each input gradient instead of taking it over
-    (the copy exists only under the tracker); and its backward hooks fail on modules called inside an
-    autograd Function's no-grad forward (DeepSpeed's TiledMLP calls gate/up/down_proj there).  The
-    per-storage accounting, and so the peak total, does not depend on it."""
-
-    is_bw = False
-    parents: set[str] = set()
-
-    def register_user_hooks(self, *hooks: Any) -> None: ...
-
-    def clear_user_hooks(self) -> None: ...
-
-    def __enter__(self) -> _NoModuleTracking:
-        return self
-
-    def __exit__(self, *args: Any) -> None: ...
