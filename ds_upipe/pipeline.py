@@ -32,8 +32,38 @@ from .comm import (
 from .kernels import AttentionKernel
 from .schedule import StagePlan
 
-#: process-wide count of UPipe stages run (forward + backward), so a launch can prove UPipe ran
-STAGE_RUNS: list[int] = [0]
+
+class StageCounter:
+    """Counts the UPipe stages run (forward + backward) by every UPipe layer of the process while it
+    is registered, so a launch or a test can prove that UPipe (not ALST) ran::
+
+        with StageCounter() as stages:
+            train()
+        print(stages.count)
+
+    An explicit counter object rather than a module-global number: each user counts only what ran
+    while its counter was registered.  (Per model, ``hf_patches.upipe_state(model).stage_runs``.)"""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def start(self) -> StageCounter:
+        """Register: count from now on (also ``with StageCounter() as c:``)."""
+        _ACTIVE_COUNTERS.append(self)
+        return self
+
+    def stop(self) -> None:
+        _ACTIVE_COUNTERS.remove(self)
+
+    def __enter__(self) -> StageCounter:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+#: the registered StageCounters (see StageCounter)
+_ACTIVE_COUNTERS: list[StageCounter] = []
 
 
 class StageSource(Protocol):
@@ -176,7 +206,8 @@ class PipelineContext:
         return exchange_send_layout(send, self.plan.group_size, self.group)
 
     def count_stage(self) -> None:
-        STAGE_RUNS[0] += 1
+        for counter in _ACTIVE_COUNTERS:
+            counter.count += 1
         if self.stage_counter is not None:
             self.stage_counter[0] += 1
 

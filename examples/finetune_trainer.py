@@ -64,9 +64,10 @@ def main() -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from ds_upipe import hf_integration
-    from ds_upipe.pipeline import STAGE_RUNS
+    from ds_upipe.pipeline import StageCounter
 
     hf_integration.enable()  # the one line: UPipe (or ALST) from the ds_config's "upipe" block
+    stages = StageCounter().start()  # UPipe stages run in this process (0 under ALST)
 
     parallelism = None
     if opts.sp_size > 1:
@@ -115,14 +116,14 @@ def main() -> None:
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation, callbacks=[RecordLoss()])
     start = time.perf_counter()
     trainer.train()
-    train_stages = STAGE_RUNS[0]
+    train_stages = stages.count
     metrics = trainer.evaluate()
     wall = time.perf_counter() - start
 
     from hf_patches import upipe_state
 
     state = upipe_state(model)
-    stage_runs = [train_stages, STAGE_RUNS[0] - train_stages]
+    stage_runs = [train_stages, stages.count - train_stages]
     gathered: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, stage_runs)
     result = {

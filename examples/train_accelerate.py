@@ -63,9 +63,10 @@ def main() -> None:
     from transformers import LlamaForCausalLM
 
     from ds_upipe import hf_integration
-    from ds_upipe.pipeline import STAGE_RUNS
+    from ds_upipe.pipeline import StageCounter
 
     hf_integration.enable()  # the one line: UPipe (or ALST) from the ds_config's "upipe" block
+    stages = StageCounter().start()  # UPipe stages run in this process (0 under ALST)
 
     if CPU:
         PartialState(cpu=True)  # gloo on CPU; must come before Accelerator()
@@ -95,7 +96,7 @@ def main() -> None:
         grad_norms.append(float(model.get_global_grad_norm()))  # the DeepSpeed engine's, before clipping
         if len(losses) == opts.steps:
             break
-    train_stages = STAGE_RUNS[0]
+    train_stages = stages.count
 
     # Eval loss = token-weighted mean over the eval set.  Every rank of a sequence group holds the same
     # (loss, tokens) of the group's batch, so summing over all ranks counts each batch sp times over.
@@ -111,7 +112,7 @@ def main() -> None:
     eval_loss = (total[0] / total[1]).item()
     wall = time.perf_counter() - start
 
-    stage_runs = [train_stages, STAGE_RUNS[0] - train_stages]
+    stage_runs = [train_stages, stages.count - train_stages]
     gathered: list = [None] * accelerator.num_processes
     torch.distributed.all_gather_object(gathered, stage_runs)
     pc = accelerator.parallelism_config

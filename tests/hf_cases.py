@@ -140,12 +140,13 @@ def parity_matrix(rank, world):
     cases += [("qwen2", True, torch.float64, 2 * world), ("mistral", True, torch.float64, 8)]  # U = 2C, U = H
     cases = [(*case, False) for case in cases]
     cases += [("qwen3", True, torch.float64, None, True), ("llama", False, torch.float64, None, True)]  # overlap
-    for arch, fused, dtype, u, overlap in cases:
-        errors = parity_case(arch, fused, dtype, u=u, world=world, overlap=overlap)
-        count += 1
-        if max(errors.values()) > TOLERANCE[dtype]:
-            failures.append((arch, fused, str(dtype), u, overlap, errors))
-    return failures, count, pipeline.STAGE_RUNS[0]
+    with pipeline.StageCounter() as stages:
+        for arch, fused, dtype, u, overlap in cases:
+            errors = parity_case(arch, fused, dtype, u=u, world=world, overlap=overlap)
+            count += 1
+            if max(errors.values()) > TOLERANCE[dtype]:
+                failures.append((arch, fused, str(dtype), u, overlap, errors))
+    return failures, count, stages.count
 
 
 # RoPE types and their scaling threshold T = 12 tokens (dynamic: max_position_embeddings; the others:

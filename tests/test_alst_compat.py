@@ -686,23 +686,23 @@ def _enter(mode: str) -> None:
 
 def alst_cases(rank: int, world: int, model_path: str, names: list[str]) -> dict[str, dict[str, Any]]:
     """Run each mode x case; returns {"mode/case": {"error": traceback or None, "stages": UPipe stages run}}."""
-    from ds_upipe.pipeline import STAGE_RUNS
+    from ds_upipe.pipeline import StageCounter
 
     fresh = _FreshProcessState()
     bodies = _bodies(model_path)
     results = {}
     for mode in MODES:
         for name in names:
-            stages = STAGE_RUNS[0]
             error = None
-            try:
-                _enter(mode)
-                bodies[name]()
-            except BaseException:  # noqa: BLE001 - reported per case to the parent
-                error = traceback.format_exc()
-            finally:
-                fresh.restore()
-            results[f"{mode}/{name}"] = {"error": error, "stages": STAGE_RUNS[0] - stages}
+            with StageCounter() as stages:
+                try:
+                    _enter(mode)
+                    bodies[name]()
+                except BaseException:  # noqa: BLE001 - reported per case to the parent
+                    error = traceback.format_exc()
+                finally:
+                    fresh.restore()
+            results[f"{mode}/{name}"] = {"error": error, "stages": stages.count}
             torch.distributed.barrier()
     return results
 

@@ -35,7 +35,7 @@ def _check_parity(results, world):
     for rank, (failures, count, stage_runs) in enumerate(results):
         assert count == NUM_PARITY_CASES
         assert not failures, f"C={world} rank {rank}: {failures}"
-        assert stage_runs > 0  # ds_upipe.pipeline.STAGE_RUNS: UPipe's stage loop ran
+        assert stage_runs > 0  # ds_upipe.pipeline.StageCounter: UPipe's stage loop ran
 
 
 def test_group_of_two():
