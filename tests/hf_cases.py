@@ -383,12 +383,8 @@ def right_padding_case(world):
     return {"logits": relative_error(logits[real], ref[real]), "loss": relative_error(loss.detach(), ref_loss)}
 
 
-def refusal_cases(rank, world):
-    """Each unsupported input raises the same ValueError on every rank; returns {case: message}."""
-    import transformers
-
-    group = dist.group.WORLD
-    messages = {}
+def error_recorder(messages: dict[str, str]):  # noqa: ANN201
+    """``expect(name, fn)``: records fn's ValueError text (or "NO ERROR") under ``name`` in ``messages``."""
 
     def expect(name, fn):
         try:
@@ -397,6 +393,17 @@ def refusal_cases(rank, world):
             messages[name] = str(e)
         else:
             messages[name] = "NO ERROR"
+
+    return expect
+
+
+def refusal_cases(rank, world):
+    """Each unsupported input raises the same ValueError on every rank; returns {case: message}."""
+    import transformers
+
+    group = dist.group.WORLD
+    messages = {}
+    expect = error_recorder(messages)
 
     expect("mistral_sliding_window", lambda: hf_patches.apply_upipe(build_model("mistral", sliding_window=16), group))
     expect(

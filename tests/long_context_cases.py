@@ -16,6 +16,7 @@ from tests.hf_cases import (
     TOLERANCE,
     ZERO3_CONFIG,
     build_model,
+    error_recorder,
     make_batch,
     reference_step,
     relative_error,
@@ -355,14 +356,7 @@ def refusal_cases(group):
     import transformers
 
     messages = {}
-
-    def expect(name, fn):
-        try:
-            fn()
-        except ValueError as e:
-            messages[name] = str(e)
-        else:
-            messages[name] = "NO ERROR"
+    expect = error_recorder(messages)
 
     stack = hf_patches.apply_long_context_stack
     expect("base_model_loss", lambda: stack(build_model("llama", base=True), tiled_loss=True))

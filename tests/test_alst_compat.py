@@ -96,9 +96,10 @@ def get_grad(param, zero_stage):  # noqa: ANN001, ANN201
 
 def tiny_llama_config():  # noqa: ANN201
     """The shape of hf-internal-testing/tiny-random-LlamaForCausalLM (vocab cut to 32: ids <= 20)."""
-    from transformers import LlamaConfig
+    from ds_upipe.tools.models import tiny_config
 
-    return LlamaConfig(
+    return tiny_config(
+        "llama",
         vocab_size=32,
         hidden_size=16,
         intermediate_size=64,
