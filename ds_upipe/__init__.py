@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 _LAZY = {
     "initialize": "integration.engine",  # deepspeed.initialize with sequence parallelism from the ds_config
     "AttentionKernel": "kernels",
+    "CallableKernel": "kernels",
     "FlashAttnKernel": "kernels",
     "MathKernel": "kernels",
     "TorchSDPAKernel": "kernels",
@@ -26,6 +27,7 @@ _LAZY = {
 
 __all__ = [
     "AttentionKernel",
+    "CallableKernel",
     "FlashAttnKernel",
     "MathKernel",
     "StagePlan",
@@ -42,7 +44,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from .integration.engine import initialize
     from .integration.process_exit import exit_process
-    from .kernels import AttentionKernel, FlashAttnKernel, MathKernel, TorchSDPAKernel, make_kernel
+    from .kernels import AttentionKernel, CallableKernel, FlashAttnKernel, MathKernel, TorchSDPAKernel, make_kernel
     from .layer import UPipeDistributedAttention
     from .schedule import StagePlan, build_plan, valid_head_chunk_sizes
 

@@ -12,6 +12,14 @@ torch's own autograd and its context-parallel ring attention do.  It holds only 
 has a fixed length per kernel and input dtype/device, so a caller can ``save_for_backward`` it
 next to the lse.
 
+``needs_output_in_backward`` (class attribute, default True) says whether ``backward`` uses ``out``:
+the pipeline gathers each stage's output for backward only then and passes ``out=None`` otherwise.
+``CallableKernel`` adapts any local attention with DistributedAttention's contract (a plain
+function of [b, S, h, d] or [S, b, h, d] tensors) to this contract: its forward runs the function
+without autograd and returns an empty lse and no aux; its backward recomputes the function under
+autograd (so it needs neither the lse nor the output).  The lse a kernel returns is therefore only
+meaningful to its own backward (and to ring attention, which refuses ``CallableKernel``).
+
 A kernel instance is also a plain callable with DeepSpeed ``DistributedAttention``'s local-attention
 contract (``kernel(q, k, v)`` with [b, S, h, d] tensors, autograd through torch), GQA-native like
 ``gqa_native_sdpa``: K/V keep their heads, nothing is expanded.  ``gqa_native_sdpa`` is the local
@@ -74,6 +82,9 @@ class AttentionKernel(abc.ABC):
 
     #: name used in configs and error messages
     name: str = ""
+    #: whether ``backward`` uses the forward output ``out`` (an lse-based backward does; a recompute
+    #: does not, and gets ``out=None``): the pipeline gathers the stage output in backward only then
+    needs_output_in_backward: bool = True
 
     def __init__(self, causal: bool = True, softmax_scale: float | None = None) -> None:
         self.causal = causal
@@ -97,6 +108,64 @@ class AttentionKernel(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(causal={self.causal}, softmax_scale={self.softmax_scale})"
+
+
+class CallableKernel(AttentionKernel):
+    """A local attention with DeepSpeed ``DistributedAttention``'s contract as a kernel:
+    ``attention(q, k, v, *args, **kwargs)`` on [b, S, h, d] (``batch_dim_idx=0``) or [S, b, h, d]
+    (``batch_dim_idx=1``) tensors, autograd by torch, built per call with that call's layout and
+    extra arguments.
+
+    ``forward`` runs it without autograd and returns an empty lse and no aux; ``backward``
+    recomputes it under autograd and differentiates it (the recompute needs no lse and no output,
+    hence ``needs_output_in_backward = False``).  Causality and scale are the function's own."""
+
+    name = "callable"
+    needs_output_in_backward = False
+
+    def __init__(
+        self,
+        attention: Callable[..., Tensor],
+        batch_dim_idx: int = 0,
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> None:
+        # no causal / softmax_scale: the wrapped function decides them
+        self.attention = attention
+        self.batch_dim_idx = batch_dim_idx
+        self.args = args
+        self.kwargs = kwargs or {}
+
+    def _to_layout(self, t: Tensor) -> Tensor:
+        t = t.transpose(1, 2)  # [b, S, n, d]
+        return (t.transpose(0, 1) if self.batch_dim_idx == 1 else t).contiguous()
+
+    def _run(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """The function on [b, n, S, d] q, k, v, its output as a [b, n, S, d] view."""
+        out = self.attention(self._to_layout(q), self._to_layout(k), self._to_layout(v), *self.args, **self.kwargs)
+        out = out.transpose(0, 1) if self.batch_dim_idx == 1 else out
+        return out.transpose(1, 2)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, KernelAux]:
+        with torch.no_grad():
+            out = self._run(q, k, v)
+        # an empty placeholder lse keeps the (out, lse, aux) contract and save_for_backward
+        return out, q.new_empty(0), ()
+
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor | None, lse: Tensor, aux: KernelAux
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+            dq, dk, dv = torch.autograd.grad(self._run(q, k, v), (q, k, v), dout)
+        return dq, dk, dv
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs) -> Tensor:
+        """The wrapped function itself (DistributedAttention's contract)."""
+        return self.attention(q, k, v, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"CallableKernel({self.attention!r}, batch_dim_idx={self.batch_dim_idx})"
 
 
 # -- torch SDPA: one small forward/backward pair per aten backend ----------------------------------

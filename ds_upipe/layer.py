@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from deepspeed.sequence.layer import DistributedAttention, apply_rotary_pos_emb
 from torch import Tensor
 
-from .kernels import AttentionKernel
-from .pipeline import PipelineContext, PlanIndices, UPipeAttentionFunction
+from .kernels import AttentionKernel, CallableKernel
+from .pipeline import PipelineContext, UPipeAttentionFunction, plan_indices
 from .ring import RingAttentionKernel, SequenceLayout, zigzag_positions
 from .schedule import StagePlan, build_plan
 from .validation import LayerSettings, check_inputs, gather_inputs
@@ -27,8 +26,8 @@ class UPipeDistributedAttention(DistributedAttention):
 
     ``local_attention`` is either an ``AttentionKernel`` (forward returns the lse, backward needs no
     recompute) or any callable with DistributedAttention's contract ``f(q, k, v, *args, **kwargs)``
-    on [b, S, h, d] (batch_dim_idx=0) or [S, b, h, d] (batch_dim_idx=1) tensors; such a callable is
-    recomputed per stage in backward.
+    on [b, S, h, d] (batch_dim_idx=0) or [S, b, h, d] (batch_dim_idx=1) tensors; such a callable runs
+    as a ``CallableKernel`` (recomputed per stage in backward).
 
     ``overlap_comm=True`` issues the next stage's input all-to-alls asynchronously before the current
     stage computes (two stages' input buffers alive instead of one).  DeepSpeed's ``sp_stream`` is
@@ -78,7 +77,6 @@ class UPipeDistributedAttention(DistributedAttention):
         self._ring_kernel: RingAttentionKernel | None = None
         #: number of stages this module has run (forward + backward)
         self.stage_runs = [0]
-        self._indices: dict[tuple[StagePlan, torch.device], PlanIndices] = {}
 
     @property
     def group_size(self) -> int:
@@ -92,8 +90,14 @@ class UPipeDistributedAttention(DistributedAttention):
     def layout(self) -> SequenceLayout:
         return SequenceLayout(self.group_size, self.ring_size)
 
-    def attention_kernel(self) -> AttentionKernel | Callable[..., Tensor]:
-        """What each stage runs: the local attention, or ring attention around it when there is a ring."""
+    def attention_kernel(
+        self, batch_dim_idx: int = 0, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> AttentionKernel:
+        """What each stage runs: the local attention kernel, or ring attention around it when there is a
+        ring.  A plain local-attention function runs as a ``CallableKernel`` with this call's layout
+        and extra arguments."""
+        if not isinstance(self.local_attn, AttentionKernel):
+            return CallableKernel(self.local_attn, batch_dim_idx, args, kwargs)
         if self.ring_size == 1:
             return self.local_attn
         if self._ring_kernel is None:
@@ -102,7 +106,9 @@ class UPipeDistributedAttention(DistributedAttention):
 
     def layer_settings(self) -> LayerSettings:
         """What the ranks of the group must agree on (checked in the input exchange)."""
-        kernel = self.local_attn if isinstance(self.local_attn, AttentionKernel) else None
+        # a CallableKernel passed in directly counts as the callable it wraps: no lse, recompute
+        is_kernel = isinstance(self.local_attn, AttentionKernel) and not isinstance(self.local_attn, CallableKernel)
+        kernel = self.local_attn if is_kernel else None
         return LayerSettings(
             head_chunk_size=self.head_chunk_size,
             scatter_idx=self.scatter_idx,
@@ -116,12 +122,6 @@ class UPipeDistributedAttention(DistributedAttention):
 
     def plan_for(self, num_heads: int, num_kv_heads: int) -> StagePlan:
         return build_plan(num_heads, num_kv_heads, self.group_size, self.head_chunk_size)
-
-    def _indices_for(self, plan: StagePlan, device: torch.device) -> PlanIndices:
-        key = (plan, device)
-        if key not in self._indices:
-            self._indices[key] = PlanIndices.build(plan, device)
-        return self._indices[key]
 
     def forward(
         self,
@@ -145,16 +145,13 @@ class UPipeDistributedAttention(DistributedAttention):
             query, key = self._apply_local_rotary(query, key, batch_dim_idx, rotary_pos_emb)
         pctx = PipelineContext(
             plan=plan,
-            indices=self._indices_for(plan, query.device),
+            indices=plan_indices(plan, query.device),
             group=self.spg,
-            attention=self.attention_kernel(),
-            batch_dim_idx=batch_dim_idx,
-            call_args=args,
-            call_kwargs=kwargs,
+            attention=self.attention_kernel(batch_dim_idx, args, kwargs),
             stage_counter=self.stage_runs,
             overlap_comm=self.overlap_comm,
         )
-        return UPipeAttentionFunction.apply(query, key, value, pctx)
+        return UPipeAttentionFunction.apply(query, key, value, pctx, batch_dim_idx)
 
     def _apply_local_rotary(
         self, query: Tensor, key: Tensor, batch_dim_idx: int, rotary_pos_emb: tuple[Tensor, Tensor]

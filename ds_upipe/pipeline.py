@@ -13,6 +13,7 @@ per-stage projections of the layer input in hf_patches' fused mode.  The loop it
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -134,6 +135,24 @@ class PlanIndices:
         )
 
 
+def plan_indices(plan: StagePlan, device: torch.device) -> PlanIndices:
+    """The plan's ``PlanIndices`` on ``device``: built once per process (shared by every layer and
+    model) and reused.
+
+    Not cached under a fake-tensor mode (the planner's fake runs, ``integration.fake_run``): indices
+    built there are fake tensors, which a real run must never get, nor a fake run real ones."""
+    if torch._guards.detect_fake_mode() is not None:
+        return PlanIndices.build(plan, device)
+    return _cached_plan_indices(plan, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_plan_indices(plan: StagePlan, device: torch.device) -> PlanIndices:
+    # normal tensors even when first asked for under inference mode: later training runs index with them
+    with torch.inference_mode(False):
+        return PlanIndices.build(plan, device)
+
+
 @dataclass
 class PipelineContext:
     """Everything the stage loop needs besides the tensors."""
@@ -141,11 +160,8 @@ class PipelineContext:
     plan: StagePlan
     indices: PlanIndices
     group: dist.ProcessGroup | None
-    attention: AttentionKernel | Callable[..., Tensor]
-    #: for a generic callable: its layout ([b, S, h, d] when 0, [S, b, h, d] when 1) and extra args
-    batch_dim_idx: int = 0
-    call_args: tuple[Any, ...] = ()
-    call_kwargs: dict[str, Any] | None = None
+    #: what each stage runs (a plain local-attention function comes wrapped in ``CallableKernel``)
+    attention: AttentionKernel
     #: per-owner count of stage runs (forward and backward); read by tests and launch checks
     stage_counter: list[int] | None = None
     #: issue the next stage's input all-to-alls before computing the current stage (two stages'
@@ -161,10 +177,6 @@ class PipelineContext:
         if dtype == torch.float64 or (self.accumulate_in_input_dtype and dtype in (torch.float16, torch.bfloat16)):
             return dtype
         return torch.float32
-
-    @property
-    def uses_kernel(self) -> bool:
-        return isinstance(self.attention, AttentionKernel)
 
     # The exchanges take their input out of a list (``owner``) that holds its only reference, so the
     # input is freed as soon as its send-layout copy exists, before the receive buffer is allocated.
@@ -211,40 +223,18 @@ class PipelineContext:
         if self.stage_counter is not None:
             self.stage_counter[0] += 1
 
-    # -- generic callables get DeepSpeed's layout and are differentiated by autograd -------------
-    def _to_callable_layout(self, t: Tensor) -> Tensor:
-        t = t.transpose(1, 2)  # [b, S, n, d]
-        return (t.transpose(0, 1) if self.batch_dim_idx == 1 else t).contiguous()
-
-    def _from_callable_layout(self, t: Tensor) -> Tensor:
-        t = t.transpose(0, 1) if self.batch_dim_idx == 1 else t
-        return t.transpose(1, 2)  # [b, n, S, d]
-
-    def call_generic(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        out = self.attention(
-            self._to_callable_layout(q),
-            self._to_callable_layout(k),
-            self._to_callable_layout(v),
-            *self.call_args,
-            **(self.call_kwargs or {}),
-        )
-        return self._from_callable_layout(out)
-
 
 def pipeline_forward(ctx: PipelineContext, source: StageSource, out: Tensor) -> list[Tensor | None]:
-    """Run all stages, writing into ``out`` ([b, s, H, d] view).  In kernel mode returns, stage after
-    stage, the kernel's lse followed by its aux (tensors or None, for ``save_for_backward``)."""
+    """Run all stages, writing into ``out`` ([b, s, H, d] view).  Returns, stage after stage, the
+    kernel's lse followed by its aux (tensors or None, for ``save_for_backward``)."""
     saved: list[Tensor | None] = []
     for round_idx, kv_idx in enumerate(ctx.indices.kv):
         key_value = list(source.key_value(kv_idx))
         k_full, v_full = ctx.gather(key_value), ctx.gather(key_value)
         stages = ctx.indices.query[round_idx]
         for q_idx, (q_full,) in ctx.prefetched(stages, lambda idx: (ctx.start_gather([source.query(idx)]),)):
-            if ctx.uses_kernel:
-                o_full, lse, aux = ctx.attention.forward(q_full, k_full, v_full)
-                saved += (lse, *aux)
-            else:
-                o_full = ctx.call_generic(q_full, k_full, v_full)
+            o_full, lse, aux = ctx.attention.forward(q_full, k_full, v_full)
+            saved += (lse, *aux)
             del q_full
             owner = [o_full]  # the only reference: scatter_by_rank frees it once it is copied to send
             del o_full
@@ -273,6 +263,8 @@ def pipeline_backward(
     by_rank = getattr(source, "accepts_partial_grads", False)
     stage_number = 0
     per_stage = len(saved) // ctx.plan.num_stages  # lse + the kernel's aux, the same for every stage
+    # an lse-based backward needs the stage output; a recompute (CallableKernel) does not
+    needs_output = ctx.attention.needs_output_in_backward
     for round_idx, kv_idx in enumerate(ctx.indices.kv):
         key_value = list(source.key_value(kv_idx))
         k_full, v_full = ctx.gather(key_value), ctx.gather(key_value)
@@ -283,18 +275,16 @@ def pipeline_backward(
                 ctx.start_gather([source.query(idx)]),
                 ctx.start_gather([grad_out(idx) if callable(grad_out) else grad_out.index_select(2, idx)]),
             ]
-            if ctx.uses_kernel:  # lse-based backward needs the stage output; a recompute does not
+            if needs_output:
                 exchanges.append(ctx.start_gather([out.index_select(2, idx)]))
             return tuple(exchanges)
 
         for q_idx, (q_full, dout_full, *o_full) in ctx.prefetched(ctx.indices.query[round_idx], start_stage):
             # [dq, dk, dv], the only references: each is freed as soon as it is on its way back
-            if ctx.uses_kernel:
-                lse, *aux = saved[stage_number * per_stage : (stage_number + 1) * per_stage]
-                grads = list(ctx.attention.backward(dout_full, q_full, k_full, v_full, o_full[0], lse, tuple(aux)))
-                del o_full
-            else:
-                grads = list(_generic_backward(ctx, q_full, k_full, v_full, dout_full))
+            lse, *aux = saved[stage_number * per_stage : (stage_number + 1) * per_stage]
+            o_stage = o_full.pop() if o_full else None
+            grads = list(ctx.attention.backward(dout_full, q_full, k_full, v_full, o_stage, lse, tuple(aux)))
+            del o_full, o_stage
             del q_full, dout_full  # free the stage's inputs before its gradients travel
             dq_local = ctx.scatter_by_rank(grads, dtype)
             _hand_over(source.add_query_grad, q_idx, (dq_local,), by_rank)
@@ -372,32 +362,25 @@ def _hand_over(add: Callable[..., Any], heads: Tensor, by_rank_tensors: tuple[Te
         add(heads.narrow(0, src * n, n), *(t[src] for t in by_rank_tensors))
 
 
-def _generic_backward(
-    ctx: PipelineContext, q: Tensor, k: Tensor, v: Tensor, dout: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Recompute one stage of a generic callable under autograd and differentiate it."""
-    with torch.enable_grad():
-        q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
-        out = ctx.call_generic(q, k, v)
-        return torch.autograd.grad(out, (q, k, v), dout)
-
-
 def _as_bshd(t: Tensor, batch_dim_idx: int) -> Tensor:
     """View a [b, s, h, d] or [s, b, h, d] tensor as [b, s, h, d]."""
     return t.transpose(0, 1) if batch_dim_idx == 1 else t
 
 
 class UPipeAttentionFunction(torch.autograd.Function):
-    """Autograd node for the unfused pipeline: inputs are local q, k, v in DeepSpeed's layout."""
+    """Autograd node for the unfused pipeline: inputs are local q, k, v in DeepSpeed's layout
+    ([b, s, h, d] for ``batch_dim_idx`` 0, [s, b, h, d] for 1)."""
 
     @staticmethod
-    def forward(fctx, query: Tensor, key: Tensor, value: Tensor, pctx: PipelineContext) -> Tensor:
-        b_dim = pctx.batch_dim_idx
+    def forward(
+        fctx, query: Tensor, key: Tensor, value: Tensor, pctx: PipelineContext, batch_dim_idx: int = 0
+    ) -> Tensor:
+        b_dim = batch_dim_idx
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         source = LocalTensorSource(_as_bshd(query, b_dim), _as_bshd(key, b_dim), _as_bshd(value, b_dim))
         with torch.no_grad():
             saved = pipeline_forward(pctx, source, _as_bshd(out, b_dim))
-        fctx.pctx = pctx
+        fctx.pctx, fctx.batch_dim_idx = pctx, batch_dim_idx
         fctx.save_for_backward(query, key, value, out, *saved)
         return out
 
@@ -405,7 +388,7 @@ class UPipeAttentionFunction(torch.autograd.Function):
     def backward(fctx, grad_out: Tensor):
         query, key, value, out, *saved = fctx.saved_tensors
         pctx: PipelineContext = fctx.pctx
-        b_dim = pctx.batch_dim_idx
+        b_dim = fctx.batch_dim_idx
         source = LocalTensorSource(_as_bshd(query, b_dim), _as_bshd(key, b_dim), _as_bshd(value, b_dim))
         with torch.no_grad():
             pipeline_backward(pctx, source, _as_bshd(out, b_dim), _as_bshd(grad_out, b_dim), saved)
@@ -417,5 +400,6 @@ class UPipeAttentionFunction(torch.autograd.Function):
             to_layout(source.grad_q),
             to_layout(source.grad_k),
             to_layout(source.grad_v),
+            None,
             None,
         )

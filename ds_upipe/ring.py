@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import kernels
-from .kernels import AttentionKernel, KernelAux, TorchSDPAKernel
+from .kernels import AttentionKernel, CallableKernel, KernelAux, TorchSDPAKernel
 
 # -- the two-level layout -----------------------------------------------------------------------------
 
@@ -243,8 +243,12 @@ class RingAttentionKernel(AttentionKernel):
     name = "ring"
 
     def __init__(self, inner: AttentionKernel, ring_group: dist.ProcessGroup | None, overlap: bool = False) -> None:
-        if not isinstance(inner, AttentionKernel) or isinstance(inner, RingAttentionKernel):
-            raise ValueError(f"ring attention needs an AttentionKernel with an lse (not a ring) inside, got {inner!r}")
+        if not isinstance(inner, AttentionKernel) or isinstance(inner, (RingAttentionKernel, CallableKernel)):
+            # CallableKernel returns no lse (its backward recomputes), and the ring merges blocks by lse
+            raise ValueError(
+                f"ring attention needs an AttentionKernel with an lse (not a ring, not a plain callable) inside, "
+                f"got {inner!r}"
+            )
         super().__init__(inner.causal, inner.softmax_scale)
         self.inner = inner
         self.unmasked = copy.copy(inner)  # same kernel and scale, no mask: the off-diagonal pairs
@@ -269,10 +273,13 @@ class RingAttentionKernel(AttentionKernel):
     def _count(self, q: Tensor, pair: BlockPair, block_len: int) -> None:
         self.work[0] += q.shape[0] * q.shape[1] * unmasked_products(pair, block_len)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, KernelAux]:
-        size, block_len = self.ring_size, q.shape[2]
-        out = lse = None
-        aux: list[Tensor | None] = []
+    def _steps(
+        self, k: Tensor, v: Tensor, block_len: int
+    ) -> Iterator[tuple[int, Tensor, Tensor, BlockPair, AttentionKernel]]:
+        """Per ring step: (step, the K/V block held now, its block pair, the kernel for it).  With
+        ``overlap`` the next block's send/recv is issued before the step is handed out, otherwise
+        after the caller is done with it (and with whatever it sent meanwhile)."""
+        size = self.ring_size
         pending = None
         for step in range(size):
             if step > 0:
@@ -280,8 +287,18 @@ class RingAttentionKernel(AttentionKernel):
             has_next = step + 1 < size
             if has_next and self.overlap:
                 pending = start_ring_exchange((k, v), self.ring_group, _KV_TAGS)
-            pair, kernel = self._pair(step, block_len)
-            block_out, block_lse, block_aux = kernel.forward(q[:, :, pair.query], k[:, :, pair.key], v[:, :, pair.key])
+            yield (step, k, v, *self._pair(step, block_len))
+            if has_next and not self.overlap:
+                pending = start_ring_exchange((k, v), self.ring_group, _KV_TAGS)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, KernelAux]:
+        block_len = q.shape[2]
+        out = lse = None
+        aux: list[Tensor | None] = []
+        for _, k_block, v_block, pair, kernel in self._steps(k, v, block_len):
+            block_out, block_lse, block_aux = kernel.forward(
+                q[:, :, pair.query], k_block[:, :, pair.key], v_block[:, :, pair.key]
+            )
             self._count(q, pair, block_len)
             aux += block_aux
             rows = block_out.shape[2]
@@ -290,8 +307,6 @@ class RingAttentionKernel(AttentionKernel):
             else:
                 _merge(out[:, :, pair.query], lse[:, :, pair.query], block_out, block_lse[..., :rows])
             del block_out, block_lse
-            if has_next and not self.overlap:
-                pending = start_ring_exchange((k, v), self.ring_group, _KV_TAGS)
         return out.to(q.dtype), lse, tuple(aux)
 
     def backward(
@@ -300,20 +315,14 @@ class RingAttentionKernel(AttentionKernel):
         size, block_len = self.ring_size, q.shape[2]
         per_step = len(aux) // size
         acc = _accumulation_dtype(q.dtype)
-        pending_kv = pending_grad = None
-        for step in range(size):
-            if step > 0:
-                k, v = pending_kv.wait()
-            has_next = step + 1 < size
-            if has_next and self.overlap:
-                pending_kv = start_ring_exchange((k, v), self.ring_group, _KV_TAGS)
-            pair, kernel = self._pair(step, block_len)
+        pending_grad = None
+        for step, k_block, v_block, pair, kernel in self._steps(k, v, block_len):
             rows = q[:, :, pair.query]
             dq_b, dk_b, dv_b = kernel.backward(
                 dout[:, :, pair.query],
                 rows,
-                k[:, :, pair.key],
-                v[:, :, pair.key],
+                k_block[:, :, pair.key],
+                v_block[:, :, pair.key],
                 out[:, :, pair.query],
                 _lse_for(kernel, rows, lse[:, :, pair.query]),
                 tuple(aux[step * per_step : (step + 1) * per_step]),
@@ -334,8 +343,6 @@ class RingAttentionKernel(AttentionKernel):
             del dk, dv
             if not self.overlap:
                 pending_grad = _Done(pending_grad.wait())
-            if has_next and not self.overlap:
-                pending_kv = start_ring_exchange((k, v), self.ring_group, _KV_TAGS)
         dk, dv = pending_grad.wait()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

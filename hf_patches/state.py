@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ds_upipe.kernels import AttentionKernel
-from ds_upipe.pipeline import PipelineContext, PlanIndices
+from ds_upipe.pipeline import PipelineContext, plan_indices
 from ds_upipe.ring import RingAttentionKernel, SequenceLayout
 from ds_upipe.schedule import StagePlan
 
@@ -43,7 +43,6 @@ class UPipeState:
     #: sum half-precision gradients over the stages in the input dtype instead of float32
     #: (``apply_upipe(accumulate_in_input_dtype=...)``; settable after apply_upipe)
     accumulate_in_input_dtype: bool = False
-    _indices: dict[torch.device, PlanIndices] = field(default_factory=dict, repr=False)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> UPipeState:
         """A copy of a patched model (reference model, EMA) joins the same sequence-parallel group:
@@ -72,11 +71,9 @@ class UPipeState:
         return RingAttentionKernel(self.kernel, self.ring_group, overlap=self.overlap_comm)
 
     def context(self, device: torch.device) -> PipelineContext:
-        if device not in self._indices:
-            self._indices[device] = PlanIndices.build(self.plan, device)
         return PipelineContext(
             plan=self.plan,
-            indices=self._indices[device],
+            indices=plan_indices(self.plan, device),
             group=self.group,
             attention=self.attention(),
             stage_counter=self.stage_runs,

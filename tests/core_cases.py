@@ -212,8 +212,9 @@ def bad_input_errors(rank, world):
 def memory_by_head_chunk(rank, world, seq_per_rank=64, batch=1, heads=32, kv_heads=8, head_dim=64):
     """Intermediate peak (bytes, ``ds_upipe.tools.memory.measure_attention``) of DeepSpeed's DistributedAttention
     with the GQA-native local attention a user passes (``gqa_native_sdpa``), of DeepSpeed with a
-    ``TorchSDPAKernel`` instance as its local attention (GQA-native too), and of UPipe at each valid U,
-    float32."""
+    ``TorchSDPAKernel`` instance as its local attention (GQA-native too), of UPipe at each valid U,
+    float32, and of UPipe at U = C with the plain ``gqa_native_sdpa`` (a ``CallableKernel``,
+    recomputed in backward)."""
     from deepspeed.sequence.layer import DistributedAttention
 
     from ds_upipe.kernels import gqa_native_sdpa
@@ -232,4 +233,6 @@ def memory_by_head_chunk(rank, world, seq_per_rank=64, batch=1, heads=32, kv_hea
     for u in valid_head_chunk_sizes(heads, kv_heads, world):
         attn = UPipeDistributedAttention(TorchSDPAKernel(causal=True), dist.group.WORLD, head_chunk_size=u)
         results[u] = measure_attention(attn, q, k, v, dout, 0)
+    callable_attn = UPipeDistributedAttention(gqa_native_sdpa, dist.group.WORLD, head_chunk_size=world)
+    results["upipe_callable"] = measure_attention(callable_attn, q, k, v, dout, 0)
     return {key: (m.intermediate_bytes, m.peak_bytes, m.seconds) for key, m in results.items()}

@@ -51,6 +51,18 @@ def _reference(causal: bool, scale: float | None) -> MathKernel:
     return MathKernel(causal=causal, softmax_scale=scale, compute_dtype=torch.float64)
 
 
+def _assert_matches_reference(
+    inputs: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...], scale: float | None, tol: float
+) -> None:
+    """(out, dq, dk, dv) of a causal kernel on (q, k, v, dout), [b, h, S, d], against the float64 reference."""
+    q, k, v, dout = (t.double() for t in inputs)
+    ref = _reference(True, scale)
+    out_ref, lse_ref, _ = ref.forward(q, k, v)
+    for g, want in zip(got, (out_ref, *ref.backward(dout, q, k, v, out_ref, lse_ref, ()))):
+        assert g.shape == want.shape
+        torch.testing.assert_close(g.double(), want, rtol=tol, atol=tol)
+
+
 def _check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
     for t in tensors:
         assert t.stride(-1) == 1, "CUDA attention kernels need a contiguous last dimension"
@@ -270,12 +282,7 @@ def test_cuda_efficient_gqa_broadcasts_kv_without_copies(as_cuda):
         assert folded.shape == (2 * 2, 4, 40, 8) and folded.stride(1) == 0 and folded.data_ptr() == kv.data_ptr()
     assert bwd_args[7] is fwd_res[2] and bwd_args[8] is fwd_res[3]  # philox seed, offset: the forward's
     assert bwd_args[6].data_ptr() == fwd_res[1].data_ptr()  # the forward's padded lse, per folded head
-    ref = _reference(True, SCALE)
-    out_ref, lse_ref, _ = ref.forward(q.double(), k.double(), v.double())
-    grads_ref = ref.backward(dout.double(), q.double(), k.double(), v.double(), out_ref, lse_ref, ())
-    for got, want in zip((out, *grads), (out_ref, *grads_ref)):
-        assert got.shape == want.shape
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    _assert_matches_reference((q, k, v, dout), (out, *grads), SCALE, tol=1e-5)
 
 
 class _LargestOutput(TorchDispatchMode):
@@ -330,13 +337,9 @@ def test_pipeline_threads_each_stages_aux(as_cuda, dtype, fwd_name, aux_at):
             assert args[bwd_i] is res[fwd_i]
     if fwd_name == "flash":
         assert all(args[6] is None and args[7] is None for args, _, _ in bwd)  # cum_seq: undefined, as returned
-    ref = _reference(True, None)
-    qh, kh, vh, dh = (t.detach().transpose(1, 2).double() for t in (q, k, v, dout))
-    out_ref, lse_ref, _ = ref.forward(qh, kh, vh)
-    grads_ref = ref.backward(dh, qh, kh, vh, out_ref, lse_ref, ())
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    for got, want in zip((out, q.grad, k.grad, v.grad), (out_ref, *grads_ref)):
-        torch.testing.assert_close(got.transpose(1, 2).double(), want, rtol=tol, atol=tol)
+    inputs = tuple(t.detach().transpose(1, 2) for t in (q, k, v, dout))
+    got = tuple(t.transpose(1, 2) for t in (out, q.grad, k.grad, v.grad))
+    _assert_matches_reference(inputs, got, None, tol=2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 # -- flash-attn 2: a fake package with each supported release's exact private signatures ------------
@@ -435,12 +438,7 @@ def test_flash_attn_adapter_matches_release_signature(install_flash_attn, versio
         "dropout_p": 0.0, "softmax_scale": SCALE, "causal": True, **window, "softcap": 0.0, "alibi_slopes": None,
         "deterministic": False,
     }  # fmt: skip
-    ref = _reference(True, SCALE)
-    out_ref, lse_ref, _ = ref.forward(q.double(), k.double(), v.double())
-    grads_ref = ref.backward(dout.double(), q.double(), k.double(), v.double(), out_ref, lse_ref, ())
-    for got, want in zip((out, *grads), (out_ref, *grads_ref)):
-        assert got.shape == want.shape
-        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+    _assert_matches_reference((q, k, v, dout), (out, *grads), SCALE, tol=2e-2)
 
 
 @pytest.mark.parametrize("version", ["2.5.9", "2.9.0", "3.0.0b1", "unknown"])
@@ -459,3 +457,30 @@ def test_flash_attn_refuses_inputs_it_cannot_run(install_flash_attn):
     q, k, v, _ = _inputs(4, 2, torch.bfloat16, d=12)
     with pytest.raises(ValueError, match="head_dim a multiple of 8 and at most 256, got 12"):
         kernel.forward(q, k, v)
+
+
+# -- CallableKernel: a DistributedAttention-contract function as a kernel ----------------------------
+
+
+@pytest.mark.parametrize("batch_dim_idx", [0, 1])
+def test_callable_kernel_recomputes_a_plain_function(batch_dim_idx):
+    """Its forward runs the function in its own layout with the call's extra arguments and returns an
+    empty lse and no aux; its backward recomputes it and needs no output; a ring refuses it."""
+    from ds_upipe.kernels import CallableKernel, gqa_native_sdpa
+    from ds_upipe.ring import RingAttentionKernel
+
+    def attention(q, k, v, *args, scale=None):  # [b, S, h, d] (batch_dim_idx 0) or [S, b, h, d] (1)
+        assert args == ("extra",) and q.is_contiguous()
+        if batch_dim_idx:
+            q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        out = gqa_native_sdpa(q, k, v, softmax_scale=scale)
+        return out.transpose(0, 1) if batch_dim_idx else out
+
+    kernel = CallableKernel(attention, batch_dim_idx, ("extra",), {"scale": SCALE})
+    q, k, v, dout = _inputs(8, 2, torch.float64)
+    out, lse, aux = kernel.forward(q.requires_grad_(), k, v)  # no autograd graph even so
+    assert lse.numel() == 0 and aux == () and not kernel.needs_output_in_backward and not out.requires_grad
+    grads = kernel.backward(dout, q, k, v, None, lse, aux)
+    _assert_matches_reference((q.detach(), k, v, dout), (out, *grads), SCALE, tol=1e-10)
+    with pytest.raises(ValueError, match="not a plain callable"):
+        RingAttentionKernel(kernel, None)

@@ -208,3 +208,27 @@ def test_layer_plan_matches_memtracker_on_cpu():
         report.append((method.label, seq, dtype, worst, peak.total, peak.total / worst - 1, peak.at))
     bad = [r for r in report if abs(r[5]) > 0.05]
     assert not bad, "\n".join(map(str, report))
+
+
+def test_real_runs_around_planner_runs_in_one_process():
+    """The plan indices are cached per process, never across a fake-tensor mode: real runs before and
+    after the planner's fake runs of the same plans (both orders) get real indices, and the fake runs
+    fake ones."""
+    import torch
+
+    from ds_upipe import TorchSDPAKernel, UPipeDistributedAttention
+    from ds_upipe.integration import fake_run
+    from ds_upipe.kernels import gqa_native_sdpa
+
+    def real_run(u: int) -> None:  # one rank, no process group: the same plan as a fake world of 1
+        attn = UPipeDistributedAttention(TorchSDPAKernel(), None, head_chunk_size=u)
+        q, k, v = (torch.randn(1, 16, h, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+        out = attn(q, k, v, 0)
+        assert (out - gqa_native_sdpa(q, k, v)).abs().max() < 1e-12
+        out.sum().backward()
+        assert q.grad is not None
+
+    real_run(1)  # cached before the fake run of the same plan
+    for u in (1, 2):
+        assert fake_run.core_step(4, 2, 8, 1, u, 16, dtype="fp64").total > 0
+        real_run(u)  # U=2: first asked for under the fake mode
