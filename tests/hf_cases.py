@@ -76,6 +76,17 @@ def reference_step(model, batch):
     return out.logits.detach(), loss.detach(), grads
 
 
+def summed_grads(model, group):
+    """The model's parameter gradients (copies) summed over ``group``, by name."""
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad.detach().clone()
+            dist.all_reduce(g, group=group)
+            grads[name] = g
+    return grads
+
+
 def sharded_step(model, batch, group, grad_reduction="sum", ring_size=1):
     """The patched model on this rank's shard; gradients summed over the ranks (``group``: the whole
     sequence-parallel group, C_u x R ranks with a ring)."""
@@ -84,12 +95,7 @@ def sharded_step(model, batch, group, grad_reduction="sum", ring_size=1):
     out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
     loss = hf_patches.sequence_parallel_loss(out.logits, shard["shift_labels"], group, grad_reduction=grad_reduction)
     loss.backward()
-    grads = {}
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            g = p.grad.detach().clone()
-            dist.all_reduce(g, group=group)
-            grads[name] = g
+    grads = summed_grads(model, group)
     logits = hf_patches.gather_sequence(out.logits.detach(), group, ring_size=ring_size)
     return logits, loss.detach(), grads
 

@@ -20,9 +20,16 @@ from tests.hf_cases import (
     make_batch,
     reference_step,
     relative_error,
+    summed_grads,
 )
 
 F32 = TOLERANCE[torch.float32]
+
+
+def whole_stack(loss_tile_tokens: int, norm_tile_tokens: int, mlp_tile_tokens: int, **options) -> dict:
+    """``apply_long_context_stack`` options: tiled loss, norms and MLPs with these tiles, and ``options``."""
+    tiles = dict(loss_tile_tokens=loss_tile_tokens, norm_tile_tokens=norm_tile_tokens, mlp_tile_tokens=mlp_tile_tokens)
+    return dict(tiled_loss=True, tiled_norm=True, tiled_mlp=True, **tiles, **options)
 
 
 def _uneven_labels(batch: int, seq: int, world: int, seed: int, vocab: int = 101) -> torch.Tensor:
@@ -178,16 +185,6 @@ def chunk_cases():
 # ----------------------------------------------------------------------------- whole model
 
 
-def _sharded_grads(model, group):
-    grads = {}
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            g = p.grad.detach().clone()
-            dist.all_reduce(g, group=group)
-            grads[name] = g
-    return grads
-
-
 def _own_group():
     """A group of this rank alone (new_group is collective: every rank creates every group)."""
     groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
@@ -211,23 +208,14 @@ def model_case(arch, fused, dtype, group, *, tie=False, checkpointing=None, upip
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
     loss_group = group if upipe else _own_group()  # without SP each rank runs the whole sequence alone
     hf_patches.apply_long_context_stack(
-        model,
-        tiled_loss=True,
-        tiled_norm=True,
-        tiled_mlp=True,
-        loss_tile_tokens=5,
-        norm_tile_tokens=4,
-        mlp_tile_tokens=3,
-        forward_loss="sequence_parallel",
-        loss_group=loss_group,
-        grad_reduction="sum",
+        model, **whole_stack(5, 4, 3, forward_loss="sequence_parallel", loss_group=loss_group, grad_reduction="sum")
     )
     batch = hf_patches.shard_batch(data, group) if upipe else hf_patches.pad_batch(data, 1)
     if not upipe:
         batch["shift_labels"] = hf_patches.shift_labels(data["labels"])
     out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], shift_labels=batch["shift_labels"])
     out.loss.backward()
-    grads = _sharded_grads(model, group) if upipe else {n: p.grad for n, p in model.named_parameters()}
+    grads = summed_grads(model, group) if upipe else {n: p.grad for n, p in model.named_parameters()}
     errors = {"loss": relative_error(out.loss.detach(), ref_loss), "logits_none": float(out.logits is not None)}
     errors["grad_names"] = float(sorted(grads) != sorted(ref_grads))
     errors["grads"] = max(relative_error(grads[n], ref_grads[n]) for n in ref_grads)
@@ -440,15 +428,7 @@ def zero_case(stage, arch, tie, world):
         model=model, model_parameters=model.parameters(), config=config, mpu=mpu if stage == 3 else None
     )
     hf_patches.apply_long_context_stack(
-        engine,
-        tiled_loss=True,
-        tiled_norm=True,
-        tiled_mlp=True,
-        loss_tile_tokens=5,
-        norm_tile_tokens=4,
-        mlp_tile_tokens=3,
-        forward_loss="sequence_parallel",
-        loss_group=group,
+        engine, **whole_stack(5, 4, 3, forward_loss="sequence_parallel", loss_group=group)
     )
     counts = _count_bucket_adds(engine) if stage == 3 else {}
     shard = hf_patches.shard_batch(data, group)
@@ -480,15 +460,7 @@ def zero3_uneven_case(rank, world):
     want = {n: sum(ref[n] for ref in refs) / world for n in refs[0]}
     config = copy.deepcopy(ZERO3_CONFIG)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    hf_patches.apply_long_context_stack(
-        engine,
-        tiled_loss=True,
-        tiled_norm=True,
-        tiled_mlp=True,
-        loss_tile_tokens=3,
-        norm_tile_tokens=2,
-        mlp_tile_tokens=2,
-    )
+    hf_patches.apply_long_context_stack(engine, **whole_stack(3, 2, 2))
     mine = samples[rank]
     out = engine(input_ids=mine["input_ids"], labels=mine["labels"])
     engine.backward(out.loss)

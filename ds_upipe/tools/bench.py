@@ -26,7 +26,6 @@ import math
 import os
 import statistics
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,7 +34,6 @@ from typing import Any
 import torch
 
 from .memory import measure_peak, tensor_bytes
-from .ranks import free_port, set_rank_env
 
 LEVELS = ("core", "layer")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64, "float16": torch.float16}
@@ -261,9 +259,6 @@ def run_core_case(method: Method, spec: BenchSpec, seq: int, rank: int, device: 
 # -- the decoder-layer level ---------------------------------------------------------------------
 
 
-_ALST_REGISTERED: list[bool] = [False]
-
-
 def _tiled_mlp_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """DeepSpeed's TiledMLP over ceil(s / hidden) shards, as in its documented LlamaMLP patch.  Every
     rank holds an equal shard, so the shard count needs no all-reduce here."""
@@ -301,11 +296,12 @@ def build_layer(method: Method, spec: BenchSpec, device: torch.device) -> tuple[
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(llama_config(spec)).to(device=device, dtype=DTYPES[spec.dtype])
     if method.kind == "alst":
-        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        if not _ALST_REGISTERED[0]:  # ALST wraps transformers' "sdpa" entry once per process
-            UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", spec.world, spec.batch)
-            _ALST_REGISTERED[0] = True
+        from .hf_memory import alst_attention_function
+
+        # left registered for the rest of the rank's process (UPipe's patched layers do not read it)
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = alst_attention_function(model.model, spec.batch)
     elif method.kind == "upipe":
         from hf_patches import apply_upipe
 
@@ -374,103 +370,49 @@ def _max_abs_diff(values: dict[str, torch.Tensor], ref: dict[str, torch.Tensor])
     return max((values[k].double() - ref[k].double()).abs().max().item() for k in ref)
 
 
-def _rank_main(rank: int, spec: BenchSpec, port: int, queue: Any) -> None:
-    """One rank: every case in order; sends ("progress", rank), then ("ok", rank, rows) or
-    ("error", rank, traceback) to the parent."""
-    set_rank_env(rank, spec.world, port)
-    if spec.device == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    import deepspeed
-    import torch.distributed as dist
+def _rank_main(rank: int, world: int, spec: BenchSpec) -> list[tuple]:
+    """One rank (spawned by ``ranks.run_ranks``, deepspeed.comm up: ALST talks through it): every case
+    in order, a progress report after each; returns the rank's rows."""
+    from .ranks import report_progress
 
-    try:
-        if spec.device == "cuda":
-            torch.cuda.set_device(rank)
-        device = torch.device(spec.device, rank) if spec.device == "cuda" else torch.device("cpu")
-        # deepspeed.comm must be up: ALST talks through it
-        deepspeed.init_distributed(dist_backend="nccl" if spec.device == "cuda" else "gloo", verbose=False)
-        rows = []
-        for level in spec.levels:
-            runner = run_core_case if level == "core" else run_layer_case
-            for seq in spec.seq_lens:
-                reference = None
-                for method in spec.methods(level):
-                    res = runner(method, spec, seq, rank, device)
-                    if reference is None:
-                        reference = res["values"]
-                    diff = _max_abs_diff(res["values"], reference)
-                    rows.append((level, method, seq, res["peak"], res["intermediate"], res["time"], diff))
-                    del res
-                    queue.put(("progress", rank))
-        queue.put(("ok", rank, rows))
-    except BaseException:  # noqa: BLE001 - sent to the parent with its traceback
-        queue.put(("error", rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    device = torch.device(spec.device, rank) if spec.device == "cuda" else torch.device("cpu")
+    rows = []
+    for level in spec.levels:
+        runner = run_core_case if level == "core" else run_layer_case
+        for seq in spec.seq_lens:
+            reference = None
+            for method in spec.methods(level):
+                res = runner(method, spec, seq, rank, device)
+                if reference is None:
+                    reference = res["values"]
+                diff = _max_abs_diff(res["values"], reference)
+                rows.append((level, method, seq, res["peak"], res["intermediate"], res["time"], diff))
+                del res
+                report_progress()
+    return rows
 
 
 def run_bench(spec: BenchSpec, show_progress: bool = True, timeout: float = 3600) -> list[Measurement]:
     """Spawn ``spec.world`` ranks, run every case, return the worst-rank measurements with ratios."""
-    import queue as queue_mod
-
-    import torch.multiprocessing as mp
     from tqdm import tqdm
+
+    from .ranks import run_ranks
 
     if spec.device == "cuda" and torch.cuda.device_count() < spec.world:
         raise ValueError(f"world={spec.world} needs {spec.world} GPUs; {torch.cuda.device_count()} visible")
     total = sum(len(spec.methods(lvl)) * len(spec.seq_lens) for lvl in spec.levels)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, spec, port, queue)) for r in range(spec.world)]
-    # the OpenMP pool is sized when a child imports torch: set its thread count before the spawn
-    # (ranks sharing cores with spinning OpenMP threads slow down collectives several-fold)
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.world))
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-    finals: dict[int, tuple] = {}
-    deadline = time.monotonic() + timeout
     with tqdm(total=total, desc="ds-upipe bench", unit="case", disable=not show_progress) as bar:
-        while len(finals) < spec.world and time.monotonic() < deadline:
-            try:
-                msg = queue.get(timeout=1.0)
-            except queue_mod.Empty:
-                if not any(p.is_alive() for p in procs):
-                    break
-                died = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in finals]
-                if died:  # a rank died without a word (e.g. killed): the others may wait forever
-                    deadline = min(deadline, time.monotonic() + 30)
-                continue
-            if msg[0] == "progress":
-                if msg[1] == 0:
-                    bar.update(1)
-                continue
-            finals[msg[1]] = msg
-            if msg[0] == "error":  # the other ranks may be blocked in a collective: short grace period
-                deadline = min(deadline, time.monotonic() + 30)
-    for p in procs:
-        p.join(max(1.0, deadline - time.monotonic()) if len(finals) == spec.world else 1.0)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    errors = [f"rank {r}:\n{m[2]}" for r, m in sorted(finals.items()) if m[0] == "error"]
-    missing = [r for r in range(spec.world) if r not in finals]
-    if errors or missing:
-        raise RuntimeError(
-            "bench failed\n"
-            + "\n".join(errors)
-            + (f"\nranks without a result (hung in a collective, or died): {missing}" if missing else "")
+        per_rank = run_ranks(
+            _rank_main,
+            spec.world,
+            spec,
+            use_deepspeed=True,
+            backend="nccl" if spec.device == "cuda" else "gloo",
+            threads=max(1, (os.cpu_count() or 1) // spec.world),
+            timeout=timeout,
+            on_progress=lambda rank: bar.update(1) if rank == 0 else None,
         )
-    return combine_ranks([finals[r][2] for r in range(spec.world)])
+    return combine_ranks(per_rank)
 
 
 def combine_ranks(per_rank: list[list[tuple]]) -> list[Measurement]:

@@ -14,10 +14,10 @@ tensor; the broadcast scalar gradient of ``out.sum()`` would hide one hidden sta
 dout, the input's gradient and the RoPE cos/sin count as activations for every method alike.
 
 Methods: ``"upipe_fused"`` and ``"upipe_unfused"`` patch the model with ``apply_upipe``;
-``"alst"`` registers DeepSpeed's ``UlyssesSPAttentionHF`` through its
-``register_with_transformers`` (which initializes DeepSpeed's sequence-parallel mpu once per
-process, over the whole world, so ALST needs the group to be the world and ``deepspeed.comm``
-initialized).  ALST's override of transformers' "sdpa" attention is undone after each measurement.
+``"alst"`` runs DeepSpeed's ``UlyssesSPAttentionHF`` as the integration registers it
+(``alst_attention_function``: ``register_with_transformers`` once per process and head layout, over
+the whole world, so ALST needs the group to be the world and ``deepspeed.comm`` initialized).  ALST's
+wrapper replaces transformers' "sdpa" attention only during its measurement.
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ from hf_patches import apply_upipe
 
 from .memory import peak_snapshot
 
-Method = Literal["upipe_fused", "upipe_unfused", "alst"]
+MethodName = Literal["upipe_fused", "upipe_unfused", "alst"]
 Part = Literal["attention", "layer"]
-METHODS: tuple[Method, ...] = ("upipe_fused", "upipe_unfused", "alst")
+METHODS: tuple[MethodName, ...] = ("upipe_fused", "upipe_unfused", "alst")
 PARTS: tuple[Part, ...] = ("attention", "layer")
 
-_ALST_WRAPPERS: dict[tuple, Any] = {}  # one registration per process (it initializes DeepSpeed's SP mpu)
+#: ALST's attention wrapper per head layout (see alst_attention_function)
+_ALST_WRAPPERS: dict[tuple, Any] = {}
 
 
 @dataclass
@@ -91,49 +92,35 @@ def build_one_layer_model(
 
 
 def alst_attention_function(model: nn.Module, batch: int) -> Any:
-    """ALST's attention wrapper for this model (DeepSpeed's own registration), made once per process
-    and head layout and cached; the attention registry is left as it was."""
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    """ALST's attention wrapper for this model over the whole world: the integration's registration
+    (``sp_setup.register_alst``, DeepSpeed's own ``register_with_transformers``), made once per
+    process and head layout and cached, since each registration builds new sequence-parallel groups;
+    transformers' attention registry is left as it was."""
+    from ..integration.sp_setup import register_alst, restore_attention_functions
 
     cfg = model.config
-    key = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, batch, dist.get_world_size())
+    impl = cfg._attn_implementation
+    key = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, impl, batch, dist.get_world_size())
     if key not in _ALST_WRAPPERS:
-        if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
-            raise RuntimeError(
-                "DeepSpeed's sequence-parallel mpu is already initialized in this process; ALST can be registered "
-                "once per process: measure ALST with one head configuration per process"
-            )
-        original = ALL_ATTENTION_FUNCTIONS["sdpa"]
-        UlyssesSPAttentionHF.register_with_transformers(
-            model_name_or_path=model,
-            core_attn_implementation="sdpa",
-            sequence_parallel_size=dist.get_world_size(),
-            micro_batch_size=batch,
-            seq_length_is_variable=True,
-        )
-        _ALST_WRAPPERS[key] = ALL_ATTENTION_FUNCTIONS["sdpa"]
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = original
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        register_alst(model, dist.get_world_size(), batch)
+        _ALST_WRAPPERS[key] = ALL_ATTENTION_FUNCTIONS[impl]
+        restore_attention_functions()
     return _ALST_WRAPPERS[key]
 
 
 def measure_peak_activation(
-    method: Method,
+    method: MethodName,
     part: Part,
     *,
     group: dist.ProcessGroup | None = None,
     seq_local: int = 4096,
     batch: int = 1,
-    num_heads: int = 32,
-    num_kv_heads: int = 8,
-    head_dim: int = 16,
-    hidden_size: int = 512,
-    intermediate_size: int = 512,
-    dtype: torch.dtype = torch.float32,
     head_chunk_size: int | None = None,
     seed: int = 0,
     warmup: bool = True,
+    **shape: Any,
 ) -> MemoryMeasurement:
     """Peak activation memory of this rank for one forward + backward of ``part``.
 
@@ -145,6 +132,7 @@ def measure_peak_activation(
         seq_local: this rank's sequence shard length; the global sequence is seq_local * C.
         head_chunk_size: UPipe's U (None: U = C).
         warmup: run one untracked step first (lazy caches are then not counted; they are tiny).
+        shape: the model's heads, sizes and dtype: ``build_one_layer_model``'s keywords and defaults.
     Every rank of the group must call it with the same arguments (it runs collectives).
     """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -153,15 +141,8 @@ def measure_peak_activation(
         raise ValueError(f"method must be one of {METHODS} and part one of {PARTS}; got {method!r}, {part!r}")
     group_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    model = build_one_layer_model(
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        dtype=dtype,
-        seed=seed,
-    )
+    model = build_one_layer_model(**shape, seed=seed)
+    hidden_size, dtype = model.config.hidden_size, model.embed_tokens.weight.dtype
     original_sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     if method == "alst":
         if group_size != dist.get_world_size():

@@ -1,22 +1,37 @@
-"""Spawning local ranks: the multi-process CPU harness of the tests (one spawn runs many cases) and
-the port and environment that ``ds-upipe bench`` uses for its own ranks.
+"""Spawning local ranks: the one launcher of the tests (one spawn runs many cases), ``ds-upipe bench``
+and the planner's validation.
 
-``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes over gloo on a free port, calls
-``fn(rank, world_size, *args)`` in each and returns the per-rank return values.  Any exception on
-any rank fails the call with that rank's traceback.  Processes set OMP_NUM_THREADS=1 (two cores
-shared by up to four ranks) and always destroy the process group, since ranks that ran collectives
-inside autograd can abort at exit otherwise.
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes on a free port (gloo on CPU, or
+nccl with one GPU per rank), calls ``fn(rank, world_size, *args)`` in each and returns the per-rank
+return values.  Any exception on any rank fails the call with that rank's traceback; once a rank has
+failed or died the others, which may be blocked in a collective, get a short grace period and are
+then killed.  A rank may call ``report_progress()`` to have the parent's ``on_progress(rank)`` called
+(the bench's progress bar).  The ranks' OpenMP/torch thread count is set before they start (ranks
+sharing cores with spinning OpenMP threads slow down collectives several-fold), and every rank
+destroys its process group, since ranks that ran collectives inside autograd can abort at exit
+otherwise.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
+import queue as queue_mod
 import socket
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch.multiprocessing as mp
+
+#: seconds the other ranks get to finish once one rank has failed or died
+GRACE_S = 30.0
+
+
+class RanksFailed(RuntimeError):
+    """A rank of ``run_ranks`` raised, died or did not finish in time."""
 
 
 def free_port() -> int:
@@ -37,53 +52,113 @@ def set_rank_env(rank: int, world_size: int, port: int) -> None:
     )
 
 
-def _worker(rank: int, world_size: int, port: int, use_deepspeed: bool, fn, args, results) -> None:
+#: inside a rank of run_ranks: (the queue to the parent, this rank)
+_TO_PARENT: list[tuple[Any, int]] = []
+
+
+def report_progress() -> None:
+    """Inside a rank of ``run_ranks``: one unit of work done (the parent calls ``on_progress(rank)``)."""
+    if _TO_PARENT:
+        channel, rank = _TO_PARENT[0]
+        channel.put(("progress", rank, None))
+
+
+def _worker(rank: int, world_size: int, port: int, use_deepspeed: bool, backend: str, threads: int, fn, args, channel):
     set_rank_env(rank, world_size, port)
-    os.environ.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    _TO_PARENT[:] = [(channel, rank)]
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         if use_deepspeed:
             import deepspeed
 
-            deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+            deepspeed.init_distributed(dist_backend=backend, verbose=False)
         else:
-            dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        results[rank] = ("ok", fn(rank, world_size, *args))
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
+        # pickled here: the result travels as bytes, so no tensor of it is shared with a process about to exit
+        channel.put(("ok", rank, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
-        results[rank] = ("error", traceback.format_exc())
+        channel.put(("error", rank, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+@contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """``os.environ`` updated for the duration (what the spawned ranks inherit)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, use_deepspeed: bool = False, timeout: float = 900
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    use_deepspeed: bool = False,
+    backend: str = "gloo",
+    threads: int = 1,
+    timeout: float = 900,
+    on_progress: Callable[[int], None] | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return each rank's result.
+
+    ``use_deepspeed``: the process group comes from ``deepspeed.init_distributed`` (deepspeed.comm is
+    up too).  ``backend``: "gloo" (CPU ranks, DeepSpeed's CPU accelerator) or "nccl" (rank r on GPU r).
+    ``threads``: OpenMP / torch threads per rank.  ``timeout``: seconds for the whole run."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: must be 'gloo' or 'nccl'")
     ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        results = manager.dict()
-        port = free_port()
-        procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, use_deepspeed, fn, args, results))
-            for r in range(world_size)
-        ]
+    channel = ctx.Queue()
+    port = free_port()
+    options = (use_deepspeed, backend, threads, fn, args, channel)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, *options)) for r in range(world_size)]
+    # set before the spawn: a rank sizes its OpenMP pool when it first imports torch
+    env = {"OMP_NUM_THREADS": str(threads), **({"DS_ACCELERATOR": "cpu"} if backend == "gloo" else {})}
+    with _environment(**env):
         for p in procs:
             p.start()
+    finals: dict[int, tuple[str, int, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(finals) < world_size and time.monotonic() < deadline:
+            try:
+                msg = channel.get(timeout=1.0)
+            except queue_mod.Empty:
+                if any(p.exitcode is not None and r not in finals for r, p in enumerate(procs)):
+                    deadline = min(deadline, time.monotonic() + GRACE_S)  # died without a word (e.g. killed)
+                continue
+            if msg[0] == "progress":
+                if on_progress is not None:
+                    on_progress(msg[1])
+                continue
+            finals[msg[1]] = msg
+            if msg[0] == "error":  # the other ranks may be blocked in a collective
+                deadline = min(deadline, time.monotonic() + GRACE_S)
         for p in procs:
-            p.join(timeout)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+            p.join(max(1.0, deadline - time.monotonic()) if len(finals) == world_size else 1.0)
+    finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
-        if hung:
-            raise TimeoutError(f"ranks {hung} did not finish within {timeout}s (a hang in a collective?)")
-        out = dict(results)
-    errors = [f"rank {r}:\n{v[1]}" for r, v in sorted(out.items()) if v[0] == "error"]
-    missing = [r for r in range(world_size) if r not in out]
+                p.join()
+    errors = [f"rank {r}:\n{m[2]}" for r, m in sorted(finals.items()) if m[0] == "error"]
+    missing = [r for r in range(world_size) if r not in finals]
     if errors or missing:
-        raise AssertionError("\n".join(errors) + (f"\nranks with no result: {missing}" if missing else ""))
-    return [out[r][1] for r in range(world_size)]
+        raise RanksFailed(
+            "\n".join(errors)
+            + (f"\nranks without a result (hung in a collective, or died): {missing}" if missing else "")
+        )
+    return [pickle.loads(finals[r][2]) for r in range(world_size)]
