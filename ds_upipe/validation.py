@@ -35,6 +35,7 @@ class LayerSettings:
     scatter_idx: int
     overlap_comm: bool
     #: the local attention is an AttentionKernel (lse-based backward) rather than a generic callable
+    #: (run as a CallableKernel, recomputed in backward): their backward exchanges differ
     uses_kernel: bool
     causal: bool | None = None  # None for a generic callable
     softmax_scale: float | None = None
