@@ -16,7 +16,8 @@ computes the loss across the sequence ranks (``deepspeed_sp_compute_loss``).
    registration.  Either way the ds_config's ``activation_checkpointing`` section /
    ``upipe.offload_checkpoints`` then apply to the model's layers, as in ``ds_upipe.initialize``.
    Called directly (DeepSpeed's ALST recipe), it is ALST's registration, argument for argument,
-   unless an active plugin's ds_config has a ``"upipe"`` block that enables UPipe.
+   unless an active plugin's ds_config has a ``"upipe"`` block: then that block's long-context stack
+   (``tiled_*``) applies to the model object, and UPipe too if the block enables it.
 2. Evaluation runs under sequence parallelism.  (accelerate registers ALST with
    ``disable_in_eval=True`` because the Trainer's eval batches are not sharded: every rank would run
    attention over the full sequence.)  Here the Trainer's eval/test loaders are sharded over the
@@ -144,8 +145,9 @@ class UPipeSPAttentionHF(UlyssesSPAttentionHF):
     plugin's ds_config as ``ds_upipe.initialize`` does: UPipe unless ``"upipe": {"enabled": false}``,
     and sequence parallelism stays on in evaluation (module docstring, points 1 and 2).  Called
     directly (DeepSpeed's own ALST recipe), it is ALST's registration, argument for argument,
-    unless an active accelerate DeepSpeed plugin's ds_config has a ``"upipe"`` block that enables
-    UPipe; then UPipe honours the same arguments (``_register_upipe``)."""
+    unless an active accelerate DeepSpeed plugin's ds_config has a ``"upipe"`` block: its long-context
+    stack then applies to a model object, and if it enables UPipe, UPipe honours the same arguments
+    (``_register_upipe``)."""
 
     @classmethod
     def register_with_transformers(
@@ -240,15 +242,24 @@ def _register_direct(args: dict[str, Any]) -> Any:
     settings = None
     if ds_config is not None and ds_config.get("upipe") is not None:
         settings = upipe_settings(ds_config, args["sequence_parallel_size"])
+    model = args["model_name_or_path"]
+    is_module = isinstance(model, torch.nn.Module)
+    if settings is not None and is_module:
+        check_long_context(model, settings.upipe)  # before the registration's collectives
     if settings is None or not settings.upipe.enabled:
         _REGISTERED.pop("mpu", None)  # the engine built with ALST's mpu keeps DeepSpeed's own gradient average
         _REGISTERED.pop("ring_size", None)
-        return _alst_register(args)
-    _init_deepspeed_comm()
-    mpu = _register_upipe(args, settings)
-    if isinstance(args["model_name_or_path"], torch.nn.Module):
-        configure_activation_checkpointing(args["model_name_or_path"], ds_config, settings, mpu)
-    _REGISTERED["mpu"] = mpu
+        mpu = _alst_register(args)
+    else:
+        _init_deepspeed_comm()
+        mpu = _register_upipe(args, settings)
+        if is_module:
+            configure_activation_checkpointing(model, ds_config, settings, mpu)
+        _REGISTERED["mpu"] = mpu
+    if settings is not None and is_module:
+        # the block's long-context stack applies to ALST too ("enabled": false), so that both run on the
+        # same stack; "local": ALST's recipe combines the ranks' losses itself
+        apply_long_context(model, settings.upipe, "local", None)
     return mpu
 
 
