@@ -237,10 +237,17 @@ def bad_layout_errors(rank, world):
     }
 
 
-def world_suite(rank, world, parity_layouts, memory_layouts=(), errors=False, cuda_adapters=False):
+def world_suite(
+    rank, world, parity_layouts, memory_layouts=(), errors=False, cuda_adapters=False, hf_compact_layouts=()
+):
     """Everything one spawn of ``world`` ranks checks: parity and load balance on ``parity_layouts``,
-    then optionally memory, bad-layout errors and the CUDA adapters' stand-ins."""
+    then optionally memory, bad-layout errors, the CUDA adapters' stand-ins, and the patched HF models'
+    compact ring case set (``tests.hf_cases.ring_cases_compact``) on ``hf_compact_layouts``."""
     out = {"parity": parity_matrix(rank, world, parity_layouts), "balance": load_balance(rank, world, parity_layouts)}
+    if hf_compact_layouts:
+        from tests import hf_cases
+
+        out["hf"] = hf_cases.ring_suite(rank, world, hf_compact_layouts, True)
     if memory_layouts:
         out["memory"] = memory_by_layout(rank, world, memory_layouts)
     if errors:

@@ -33,7 +33,7 @@ def world4():
 
 @pytest.fixture(scope="module")
 def world8():
-    return run_ranks(ring_cases.world_suite, 8, ((4, 2),), timeout=600)
+    return run_ranks(ring_cases.world_suite, 8, ((4, 2),), (), False, False, ((4, 2),), timeout=600)  # + HF 4 x 2
 
 
 # -- layout rules, no processes -------------------------------------------------------------------------
@@ -126,6 +126,19 @@ def test_parity_2x2_and_ring_only_1x4(world4):
 
 def test_parity_4x2(world8):
     _assert_parity(world8, ((4, 2),), {(4, 2): 3 * 2 * 5 + 5})
+
+
+def test_hf_parity_4x2(world8):
+    """Patched HF models at C_u x R = 4 x 2 (the world8 spawn): fused and unfused Llama and Qwen3, GQA and
+    KV < C_u, U in {C_u, H}, overlap: logits, loss and all gradients equal the single-process model."""
+    from tests import hf_cases
+
+    layout = (4, 2)
+    for rank, res in enumerate(world8):
+        cases = res["hf"][layout]
+        assert len(cases) == len(hf_cases.ring_cases_compact(layout)) == 5
+        for case, errors in cases.items():
+            assert max(errors.values()) <= 1e-10, f"rank {rank} C_u x R = {layout} {case}: {errors}"
 
 
 def _assert_balanced(results, layout):
