@@ -184,6 +184,39 @@ def test_memory_upipe_ring_below_ulysses_ring(world4):
             )
 
 
+def test_planner_fake_run_of_the_ring_matches_memtracker(world4):
+    """``fake_run.core_step`` with a ring (what ``ds-upipe plan --ring-size`` runs: the real
+    RingAttentionKernel on fake tensors over a fake ring group, its K/V and dK/dV blocks in flight
+    included) equals rank 0's MemTracker measurement of the real ring over gloo, byte for byte; the
+    other ranks stay within 6% of it (measured: up to 5.1% more at U = H on 1 x 4)."""
+    from ds_upipe.integration import fake_run
+
+    measured = world4[0]["memory"]
+    for (cu, r, u), (intermediate, _) in measured.items():
+        if r == 1:  # no ring: tests/test_planner.py's calibration covers that
+            continue
+        fake = fake_run.core_step(16, 4, 64, cu * r, u, 512, dtype="fp32", kernel="none", ring_size=r)
+        assert fake.activations == intermediate, ((cu, r, u), fake.activations, intermediate)
+        others = [res["memory"][(cu, r, u)][0] for res in world4]
+        assert max(others) <= 1.06 * fake.activations, ((cu, r, u), others)
+
+
+def test_bench_with_a_ring(world4):
+    """``ds-upipe bench --ring-size 2`` at 2 x 2 (the bench's case runners in the world4 spawn): UPipe x Ring
+    at U = C_u against U = H (Ulysses x Ring, the baseline), core and fused/unfused layer, on zigzag
+    shards: the same outputs and gradients, and U = C_u holds less than U = H."""
+    for res in world4:
+        cases = res["bench"]
+        assert list(cases) == [
+            "upipe-ring2[U=8]",
+            "upipe-ring2[U=2]",
+            *(f"upipe-{f}-ring2[U={u}]" for f in ("fused", "unfused") for u in (8, 2)),
+        ]
+        assert all(diff < 1e-5 for _, diff in cases.values()), cases
+        assert cases["upipe-ring2[U=2]"][0] < cases["upipe-ring2[U=8]"][0], cases
+        assert cases["upipe-fused-ring2[U=2]"][0] < cases["upipe-fused-ring2[U=8]"][0], cases
+
+
 RING_DIFFERS = "differs across the ranks of the sequence-parallel group ("
 EXPECTED_ERRORS = {
     "ring_not_dividing_sp": "ring_size=4 does not divide sequence_parallel_size=6",
