@@ -107,6 +107,56 @@ def test_block_pairs_compute_exactly_the_visible_pairs(ring_size, causal):
     assert max(work) == min(work), work  # zigzag: the same causal work on every ring rank
 
 
+def test_ring_overlap_sends_the_next_block_while_the_current_one_computes(monkeypatch):
+    """``overlap=True``: the next K/V block's send/recv starts before the current block's kernel call and
+    is waited for after it; in backward the travelling dK/dV is waited for only after the next block has
+    computed.  Without overlap every exchange is waited for before the next compute.  One process as
+    rank 0 of a fake ring of 2 (the order of the calls is what is checked, not the values)."""
+    from ds_upipe import TorchSDPAKernel, ring
+    from ds_upipe.integration.fake_run import fake_world
+    from ds_upipe.ring import RingAttentionKernel
+
+    events: list[str] = []
+
+    class Recording(TorchSDPAKernel):
+        def forward(self, q, k, v):
+            events.append("compute")
+            return super().forward(q, k, v)
+
+        def backward(self, *args):
+            events.append("compute")
+            return super().backward(*args)
+
+    original = ring.start_ring_exchange
+
+    def exchange(tensors, group, tags):
+        kind = "kv" if tuple(tags) == ring._KV_TAGS else "grad"
+        events.append(f"send {kind}")
+        pending = original(tensors, group, tags)
+        wait = pending.wait
+        pending.wait = lambda: (events.append(f"wait {kind}"), wait())[1]
+        return pending
+
+    monkeypatch.setattr(ring, "start_ring_exchange", exchange)
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64) for _ in range(3))
+    order = {}
+    with fake_world(2) as world:
+        for overlap in (False, True):
+            kernel = RingAttentionKernel(Recording(causal=True), world, overlap=overlap)
+            events.clear()
+            out, lse, aux = kernel.forward(q, k, v)
+            order[overlap, "forward"] = list(events)
+            events.clear()
+            kernel.backward(torch.ones_like(out), q, k, v, out, lse, aux)
+            order[overlap, "backward"] = list(events)
+    assert order[False, "forward"] == ["compute", "send kv", "wait kv", "compute"]
+    assert order[True, "forward"] == ["send kv", "compute", "wait kv", "compute"]
+    no_overlap = ["compute", "send grad", "wait grad", "send kv", "wait kv", "compute", "send grad", "wait grad"]
+    assert order[False, "backward"] == no_overlap
+    overlapped = ["send kv", "compute", "send grad", "wait kv", "compute", "wait grad", "send grad", "wait grad"]
+    assert order[True, "backward"] == overlapped
+
+
 # -- distributed --------------------------------------------------------------------------------------------
 
 
