@@ -639,8 +639,8 @@ def ring_parity_case(arch, fused, layout, u=None, overlap=False, seq=None, **ove
 
 
 def ring_cases_for(layout):
-    """(name, kwargs) of the ring parity cases of one C_u x R layout: Llama (GQA 8/2) and Qwen3 (8/4,
-    q/k norms), fused and unfused, U = C_u and U = H, overlap on and off, KV < C_u where C_u > 1,
+    """(name, kwargs) of the ring parity cases of one C_u x R layout: Llama (GQA 8/2, and MHA) and Qwen3
+    (8/4, q/k norms), fused and unfused, U in {C_u, 2 C_u, H}, overlap on and off, KV < C_u where C_u > 1,
     and a sequence that needs padding."""
     cu, _ = layout
     cases = [
@@ -654,6 +654,9 @@ def ring_cases_for(layout):
         ("llama unfused overlap", dict(arch="llama", fused=False, overlap=True)),
         ("qwen3 fused overlap U=H", dict(arch="qwen3", fused=True, overlap=True, u=8)),
         ("llama fused padding", dict(arch="llama", fused=True, seq=6 * 4 - 3)),
+        # MHA (KV = H) and U = 2 C_u
+        ("llama fused MHA U=2C_u", dict(arch="llama", fused=True, u=2 * cu, num_key_value_heads=8)),
+        ("qwen3 unfused U=2C_u overlap", dict(arch="qwen3", fused=False, u=2 * cu, overlap=True)),
     ]
     if cu > 1:
         kv = dict(num_key_value_heads=cu // 2)
