@@ -15,6 +15,7 @@ weight inputs, so autograd (and ZeRO-3's hooks) see one gradient per weight per 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ds_upipe.pipeline import PipelineContext, pipeline_backward, pipeline_forward
+from ds_upipe.schedule import StagePlan
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -112,6 +114,26 @@ def rope_backward(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out
 
 
+@dataclass(frozen=True)
+class KeyValueReplicas:
+    """Where a round's gathered KV head list repeats heads (Hkv < C: each KV head goes to several
+    ranks): ``unique`` lists each head once, ``slot_to_unique[i]`` is the unique index of slot i."""
+
+    unique: tuple[int, ...]
+    slot_to_unique: tuple[int, ...]
+
+
+def kv_replicas(plan: StagePlan) -> list[KeyValueReplicas | None]:
+    """Per round, the replica layout of its KV heads (None where no head repeats).  Derived on the host
+    from the plan, not from the index tensors (torch.unique), so it also runs under FakeTensorMode."""
+    out: list[KeyValueReplicas | None] = []
+    for rnd in plan.rounds:
+        heads = [h for per_rank in rnd.kv_heads for h in per_rank]
+        unique = tuple(dict.fromkeys(heads))
+        out.append(None if len(unique) == len(heads) else KeyValueReplicas(unique, tuple(map(unique.index, heads))))
+    return out
+
+
 class FusedProjectionSource:
     """A ``StageSource`` that computes a stage's heads from x and the weight rows of those heads.
 
@@ -130,6 +152,7 @@ class FusedProjectionSource:
         backward: bool = False,
         needs_grad: tuple[bool, ...] = (),
         accumulate_in_input_dtype: bool = False,
+        kv_rounds: Sequence[KeyValueReplicas | None] = (),
     ) -> None:
         self.x = x
         self.x2d = x.reshape(-1, x.shape[-1])
@@ -149,6 +172,9 @@ class FusedProjectionSource:
         # FIFO: with overlapped communication the next stage is fetched before this one's gradient returns
         self._pending_q: deque[tuple[Tensor | None, Tensor]] = deque()
         self._pending_kv: deque[tuple[Tensor | None, Tensor]] = deque()
+        # backward: the plan's KV replica layout per round (key_value is called once per round, in order)
+        self._kv_rounds = list(kv_rounds)
+        self._kv_round = 0
 
     def rows(self, heads: Tensor) -> Tensor:
         """Weight rows (q/k/v) or columns (o_proj) of the given heads."""
@@ -188,10 +214,34 @@ class FusedProjectionSource:
 
     def add_key_value_grad(self, heads: Tensor, grad_key: Tensor, grad_value: Tensor) -> None:
         pre_norm, rows = self._pending_kv.popleft()
+        replicas = self._next_kv_replicas()
+        if replicas is not None:
+            # Sum the replicas' gradients first, as HF's repeat_kv backward does: a q/k norm computes in
+            # float32 inside, so taking each replica through it separately would round differently.
+            dev = grad_key.device
+            unique = torch.tensor(replicas.unique, dtype=torch.long, device=dev)
+            slots = torch.tensor(replicas.slot_to_unique, dtype=torch.long, device=dev)
+            first = torch.tensor([replicas.slot_to_unique.index(i) for i in range(len(replicas.unique))], device=dev)
+            grad_key, grad_value = (self._sum_replicas(g, slots, unique.numel()) for g in (grad_key, grad_value))
+            pre_norm = None if pre_norm is None else pre_norm.index_select(2, first)
+            rows = self.rows(unique)
         self._linear_backward(self._chunk_backward(grad_key, pre_norm, _KN), rows, _WK)
         self._linear_backward(grad_value, rows, _WV)
 
     # -- backward helpers --------------------------------------------------------------------
+    def _next_kv_replicas(self) -> KeyValueReplicas | None:
+        if not self._kv_rounds:
+            return None
+        replicas = self._kv_rounds[self._kv_round % len(self._kv_rounds)]
+        self._kv_round += 1
+        return replicas
+
+    @staticmethod
+    def _sum_replicas(grad: Tensor, slots: Tensor, num_unique: int) -> Tensor:
+        """[b, s, slots, d] -> [b, s, unique heads, d]: each head's replicas summed."""
+        b, s, _, d = grad.shape
+        return torch.zeros((b, s, num_unique, d), dtype=grad.dtype, device=grad.device).index_add_(2, slots, grad)
+
     def _chunk_backward(self, grad: Tensor, pre_norm: Tensor | None, norm_idx: int) -> Tensor:
         grad = rope_backward(grad, self.cos, self.sin)
         if pre_norm is None:
@@ -273,6 +323,7 @@ class FusedUPipeAttention(torch.autograd.Function):
             backward=True,
             needs_grad=needs,
             accumulate_in_input_dtype=fctx.pctx.accumulate_in_input_dtype,
+            kv_rounds=kv_replicas(fctx.pctx.plan),
         )
         dy = grad_y.reshape(-1, grad_y.shape[-1])
         w_o = fctx.proj.o_proj.weight

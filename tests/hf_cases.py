@@ -144,14 +144,16 @@ def parity_matrix(rank, world):
     cases = [(arch, fused, torch.float64, None) for arch in ARCH_CONFIGS for fused in (True, False)]
     cases += [("llama", True, torch.float32, None), ("qwen3", False, torch.float32, None)]
     cases += [("qwen2", True, torch.float64, 2 * world), ("mistral", True, torch.float64, 8)]  # U = 2C, U = H
-    cases = [(*case, False) for case in cases]
-    cases += [("qwen3", True, torch.float64, None, True), ("llama", False, torch.float64, None, True)]  # overlap
+    cases = [(*case, False, {}) for case in cases]
+    cases += [("qwen3", True, torch.float64, None, True, {}), ("llama", False, torch.float64, None, True, {})]
+    # Qwen3 fused with fewer KV heads than ranks: the replicas' dK must be summed before the float32 k_norm
+    cases += [("qwen3", True, torch.float64, None, False, {"num_key_value_heads": world // 2})]
     with pipeline.StageCounter() as stages:
-        for arch, fused, dtype, u, overlap in cases:
-            errors = parity_case(arch, fused, dtype, u=u, world=world, overlap=overlap)
+        for arch, fused, dtype, u, overlap, overrides in cases:
+            errors = parity_case(arch, fused, dtype, u=u, world=world, overlap=overlap, **overrides)
             count += 1
             if max(errors.values()) > TOLERANCE[dtype]:
-                failures.append((arch, fused, str(dtype), u, overlap, errors))
+                failures.append((arch, fused, str(dtype), u, overlap, overrides, errors))
     return failures, count, stages.count
 
 
@@ -643,8 +645,8 @@ def ring_parity_case(arch, fused, layout, u=None, overlap=False, seq=None, **ove
 
 
 def ring_cases_for(layout):
-    """(name, kwargs) of the ring parity cases of one C_u x R layout: Llama (GQA 8/2) and Qwen3 (8/4,
-    q/k norms), fused and unfused, U = C_u and U = H, overlap on and off, KV < C_u where C_u > 1,
+    """(name, kwargs) of the ring parity cases of one C_u x R layout: Llama (GQA 8/2, and MHA) and Qwen3
+    (8/4, q/k norms), fused and unfused, U in {C_u, 2 C_u, H}, overlap on and off, KV < C_u where C_u > 1,
     and a sequence that needs padding."""
     cu, _ = layout
     cases = [
@@ -658,24 +660,46 @@ def ring_cases_for(layout):
         ("llama unfused overlap", dict(arch="llama", fused=False, overlap=True)),
         ("qwen3 fused overlap U=H", dict(arch="qwen3", fused=True, overlap=True, u=8)),
         ("llama fused padding", dict(arch="llama", fused=True, seq=6 * 4 - 3)),
+        # MHA (KV = H) and U = 2 C_u
+        ("llama fused MHA U=2C_u", dict(arch="llama", fused=True, u=2 * cu, num_key_value_heads=8)),
+        ("qwen3 unfused U=2C_u overlap", dict(arch="qwen3", fused=False, u=2 * cu, overlap=True)),
     ]
     if cu > 1:
-        # (Qwen3 fused with KV < C differs at 1e-7 also without a ring: HF's q/k RMSNorm computes in float32,
-        # and fused mode takes each KV replica's gradient back through it separately)
         kv = dict(num_key_value_heads=cu // 2)
         cases += [
             ("llama fused KV<C_u", dict(arch="llama", fused=True, **kv)),
+            # fused Qwen3 sums the KV replicas' gradients before its float32 k_norm (as HF's repeat_kv does)
+            ("qwen3 fused KV<C_u", dict(arch="qwen3", fused=True, **kv)),
             ("qwen3 unfused KV<C_u overlap", dict(arch="qwen3", fused=False, overlap=True, **kv)),
         ]
     return cases
 
 
-def ring_suite(rank, world, layouts):
-    """Every ring parity case of each layout, plus the ring data loader; returns {layout: {case: errors}}."""
+def ring_cases_compact(layout):
+    """A compact case set for large layouts (C_u x R = 4 x 2: 8 processes on few cores): fused and
+    unfused Llama and Qwen3, GQA with KV >= C_u and KV < C_u, U in {C_u, H}, one overlapped case, on
+    the shortest sequence the zigzag split allows (2 tokens per rank)."""
+    cu, r = layout
+    seq = 2 * cu * r
+    gqa, kv_lt = dict(num_key_value_heads=cu), dict(num_key_value_heads=cu // 2)
+    return [
+        ("llama fused KV<C_u", dict(arch="llama", fused=True, seq=seq, **kv_lt)),
+        ("llama unfused GQA U=H", dict(arch="llama", fused=False, u=8, seq=seq, **gqa)),
+        ("qwen3 fused GQA U=H overlap", dict(arch="qwen3", fused=True, u=8, overlap=True, seq=seq, **gqa)),
+        ("qwen3 fused KV<C_u", dict(arch="qwen3", fused=True, seq=seq, **kv_lt)),
+        ("qwen3 unfused KV<C_u", dict(arch="qwen3", fused=False, seq=seq, **kv_lt)),
+    ]
+
+
+def ring_suite(rank, world, layouts, compact=False):
+    """Every ring parity case of each layout, plus the ring data loader (``compact``: the compact case
+    set, no loader); returns {layout: {case: errors}}."""
     out = {}
     for layout in layouts:
-        results = {name: ring_parity_case(layout=layout, **kwargs) for name, kwargs in ring_cases_for(layout)}
-        results["dataloader"] = ring_dataloader_case(layout)
+        cases = ring_cases_compact(layout) if compact else ring_cases_for(layout)
+        results = {name: ring_parity_case(layout=layout, **kwargs) for name, kwargs in cases}
+        if not compact:
+            results["dataloader"] = ring_dataloader_case(layout)
         out[layout] = results
     return out
 

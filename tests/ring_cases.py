@@ -237,14 +237,41 @@ def bad_layout_errors(rank, world):
     }
 
 
-def world_suite(rank, world, parity_layouts, memory_layouts=(), errors=False, cuda_adapters=False):
+def bench_with_ring(rank, world):
+    """``ds-upipe bench --ring-size 2`` on this world of 4 (Ulysses 2 x ring 2): every core and layer case
+    of ``BenchSpec(ring_size=2)`` run by the bench's own case runners (memory only), with each case's
+    max abs difference to the level's baseline (U = H: Ulysses x Ring)."""
+    from ds_upipe.tools import bench
+
+    spec = bench.BenchSpec(
+        world=world, ring_size=2, seq_lens=[64], heads=8, kv_heads=2, head_dim=16, head_chunk_sizes=[2, 8], repeats=0
+    )
+    out = {}
+    for level, runner in (("core", bench.run_core_case), ("layer", bench.run_layer_case)):
+        reference = None
+        for method in spec.methods(level):
+            res = runner(method, spec, 64, rank, torch.device("cpu"))
+            reference = reference or res["values"]
+            out[method.name] = (res["intermediate"], bench._max_abs_diff(res["values"], reference))
+    return out
+
+
+def world_suite(
+    rank, world, parity_layouts, memory_layouts=(), errors=False, cuda_adapters=False, hf_compact_layouts=()
+):
     """Everything one spawn of ``world`` ranks checks: parity and load balance on ``parity_layouts``,
-    then optionally memory, bad-layout errors and the CUDA adapters' stand-ins."""
+    then optionally memory, bad-layout errors, the CUDA adapters' stand-ins, and the patched HF models'
+    compact ring case set (``tests.hf_cases.ring_cases_compact``) on ``hf_compact_layouts``."""
     out = {"parity": parity_matrix(rank, world, parity_layouts), "balance": load_balance(rank, world, parity_layouts)}
+    if hf_compact_layouts:
+        from tests import hf_cases
+
+        out["hf"] = hf_cases.ring_suite(rank, world, hf_compact_layouts, True)
     if memory_layouts:
         out["memory"] = memory_by_layout(rank, world, memory_layouts)
     if errors:
         out["errors"] = bad_layout_errors(rank, world)
     if cuda_adapters:
         out["cuda_adapters"] = cuda_adapter_parity(rank, world)
+        out["bench"] = bench_with_ring(rank, world)
     return out

@@ -91,6 +91,12 @@ def test_bench_spec_refuses_bad_settings():
         BenchSpec(world=4, seq_lens=[1001])
     with pytest.raises(ValueError, match="head_chunk_size 6"):
         BenchSpec(world=4, head_chunk_sizes=[6])
+    with pytest.raises(ValueError, match="ring_size=3 does not divide sequence_parallel_size=4"):
+        BenchSpec(world=4, ring_size=3)
+    with pytest.raises(ValueError, match=r"multiple of 4 \(zigzag ring shards\)"):
+        BenchSpec(world=2, ring_size=2, seq_lens=[6])
+    with pytest.raises(ValueError, match="head_chunk_size 1 is invalid .* Ulysses degree 2"):
+        BenchSpec(world=4, ring_size=2, head_chunk_sizes=[1])
     with pytest.raises(ValueError, match="levels"):
         BenchSpec(levels=("attention",))
     with pytest.raises(ValueError, match="device"):

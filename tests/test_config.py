@@ -171,12 +171,18 @@ def test_ring_size_divides_sp_and_heads_split_over_ulysses_degree():
 
 
 def test_ring_stage_memory_is_per_ring_block():
-    """With a ring a stage gathers its ring block (S / R tokens) plus the travelling K/V block and dK/dV."""
+    """With a ring ``"auto"`` runs the real ring on fake tensors (rank 0 of C_u x R): a stage gathers its
+    ring block (S / R tokens) plus the K/V block in flight and the travelling dK/dV, so it needs less than
+    the whole sequence without a ring and more than half of it."""
+    from ds_upipe.integration import fake_run
+
     dims = {**DIMS, "group_size": 2}
     no_ring = attention_stage_bytes(2, **dims, seq_length=1024)
     half = attention_stage_bytes(2, **dims, seq_length=512)
     ring = attention_stage_bytes(2, **dims, seq_length=1024, ring_size=2)
-    assert ring == half + 512 * 16 * 1 * (2 * 4 + 8) and ring < no_ring
+    heads = dict(num_heads=DIMS["num_heads"], num_kv_heads=DIMS["num_kv_heads"], head_dim=DIMS["head_dim"])
+    fake = fake_run.core_step(**heads, group_size=4, head_chunk_size=2, seq_len=1024, dtype="fp32", ring_size=2)
+    assert ring == fake.activations and half < ring < no_ring, (half, ring, no_ring)
 
 
 def test_explicit_head_chunk_size():

@@ -8,7 +8,7 @@ from ds_upipe.tools.ranks import run_ranks
 from tests import hf_cases
 
 F64 = hf_cases.TOLERANCE[hf_cases.torch.float64]
-NUM_PARITY_CASES = 2 * len(hf_cases.ARCH_CONFIGS) + 6
+NUM_PARITY_CASES = 2 * len(hf_cases.ARCH_CONFIGS) + 7
 
 REFUSALS = {  # case -> words its message must contain (the offending value and the rule)
     "mistral_sliding_window": ["sliding_window=16", "sliding-window", "config.sliding_window = None"],

@@ -111,6 +111,27 @@ def test_ds_config_sets_what_is_planned():
     assert scheme == planner.AttentionScheme("upipe", None, True, False, True)
 
 
+def test_ring_layouts_are_planned_by_running_the_ring(capsys):
+    """``ring_size``: UPipe x Ring at the U valid for C_u = gpus / R (U = H is Ulysses x Ring; ALST has no
+    ring), from the flag or the ds_config, and the CLI's ``--ring-size``.  (That the fake ring run is the
+    measured memory: tests/test_ring.py::test_planner_fake_run_of_the_ring_matches_memtracker.)"""
+    with pytest.raises(ValueError, match="ring_size=3 must be a positive divisor of gpus=4"):
+        planner.TrainSetup(gpus=4, ring_size=3)
+    assert [m.label for m in planner.methods_for(SMALL, 4, ring_size=2)] == ["upipe U=2", "upipe U=4", "upipe U=8"]
+    cfg = json.loads(open("ds_configs/upipe_zero3.json").read())
+    setup, _, _ = planner.from_ds_config({**cfg, "upipe": {**cfg["upipe"], "ring_size": 2}})
+    assert (setup.gpus, setup.ring_size, setup.ulysses_size, setup.seq_multiple) == (4, 2, 2, 4)
+    small = planner.TrainSetup(gpus=4, ring_size=2, kernel="none", reserve_gib=0.0)
+    with pytest.raises(ValueError, match="DeepSpeed ALST has no ring"):
+        planner.layer_peak(SMALL, small, planner.AttentionScheme("ulysses"), 4096)
+    with pytest.raises(ValueError, match="head_chunk_size=1 is not valid"):
+        planner.layer_peak(SMALL, small, planner.AttentionScheme("upipe", 1), 4096)
+    assert "4 GPUs x 79.6 GiB (Ulysses 2 x ring 2)" in planner.describe(SMALL, small)
+    args = ["plan", "--model", "qwen3-32b", "--gpus", "16", "--ring-size", "2", "--seq", "128K,1000"]
+    assert main(args) == 2  # refused before any run: the CLI reads --ring-size
+    assert "--seq [1000]: every length must be a positive multiple of 16 (--ring-size 2)" in capsys.readouterr().err
+
+
 def test_input_dtype_accumulation_is_planned_by_running_it():
     """upipe.accumulate_dtype="input" reaches the fake run: the fused path's float32 dx accumulator
     (b x S/C x hidden x 4 bytes) becomes bf16 (x 2), and the layer's peak drops by at least that."""

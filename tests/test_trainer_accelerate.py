@@ -7,7 +7,8 @@ relative; the UPipe launches must have run UPipe stages on every rank, in traini
 evaluation, on sequence-sharded eval batches; the ALST launches none.  A ZeRO-2 UPipe Trainer launch
 checks the gradient average (DeepSpeed issue #5248: without ds_upipe's correction its gradient norms
 come out 2x).  Two Trainer launches with ``--model PATH`` (a checkpoint saved with ``save_pretrained``,
-loaded under ZeRO-3's ``zero.Init``), with SP 2 and without SP, must agree the same way.
+loaded under ZeRO-3's ``zero.Init``), with SP 2 and without SP, must agree the same way.  Per entry
+point one 4-process UPipe x Ring launch (Ulysses 2 x ring 2) must equal that entry point's non-SP run.
 
 The Trainer's eval set has 5 sequences on 2 ranks, so accelerate pads one rank's last batch with a
 duplicate and ``gather_for_metrics`` drops it again: the SP eval loss must still equal the non-SP one.
@@ -116,19 +117,23 @@ def trainer_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
     }
 
 
-@pytest.fixture(scope="module")
-def trainer_ring_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
-    """UPipe x Ring through the Trainer: 4 processes, sp_size 4 = Ulysses 2 x ring 2 (the ds_config's
-    ``"upipe": {"ring_size": 2}``), against the non-SP run."""
-    work = tmp_path_factory.mktemp("trainer_ring")
+def _ring_config(path: Path) -> str:
+    """examples/ds_config_upipe.json with ``"upipe": {"ring_size": 2}`` (UPipe x Ring), written to ``path``."""
     ring = json.loads((ROOT / "examples/ds_config_upipe.json").read_text())
     ring["upipe"]["ring_size"] = 2
-    (work / "ds_config_upipe_ring.json").write_text(json.dumps(ring))
+    path.write_text(json.dumps(ring))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def trainer_ring_runs(trainer_runs, tmp_path_factory) -> dict[str, dict[str, Any]]:
+    """UPipe x Ring through the Trainer: 4 processes, sp_size 4 = Ulysses 2 x ring 2 (the ds_config's
+    ``"upipe": {"ring_size": 2}``), against trainer_runs' non-SP run (the same command)."""
+    work = tmp_path_factory.mktemp("trainer_ring")
+    ring = _ring_config(work / "ds_config_upipe_ring.json")
     return {
-        "no_sp": _torchrun(1, work / "no_sp.json", "--deepspeed", "examples/ds_config_upipe.json", "--sp_size", "1"),
-        "upipe_ring": _torchrun(
-            4, work / "upipe_ring.json", "--deepspeed", str(work / "ds_config_upipe_ring.json"), "--sp_size", "4"
-        ),
+        "no_sp": trainer_runs["no_sp"],
+        "upipe_ring": _torchrun(4, work / "upipe_ring.json", "--deepspeed", ring, "--sp_size", "4"),
     }
 
 
@@ -139,6 +144,12 @@ def accelerate_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
         "upipe": _accelerate(work / "upipe.json"),  # the YAML as shipped: ds_config_upipe.json, sp_size 2
         "alst": _accelerate(work / "alst.json", "--deepspeed_config_file", "examples/ds_config_alst.json"),
         "no_sp": _accelerate(work / "no_sp.json", "--num_processes", "1", "--parallelism_config_sp_size", "1"),
+        # UPipe x Ring: 4 processes, sp_size 4 = Ulysses 2 x ring 2 from the ds_config's "upipe": {"ring_size": 2}
+        "upipe_ring": _accelerate(
+            work / "upipe_ring.json",
+            *("--num_processes", "4", "--parallelism_config_sp_size", "4"),
+            *("--deepspeed_config_file", _ring_config(work / "ds_config_upipe_ring.json")),
+        ),
         # the long-context stack from the ds_config with ALST (ZeRO-3)
         "alst_stack": _accelerate(
             work / "alst_stack.json",
@@ -224,6 +235,18 @@ def test_trainer_upipe_x_ring(trainer_ring_runs):
 @pytest.mark.slow
 def test_accelerate_upipe_equals_alst_and_no_sp(accelerate_runs):
     _check_parity(accelerate_runs, ("upipe", "alst"))
+
+
+@pytest.mark.slow
+def test_accelerate_upipe_x_ring(accelerate_runs):
+    """``accelerate launch`` with Ulysses 2 x ring 2: losses, gradient norms and the eval loss equal the
+    non-SP run; every rank ran UPipe stages (U = C_u = 2: 2 layers x 2 stages x (fwd + bwd) x 5 steps) on
+    zigzag shards of S / 4 (the loaders accelerate wraps follow the ring's order)."""
+    _check_parity(accelerate_runs, ("upipe_ring",))
+    run = accelerate_runs["upipe_ring"]
+    assert (run["world_size"], run["sp_size"], run["upipe_block"]["ring_size"]) == (4, 4, 2), run
+    assert run["stage_runs_train"] == [40] * 4 and run["stage_runs_eval"] == [16] * 4, run
+    assert run["eval_local_seq_lens"] == [SEQ_LEN // 4], run
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -23,7 +24,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, model_validator
 
 from ..schedule import (
-    build_plan,
     check_head_counts,
     resolve_head_chunk_size,
     valid_group_sizes,
@@ -282,25 +282,24 @@ def attention_stage_bytes(
     from . import fake_run
 
     dtype = {2: "bf16", 4: "fp32", 8: "fp64"}[dtype_bytes]
-    # with a ring a stage attends over its ring block (seq_length / ring_size tokens per Ulysses group);
-    # the K/V block and its float32 dK/dV travelling around the ring are added analytically, since the
-    # fake process group cannot run the ring's point-to-point exchange
-    block = -(-seq_length // ring_size)
-    seq = block - block % group_size or group_size
+    # with a ring the real RingAttentionKernel runs too, over a fake ring group (rank 0 of C_u x R): a stage
+    # attends over its ring block, with the K/V block in flight and the travelling dK/dV counted as allocated
+    sp_size = group_size * ring_size
+    multiple = sp_size if ring_size == 1 else ring_size * math.lcm(2, group_size)
+    seq = max(multiple, seq_length - seq_length % multiple)
     peak = fake_run.isolated(
         "core_step",
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        group_size=group_size,
+        group_size=sp_size,
         head_chunk_size=head_chunk_size,
         seq_len=seq,
         batch=micro_batch_size,
         dtype=dtype,
+        ring_size=ring_size,
     )
-    kv = build_plan(num_heads, num_kv_heads, group_size, head_chunk_size).kv_heads_per_rank
-    ring = micro_batch_size * block * head_dim * kv * (2 * dtype_bytes + 8) if ring_size > 1 else 0
-    return int(peak["total"] - peak["weights"]) + ring
+    return int(peak["total"] - peak["weights"])
 
 
 def choose_head_chunk_size(

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -380,6 +381,9 @@ class StepSpec:
     loss_tile_tokens: int | None = None
     kernel: str = "none"  # the analytic CUDA workspace: "none" (CPU), "fa2", "fa3"
     comm_backend: str = "nccl"  # whose async-Work buffer lifetime to reproduce: "nccl" or "gloo"
+    #: UPipe x Ring: group_size = C_u x ring_size; rank 0 runs UPipe over its C_u Ulysses ranks and the real
+    #: RingAttentionKernel over a fake ring group of ring_size ranks (its K/V and dK/dV blocks in flight)
+    ring_size: int = 1
 
     def __post_init__(self) -> None:
         if self.comm_backend not in ("nccl", "gloo"):
@@ -388,6 +392,21 @@ class StepSpec:
             raise ValueError(f"attention={self.attention!r}: choose 'alst' or 'upipe'")
         if self.seq_len < self.group_size or self.seq_len % self.group_size:
             raise ValueError(f"seq_len={self.seq_len} is not a positive multiple of the group size {self.group_size}")
+        if self.ring_size != 1:
+            from ..ring import sequence_layout
+
+            if self.attention != "upipe":
+                raise ValueError(
+                    f"ring_size={self.ring_size}: DeepSpeed ALST has no ring; plan UPipe x Ring instead "
+                    "(head_chunk_size = num_heads is Ulysses x Ring)"
+                )
+            layout = sequence_layout(self.group_size, self.ring_size)
+            multiple = self.ring_size * math.lcm(2, layout.ulysses_size)  # two zigzag chunks per ring rank
+            if self.seq_len % multiple:
+                raise ValueError(
+                    f"seq_len={self.seq_len}: with Ulysses degree {layout.ulysses_size} x ring size "
+                    f"{self.ring_size} the sequence must be a multiple of {multiple}"
+                )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(DTYPES)}")
         if self.kernel not in KERNELS:
@@ -458,13 +477,15 @@ def _patched_model(spec: StepSpec, group: dist.ProcessGroup) -> Iterator[torch.n
             _deepspeed_comm_on_fake_world()
             UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", spec.group_size, spec.batch)
         else:
+            ulysses, ring = _sequence_groups(spec, group)
             hf_patches.apply_upipe(
                 model,
-                group,
+                ulysses,
                 head_chunk_size=spec.head_chunk_size,
                 fused_projections=spec.fused,
                 overlap_comm=spec.overlap_comm,
                 accumulate_in_input_dtype=spec.accumulate_in_input_dtype,
+                ring_group=ring,
             )
         if spec.tiled_norm or spec.tiled_mlp or spec.tiled_loss:
             hf_patches.apply_long_context_stack(
@@ -482,6 +503,16 @@ def _patched_model(spec: StepSpec, group: dist.ProcessGroup) -> Iterator[torch.n
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = original
         _release_deepspeed_sp_groups()
+
+
+def _sequence_groups(spec: StepSpec, group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """(Ulysses group, ring group or None) of rank 0 in the fake world of ``spec.group_size`` ranks: the
+    groups ``ds_upipe.ring.build_sequence_groups`` makes in a real run (new_group works on the fake backend)."""
+    if spec.ring_size == 1:
+        return group, None
+    from ..ring import build_sequence_groups
+
+    return build_sequence_groups(spec.group_size, spec.ring_size)
 
 
 def _names(model: torch.nn.Module) -> dict[int, str]:
@@ -571,23 +602,31 @@ def core_step(
     batch: int = 1,
     dtype: str = "bf16",
     kernel: str = "none",
+    ring_size: int = 1,
 ) -> Peak:
     """Rank 0's peak over ``UPipeDistributedAttention`` (TorchSDPAKernel) forward+backward on
-    [b, S/C, H, d] q and [b, S/C, Hkv, d] k, v, with the output gradient materialized.  ``weights``
+    [b, S/C, H, d] q and [b, S/C, Hkv, d] k, v, with the output gradient materialized; with
+    ``ring_size`` R > 1 UPipe runs over C_u = C / R ranks and ring attention over R (fake groups).  ``weights``
     holds the bytes of q, k, v, out, dout, dq, dk, dv (the inputs, output and their gradients), so
     ``activations`` is the stage buffers: the "intermediate" of docs/benchmarks.md."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..kernels import TorchSDPAKernel
     from ..layer import UPipeDistributedAttention
+    from ..ring import build_sequence_groups
 
     t = DTYPES[dtype]
     s = seq_len // group_size
-    with fake_world(group_size) as group, FakeTensorMode():
+    with fake_world(group_size) as world, FakeTensorMode():
+        group, ring = (world, None) if ring_size == 1 else build_sequence_groups(group_size, ring_size)
         # validate_inputs=False: the documented trusted-inputs switch; the check's one all_gather of
         # a few int64 per rank ends in .tolist(), which fake tensors cannot run
         attn = UPipeDistributedAttention(
-            TorchSDPAKernel(causal=True), group, head_chunk_size=head_chunk_size, validate_inputs=False
+            TorchSDPAKernel(causal=True),
+            group,
+            head_chunk_size=head_chunk_size,
+            validate_inputs=False,
+            ring_group=ring,
         )
         q = torch.empty(batch, s, num_heads, head_dim, dtype=t).requires_grad_(True)
         k = torch.empty(batch, s, num_kv_heads, head_dim, dtype=t).requires_grad_(True)

@@ -70,6 +70,10 @@ class BenchSpec:
     warmup: int = 1
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (nccl, one GPU per rank)
     seed: int = 0
+    #: UPipe x Ring: ``world`` = Ulysses degree C_u x ``ring_size``.  DeepSpeed's DistributedAttention and
+    #: ALST have no ring, so with ring_size > 1 the methods are UPipe x Ring at every U valid for C_u,
+    #: the baseline being U = H (Ulysses x Ring), on zigzag shards
+    ring_size: int = 1
 
     def __post_init__(self) -> None:
         from ..schedule import valid_head_chunk_sizes
@@ -83,15 +87,20 @@ class BenchSpec:
             raise ValueError(f"levels={list(self.levels)}: choose from {list(LEVELS)}")
         if not self.seq_lens:
             raise ValueError("seq_lens is empty: give at least one sequence length")
+        from ..ring import sequence_layout
+
+        layout = sequence_layout(self.world, self.ring_size)  # ValueError unless ring_size divides world
+        multiple = self.world if self.ring_size == 1 else self.ring_size * math.lcm(2, layout.ulysses_size)
         for seq in self.seq_lens:
-            if seq < self.world or seq % self.world != 0:
-                raise ValueError(f"sequence length {seq} is not a positive multiple of the group size {self.world}")
-        valid = valid_head_chunk_sizes(self.heads, self.kv_heads, self.world)
+            if seq < self.world or seq % multiple != 0:
+                what = f"the group size {self.world}" if self.ring_size == 1 else f"{multiple} (zigzag ring shards)"
+                raise ValueError(f"sequence length {seq} is not a positive multiple of {what}")
+        valid = valid_head_chunk_sizes(self.heads, self.kv_heads, self.ulysses_size)
         for u in self.head_chunk_sizes or []:
             if u not in valid:
                 raise ValueError(
                     f"head_chunk_size {u} is invalid for heads={self.heads}, kv_heads={self.kv_heads}, "
-                    f"world={self.world}; valid: {valid}"
+                    f"Ulysses degree {self.ulysses_size}; valid: {valid}"
                 )
         if self.repeats < 0 or self.warmup < 0:
             raise ValueError(
@@ -103,6 +112,11 @@ class BenchSpec:
         return self.hidden or self.heads * self.head_dim
 
     @property
+    def ulysses_size(self) -> int:
+        """C_u: the ranks UPipe's all-to-alls span (``world`` without a ring)."""
+        return self.world // self.ring_size
+
+    @property
     def intermediate_size(self) -> int:
         return self.intermediate or 2 * self.hidden_size
 
@@ -110,11 +124,18 @@ class BenchSpec:
     def chunk_sizes(self) -> list[int]:
         from ..schedule import valid_head_chunk_sizes
 
-        return self.head_chunk_sizes or valid_head_chunk_sizes(self.heads, self.kv_heads, self.world)
+        return self.head_chunk_sizes or valid_head_chunk_sizes(self.heads, self.kv_heads, self.ulysses_size)
 
     def methods(self, level: str) -> list[Method]:
         """The baseline first, then the others in a fixed order."""
         us = self.chunk_sizes
+        if self.ring_size > 1:  # U = H (Ulysses x Ring) is the baseline
+            us = [self.heads] + [u for u in us if u != self.heads]
+            if level == "core":
+                return [Method(f"upipe-ring{self.ring_size}[U={u}]", "upipe", u) for u in us]
+            return [Method(f"upipe-fused-ring{self.ring_size}[U={u}]", "upipe", u, True) for u in us] + [
+                Method(f"upipe-unfused-ring{self.ring_size}[U={u}]", "upipe", u, False) for u in us
+            ]
         if level == "core":
             return [Method("deepspeed", "deepspeed"), Method("alst", "alst")] + [
                 Method(f"upipe[U={u}]", "upipe", u) for u in us
@@ -195,8 +216,13 @@ def _core_attention(method: Method, spec: BenchSpec, group: Any, pos: torch.Tens
     if method.kind == "deepspeed":
         return DistributedAttention(gqa_native_sdpa, group)
     if method.kind == "upipe":
+        ulysses, ring = sequence_groups(spec)
         return UPipeDistributedAttention(
-            TorchSDPAKernel(causal=True), group, head_chunk_size=method.head_chunk_size, overlap_comm=spec.overlap_comm
+            TorchSDPAKernel(causal=True),
+            ulysses,
+            head_chunk_size=method.head_chunk_size,
+            overlap_comm=spec.overlap_comm,
+            ring_group=ring,
         )
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -220,6 +246,32 @@ def _core_attention(method: Method, spec: BenchSpec, group: Any, pos: torch.Tens
     return run
 
 
+_GROUPS: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+
+def sequence_groups(spec: BenchSpec) -> tuple[Any, Any]:
+    """(Ulysses group, ring group or None) of this rank: the whole world without a ring, else
+    ``ds_upipe.ring.build_sequence_groups`` (built once per process; every rank calls it in the same order)."""
+    import torch.distributed as dist
+
+    if spec.ring_size == 1:
+        return dist.group.WORLD, None
+    key = (spec.world, spec.ring_size)
+    if key not in _GROUPS:
+        from ..ring import build_sequence_groups
+
+        _GROUPS[key] = build_sequence_groups(spec.world, spec.ring_size)
+    return _GROUPS[key]
+
+
+def shard_positions(spec: BenchSpec, seq: int, rank: int, device: torch.device) -> torch.Tensor:
+    """[b, S/C] global positions of this rank's shard: contiguous, or its zigzag share with a ring."""
+    from ..ring import SequenceLayout, zigzag_positions
+
+    pos = zigzag_positions(seq, SequenceLayout(spec.ulysses_size, spec.ring_size), rank).to(device)
+    return pos.expand(spec.batch, pos.numel())
+
+
 def _core_inputs(spec: BenchSpec, seq: int, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
     """This rank's shard of q, k, v, dout (same values for every method)."""
     gen = torch.Generator(device="cpu").manual_seed(spec.seed * 1_000_003 + seq * 31 + rank)
@@ -232,7 +284,7 @@ def _core_inputs(spec: BenchSpec, seq: int, rank: int, device: torch.device) -> 
         "dout": (spec.batch, s, spec.heads, spec.head_dim),
     }
     out = {n: torch.randn(shp, generator=gen).to(device=device, dtype=dtype) for n, shp in shapes.items()}
-    out["pos"] = torch.arange(rank * s, (rank + 1) * s, device=device).expand(spec.batch, s)
+    out["pos"] = shard_positions(spec, seq, rank, device)
     return out
 
 
@@ -290,7 +342,6 @@ def llama_config(spec: BenchSpec, layers: int = 1) -> Any:
 def build_layer(method: Method, spec: BenchSpec, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(decoder layer, rotary embedding) of a one-layer Llama patched for ``method`` (same weights for
     every method: same seed)."""
-    import torch.distributed as dist
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(spec.seed)
@@ -305,12 +356,14 @@ def build_layer(method: Method, spec: BenchSpec, device: torch.device) -> tuple[
     elif method.kind == "upipe":
         from hf_patches import apply_upipe
 
+        ulysses, ring = sequence_groups(spec)
         apply_upipe(
             model,
-            dist.group.WORLD,
+            ulysses,
             head_chunk_size=method.head_chunk_size,
             fused_projections=method.fused,
             overlap_comm=spec.overlap_comm,
+            ring_group=ring,
         )
     else:
         raise ValueError(f"method {method.name!r} has no decoder-layer implementation")
@@ -333,7 +386,7 @@ def layer_case(
     gen = torch.Generator(device="cpu").manual_seed(spec.seed * 1_000_003 + seq * 31 + rank)
     x0 = torch.randn(spec.batch, s, spec.hidden_size, generator=gen).to(device=device, dtype=dtype)
     dy = torch.randn(spec.batch, s, spec.hidden_size, generator=gen).to(device=device, dtype=dtype)
-    pos = torch.arange(rank * s, (rank + 1) * s, device=device).expand(spec.batch, s)
+    pos = shard_positions(spec, seq, rank, device)
     with torch.no_grad():
         cos, sin = rotary(x0, pos)
     result: dict[str, torch.Tensor] = {}
@@ -434,7 +487,7 @@ def combine_ranks(per_rank: list[list[tuple]]) -> list[Measurement]:
                 max_abs_diff=max(c[6] for c in cases),
             )
         )
-    baselines = {(m.level, m.seq_len): m for m in rows if m.kind in ("deepspeed", "alst") and _is_first(m, rows)}
+    baselines = {(m.level, m.seq_len): m for m in rows if _is_first(m, rows)}
     for m in rows:
         base = baselines[(m.level, m.seq_len)]
         m.peak_ratio = m.peak_bytes / base.peak_bytes
@@ -444,7 +497,8 @@ def combine_ranks(per_rank: list[list[tuple]]) -> list[Measurement]:
 
 
 def _is_first(m: Measurement, rows: list[Measurement]) -> bool:
-    """The baseline of a level is its first method (DeepSpeed at the core, ALST at the layer)."""
+    """The baseline of a level is its first method (DeepSpeed at the core, ALST at the layer; with a ring,
+    UPipe x Ring at U = H: Ulysses x Ring)."""
     first = next(r for r in rows if r.level == m.level and r.seq_len == m.seq_len)
     return first is m
 
@@ -472,12 +526,12 @@ def format_table(rows: list[Measurement]) -> str:
         if level == "core":
             lines.append("local attention: " + "; ".join(f"{k}: {v}" for k, v in CORE_LOCAL_ATTENTION.items()))
         header = (
-            f"{'method':<22}{'seq':>9}{'peak':>10}{'x':>6}{mid:>10}{'x':>6}{'fwd+bwd s':>11}{'x':>6}{'maxdiff':>10}"
+            f"{'method':<26}{'seq':>9}{'peak':>10}{'x':>6}{mid:>10}{'x':>6}{'fwd+bwd s':>11}{'x':>6}{'maxdiff':>10}"
         )
         lines += [header, "-" * len(header)]
         for r in (r for r in rows if r.level == level):
             lines.append(
-                f"{r.method:<22}{r.seq_len:>9}{r.peak_bytes / 2**20:>10.1f}{r.peak_ratio:>6.2f}"
+                f"{r.method:<26}{r.seq_len:>9}{r.peak_bytes / 2**20:>10.1f}{r.peak_ratio:>6.2f}"
                 f"{r.intermediate_bytes / 2**20:>10.1f}{r.intermediate_ratio:>6.2f}"
                 f"{r.time_s:>11.3f}{r.time_ratio:>6.2f}{r.max_abs_diff:>10.1e}"
             )

@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--config", type=Path, help="a ds_config JSON: predict only what it runs")
     plan.add_argument("--model", default="llama3-8b", help="preset (llama3-8b, qwen3-32b) or a config.json path")
     plan.add_argument("--gpus", type=int, default=None, help="sequence-parallel GPUs (default: the preset's, or 8)")
+    plan.add_argument(
+        "--ring-size",
+        type=int,
+        default=None,
+        help="UPipe x Ring (upipe.ring_size): Ulysses degree gpus / R x ring R (default 1, or the config's)",
+    )
     plan.add_argument("--gpu-memory", type=float, default=79.6, help="GiB per GPU (default 79.6: an 80 GB card)")
     plan.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="ZeRO stage (default 3)")
     plan.add_argument("--no-checkpointing", action="store_true", help="no activation checkpointing")
@@ -103,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the layer).  Writes OUT.json and OUT.png.",
     )
     bench.add_argument("--world", type=int, default=4, help="ranks = sequence-parallel degree C (default 4)")
+    bench.add_argument(
+        "--ring-size",
+        type=int,
+        default=1,
+        help="UPipe x Ring: --world = Ulysses degree x R; compares UPipe x Ring at each U against U = H (Ulysses x "
+        "Ring) on zigzag shards (DeepSpeed's and ALST's attention have no ring)",
+    )
     bench.add_argument("--seq", type=parse_token_list, default=[2048, 4096], help="global sequence lengths")
     bench.add_argument("--levels", default="core,layer", help="comma-separated: core, layer (default both)")
     bench.add_argument("--heads", type=int, default=32)
@@ -138,9 +151,11 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
         methods = [scheme]
     else:
         setup = base
-        methods = planner.methods_for(dims, setup.gpus, not args.unfused, args.overlap_comm)
+        setup = replace(base, ring_size=args.ring_size or 1)
+        methods = planner.methods_for(dims, setup.gpus, not args.unfused, args.overlap_comm, setup.ring_size)
     changes = {
         "gpus": args.gpus,
+        "ring_size": args.ring_size,
         "zero_stage": args.zero,
         "dtype": args.dtype,
         "batch": args.batch,
@@ -157,9 +172,9 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
     elif args.no_offload:
         changes.update(offload_checkpoints=False)
     setup = replace(setup, kernel=args.kernel, reserve_gib=args.reserve, **changes)
-    # head_chunk_size null is U = C of the GPUs planned for (after --gpus, which overrides the config's sp)
+    # head_chunk_size null is U = C_u of the GPUs planned for (after --gpus, which overrides the config's sp)
     methods = [
-        replace(m, head_chunk_size=setup.gpus) if m.kind == "upipe" and m.head_chunk_size is None else m
+        replace(m, head_chunk_size=setup.ulysses_size) if m.kind == "upipe" and m.head_chunk_size is None else m
         for m in methods
     ]
     return dims, setup, methods
@@ -170,9 +185,12 @@ def _plan(args: argparse.Namespace) -> int:
 
     dims, setup, methods = _plan_setup(args)
     seq_lens = args.seq or planner.PAPER_STEPS
-    bad = [s for s in seq_lens if s < setup.gpus or s % setup.gpus]
+    bad = [s for s in seq_lens if s < setup.gpus or s % setup.seq_multiple]
     if bad:
-        raise ValueError(f"--seq {bad}: every length must be a positive multiple of --gpus {setup.gpus}")
+        what = (
+            f"--gpus {setup.gpus}" if setup.ring_size == 1 else f"{setup.seq_multiple} (--ring-size {setup.ring_size})"
+        )
+        raise ValueError(f"--seq {bad}: every length must be a positive multiple of {what}")
     print(planner.plan_table(dims, setup, seq_lens, methods))
     if args.tokens is not None and args.config is None:
         print()
@@ -217,11 +235,15 @@ def _bench(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         warmup=args.warmup,
         device=device,
+        ring_size=args.ring_size,
     )
     rows = bench.run_bench(spec, show_progress=not args.no_progress)
+    ring = f" ({spec.ulysses_size} x ring {spec.ring_size})" if spec.ring_size > 1 else ""
     json_path, png_path = args.out.with_suffix(".json"), args.out.with_suffix(".png")
     bench.write_json(json_path, spec, rows, {"command": "ds-upipe " + " ".join(args.argv)})
-    bench.plot(png_path, rows, title=f"ds-upipe bench: C={spec.world}, H={spec.heads}, KV={spec.kv_heads}, {dtype}")
+    bench.plot(
+        png_path, rows, title=f"ds-upipe bench: C={spec.world}{ring}, H={spec.heads}, KV={spec.kv_heads}, {dtype}"
+    )
     print(bench.format_table(rows))
     print(f"wrote {json_path} and {png_path}")
     return 0

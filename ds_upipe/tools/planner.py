@@ -232,10 +232,18 @@ class TrainSetup:
     comm_backend: str = "nccl"
     zero_prefetch_layers: int = 1  # ZeRO-3: layers gathered ahead of the current one
     zero_reduce_bucket: int = 500_000_000  # ZeRO: reduce_bucket_size (elements), DeepSpeed's default
+    #: UPipe x Ring (upipe.ring_size): the ``gpus`` sequence-parallel ranks are Ulysses degree C_u = gpus /
+    #: ring_size x ring_size; 1 is no ring
+    ring_size: int = 1
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
             raise ValueError(f"gpus={self.gpus} must be >= 1")
+        if self.ring_size < 1 or self.gpus % self.ring_size:
+            raise ValueError(
+                f"ring_size={self.ring_size} must be a positive divisor of gpus={self.gpus} "
+                "(the sequence-parallel ranks are Ulysses degree x ring size)"
+            )
         if self.gpu_memory_gib <= 0:
             raise ValueError(f"gpu_memory_gib={self.gpu_memory_gib} must be positive")
         if self.zero_stage not in (0, 1, 2, 3):
@@ -254,15 +262,30 @@ class TrainSetup:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def ulysses_size(self) -> int:
+        """C_u: the ranks UPipe's head-chunked all-to-alls span (all ``gpus`` without a ring)."""
+        return self.gpus // self.ring_size
+
+    @property
+    def seq_multiple(self) -> int:
+        """Sequence lengths must be multiples of this: the GPUs, and with a ring two zigzag chunks per ring
+        rank, each split over the Ulysses ranks (``ds_upipe.ring.zigzag_positions``)."""
+        return self.gpus if self.ring_size == 1 else self.ring_size * math.lcm(2, self.ulysses_size)
+
+    @property
     def stack_label(self) -> str:
         parts = [n for n, on in (("loss", self.tiled_loss), ("norm", self.tiled_norm), ("MLP", self.tiled_mlp)) if on]
         return "tiled " + "/".join(parts) if parts else "no long-context stack"
 
 
-def methods_for(dims: ModelDims, gpus: int, fused: bool = True, overlap_comm: bool = False) -> list[AttentionScheme]:
-    """Ulysses, then UPipe at every valid U (smallest first)."""
-    us = valid_head_chunk_sizes(dims.num_heads, dims.num_kv_heads, gpus)
-    return [AttentionScheme("ulysses")] + [AttentionScheme("upipe", u, fused, overlap_comm) for u in us]
+def methods_for(
+    dims: ModelDims, gpus: int, fused: bool = True, overlap_comm: bool = False, ring_size: int = 1
+) -> list[AttentionScheme]:
+    """Ulysses, then UPipe at every valid U (smallest first).  With a ring (``ring_size`` > 1) UPipe x Ring
+    at every U valid for C_u = gpus / ring_size; U = H is Ulysses x Ring (DeepSpeed ALST has no ring)."""
+    us = valid_head_chunk_sizes(dims.num_heads, dims.num_kv_heads, gpus // ring_size)
+    upipe = [AttentionScheme("upipe", u, fused, overlap_comm) for u in us]
+    return upipe if ring_size > 1 else [AttentionScheme("ulysses"), *upipe]
 
 
 # -- a ds_config ------------------------------------------------------------------------------------
@@ -322,6 +345,7 @@ def from_ds_config(
         norm_tile_tokens=stack.get("norm_tile_tokens"),
         mlp_tile_tokens=stack.get("mlp_tile_tokens"),
         zero_reduce_bucket=int(zero.get("reduce_bucket_size", base.zero_reduce_bucket)),
+        ring_size=settings.ring_size,
     )
     if settings.upipe.enabled:
         u = settings.upipe.head_chunk_size
@@ -387,7 +411,7 @@ def step_spec(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_l
     if seq_len < setup.gpus or seq_len % setup.gpus:
         raise ValueError(f"seq_len={seq_len} is not a positive multiple of gpus={setup.gpus}")
     if scheme.kind == "upipe" and scheme.head_chunk_size is not None:
-        valid = valid_head_chunk_sizes(dims.num_heads, dims.num_kv_heads, setup.gpus)
+        valid = valid_head_chunk_sizes(dims.num_heads, dims.num_kv_heads, setup.ulysses_size)
         if scheme.head_chunk_size not in valid:
             raise ValueError(f"head_chunk_size={scheme.head_chunk_size} is not valid here; valid: {valid}")
     return StepSpec(
@@ -409,6 +433,7 @@ def step_spec(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_l
         loss_tile_tokens=setup.loss_tile_tokens,
         kernel=setup.kernel,
         comm_backend=setup.comm_backend,
+        ring_size=setup.ring_size,
     )
 
 
@@ -423,7 +448,8 @@ def loss_peak(dims: ModelDims, setup: TrainSetup, seq_len: int, live: bool = Fal
     """The fake run of the loss phase (``fake_run.Peak``); the attention scheme plays no part."""
     from ..integration import fake_run
 
-    return fake_run.loss_step(step_spec(dims, setup, AttentionScheme("ulysses"), seq_len), live)
+    # the loss runs over all sequence-parallel ranks, ring or not
+    return fake_run.loss_step(step_spec(dims, replace(setup, ring_size=1), AttentionScheme("ulysses"), seq_len), live)
 
 
 # -- a whole training step on one GPU ------------------------------------------------------------
@@ -506,7 +532,7 @@ def max_context(
     0 when not even one step fits.  Every candidate is a fake run; the memory is nearly affine in
     the length, so secant guesses land next to the answer, each checked with its neighbour, and
     what remains of the bracket is closed by bisection."""
-    step = math.lcm(granularity, setup.gpus)
+    step = math.lcm(granularity, setup.seq_multiple)
     top = max(1, limit // step)
     budget = setup.gpu_memory_gib
     totals: dict[int, float] = {}
@@ -543,7 +569,8 @@ def which_head_chunk(
     dims: ModelDims, setup: TrainSetup, seq_len: int, fused: bool = True, overlap_comm: bool = False
 ) -> list[Prediction]:
     """Predictions at ``seq_len`` for Ulysses and UPipe at every valid U (read ``.fits``)."""
-    return [predict(dims, setup, m, seq_len) for m in methods_for(dims, setup.gpus, fused, overlap_comm)]
+    methods = methods_for(dims, setup.gpus, fused, overlap_comm, setup.ring_size)
+    return [predict(dims, setup, m, seq_len) for m in methods]
 
 
 def which_head_chunk_report(
@@ -551,13 +578,14 @@ def which_head_chunk_report(
 ) -> str:
     """Answer "which U do I need for N tokens": every method at N, then the recommendation (the
     largest U that fits: fewest stages, closest to Ulysses' speed)."""
-    methods = methods_for(dims, setup.gpus, fused, overlap_comm)
+    methods = methods_for(dims, setup.gpus, fused, overlap_comm, setup.ring_size)
     preds = [predict(dims, setup, m, seq_len) for m in methods]
-    lines = [f"at {fmt_tokens(seq_len)} tokens on {setup.gpus} x {setup.gpu_memory_gib:g} GiB:"]
+    ring = f" (Ulysses {setup.ulysses_size} x ring {setup.ring_size})" if setup.ring_size > 1 else ""
+    lines = [f"at {fmt_tokens(seq_len)} tokens on {setup.gpus} x {setup.gpu_memory_gib:g} GiB{ring}:"]
     for p in preds:
         lines.append(f"  {p.method:<22}{p.total_gib:>8.1f} GiB  {'fits' if p.fits else 'does not fit'}")
     upipe_fit = [(p, m) for p, m in zip(preds, methods) if m.kind == "upipe" and p.fits]
-    if preds[0].fits:
+    if methods[0].kind == "ulysses" and preds[0].fits:
         lines.append("-> Ulysses (ALST) already fits; UPipe is not needed at this length.")
     elif upipe_fit:
         best = max(upipe_fit, key=lambda pm: pm[1].head_chunk_size or 0)[0]
@@ -587,7 +615,9 @@ def describe(dims: ModelDims, setup: TrainSetup) -> str:
         f"{dims.name}: H={dims.num_heads} KV={dims.num_kv_heads} d={dims.head_dim} hidden={dims.hidden_size} "
         f"intermediate={dims.intermediate_size} layers={dims.num_layers} vocab={dims.vocab_size} "
         f"({dims.total_params / 1e9:.2f}B params)\n"
-        f"{setup.gpus} GPUs x {setup.gpu_memory_gib:g} GiB, ZeRO-{setup.zero_stage}, {setup.dtype}, "
+        f"{setup.gpus} GPUs x {setup.gpu_memory_gib:g} GiB"
+        + (f" (Ulysses {setup.ulysses_size} x ring {setup.ring_size})" if setup.ring_size > 1 else "")
+        + f", ZeRO-{setup.zero_stage}, {setup.dtype}, "
         f"checkpointing={setup.checkpointing} (CPU offload={setup.offload_checkpoints}), {setup.stack_label}, "
         f"kernel workspace={setup.kernel}, micro-batch={setup.batch}, reserve={setup.reserve_gib:g} GiB"
     )
