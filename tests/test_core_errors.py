@@ -26,6 +26,11 @@ EXPECTED = {
     "scale_differs": f"the kernel's softmax_scale {DIFFERS}rank 0: 0.5, rank 1: None,",
     "scatter_idx_on_one_rank": f"scatter_idx {DIFFERS}rank 0: 3, rank 1: 2,",
     "dtype_differs": f"query dtype {DIFFERS}rank 0: 'float64', rank 1: 'float32',",
+    "cu_seqlens_differ": "packed-sequence boundaries (cu_seqlens) differ across the ranks",
+    "cu_seqlens_on_one_rank": "given per rank: [True, False, False, False]",
+    "cu_seqlens_bad_end": "must ascend strictly from 0 to the global sequence length 24",
+    "cu_seqlens_rows": "cu_seqlens has 3 rows for a batch of 2",
+    "cu_seqlens_generic": "need an AttentionKernel as local_attention",
     "ok_after_errors": "no error",
 }
 
