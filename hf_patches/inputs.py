@@ -177,7 +177,8 @@ def _check_meta(rows: list[list[int]]) -> None:
     if any(k == _MASK_OTHER for k in per_rank(3)):
         raise ValueError(
             f"attention_mask kinds per rank {per_rank(3)} (2 = not a [batch, local_seq] 2-D mask): UPipe attention is "
-            "causal over the whole sequence and can only honour None or a 2-D right-padding mask"
+            "causal over the whole sequence and can only honour None or a 2-D right-padding mask (for packed "
+            "documents pass no mask and position_ids that restart at each document)"
         )
     if any(p == -1 for p in per_rank(2)):
         missing = [r for r, p in enumerate(per_rank(2)) if p == -1]
