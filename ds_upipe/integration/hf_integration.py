@@ -54,6 +54,7 @@ from .sp_setup import (
     average_gradients_over_all_ranks,
     check_long_context,
     configure_activation_checkpointing,
+    packed_rows_per_document,
 )
 
 #: what enable() replaced, to restore in disable(): (owner, attribute) -> original
@@ -226,6 +227,8 @@ def _register_for_accelerate(args: dict[str, Any]) -> Any:
     _REGISTERED.pop("ring_size", None)
     model = args["model_name_or_path"]
     check_long_context(model, settings.upipe)  # before the registration's collectives (group creation)
+    if not settings.upipe.enabled:  # ALST from the ds_config: exact on packed rows with sdpa too
+        packed_rows_per_document(args["core_attn_implementation"])
     mpu = _register_upipe(args, settings) if settings.upipe.enabled else _alst_register(args)
     # "local": the Trainer / accelerate combine the ranks' losses (deepspeed_sp_compute_loss)
     apply_long_context(model, settings.upipe, "local", None)
