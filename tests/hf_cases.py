@@ -188,16 +188,17 @@ def packed_case(arch, fused, u, overlap, world, rows=1, seq=None, seed=0):
 
 def packed_matrix(rank, world):
     """Packed rows, fused and unfused, U in {C, H}, overlap on and off, GQA (Llama: KV < C at C=4),
-    Qwen3, two rows with different documents, a row padded at the end; returns {case: errors}."""
+    Qwen3 (C=2), two rows with different documents, a row padded at the end; returns {case: errors}."""
     h = ARCH_CONFIGS["llama"]["num_attention_heads"]
     cases = {
         "llama_fused_u=C": ("llama", True, None, False, {}),
         "llama_unfused_u=H_overlap": ("llama", False, h, True, {}),
         "llama_fused_u=H_overlap_2rows": ("llama", True, h, True, {"rows": 2}),
         "llama_unfused_u=C_padded": ("llama", False, None, False, {"seq": 6 * world - 1}),
-        "qwen3_fused_u=C_overlap": ("qwen3", True, None, True, {}),
-        "qwen3_unfused_u=H": ("qwen3", False, h, False, {"seed": 1}),
     }
+    if world == 2:  # Qwen3 (q/k norms) at C=2 only: test time
+        cases["qwen3_fused_u=C_overlap"] = ("qwen3", True, None, True, {})
+        cases["qwen3_unfused_u=H"] = ("qwen3", False, h, False, {"seed": 1})
     return {name: packed_case(a, f, u, o, world, **kw) for name, (a, f, u, o, kw) in cases.items()}
 
 

@@ -88,11 +88,12 @@ def two_procs_launch(tmp_path_factory):
         run("ref_from_upipe", resume=up_ckpt, resume_tag="step2"),
     ]
     runs.append(run("upipe_z3_overlap", sp=2, gas=2, extra=("upipe.overlap_comm=true",)))
-    # packed rows: 8 documents of random lengths per sequence (position_ids restart), UPipe and ALST (sdpa)
+    # packed rows: 8 documents of random lengths per sequence (position_ids restart), UPipe and ALST (sdpa);
+    # 3 steps (test time)
     runs += [
-        run("ref_z3_packed", packing=8),
-        run("upipe_z3_packed", sp=2, gas=2, packing=8),
-        run("alst_z3_packed", "ulysses_alst_zero3", sp=2, gas=2, packing=8),
+        run("ref_z3_packed", packing=8, steps=3),
+        run("upipe_z3_packed", sp=2, gas=2, packing=8, steps=3),
+        run("alst_z3_packed", "ulysses_alst_zero3", sp=2, gas=2, packing=8, steps=3),
     ]
     # the long-context stack (tiled loss, norms, MLPs) from the ds_config, UPipe and ALST, ZeRO-2 and 3
     runs += [
@@ -215,9 +216,11 @@ def test_packed_rows_equal_non_sp(two_procs):
     the restarting positions; UPipe saw the 8 documents."""
     for name in ("upipe_z3_packed", "alst_z3_packed"):
         _check_same(two_procs, name, "ref_z3_packed")
-    assert two_procs["upipe_z3_packed"]["upipe_documents"] == [8]
+    assert len(two_procs["upipe_z3_packed"]["losses"]) == 3 and two_procs["upipe_z3_packed"]["upipe_documents"] == [8]
     assert two_procs["upipe_z3_packed"]["upipe_stage_runs"] > 0
-    assert max_rel(two_procs["ref_z3_packed"]["losses"], two_procs["ref_z3"]["losses"]) > 1e-3  # packing changes them
+    assert (
+        max_rel(two_procs["ref_z3_packed"]["losses"], two_procs["ref_z3"]["losses"][:3]) > 1e-3
+    )  # packing changes them
 
 
 def test_offload_config(two_procs):

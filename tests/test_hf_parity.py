@@ -30,13 +30,13 @@ REFUSALS = {  # case -> words its message must contain (the offending value and 
 }
 
 
-NUM_PACKED_CASES = 6
+NUM_PACKED_CASES = {2: 6, 4: 4}  # Qwen3 at C=2 only
 
 
 def _check_packed(results, world):
     """Packed rows (DataCollatorWithFlattening) == every document alone in one process, float64."""
     for rank, cases in enumerate(results):
-        assert len(cases) == NUM_PACKED_CASES
+        assert len(cases) == NUM_PACKED_CASES[world]
         for case, errors in cases.items():
             assert max(errors.values()) <= F64, f"C={world} rank {rank} packed {case}: {errors}"
 
