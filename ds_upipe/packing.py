@@ -94,8 +94,8 @@ def documents_from_positions(position_ids: Tensor, keep: Tensor | None = None) -
         return None
     seq = pos.shape[1]
     rows = []
-    for row in starts.cpu().tolist():
-        rows.append((0, *(i + 1 for i, s in enumerate(row) if s), seq))
+    for row in starts:  # the start indices only (nonzero), not a Python list of every token
+        rows.append((0, *(row.nonzero().flatten() + 1).tolist(), seq))
     return DocumentBoundaries(tuple(rows))
 
 
