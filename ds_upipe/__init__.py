@@ -18,6 +18,8 @@ _LAZY = {
     "TorchSDPAKernel": "kernels",
     "make_kernel": "kernels",
     "UPipeDistributedAttention": "layer",
+    "DocumentKernel": "packing",
+    "documents_from_positions": "packing",
     "StagePlan": "schedule",
     "build_plan": "schedule",
     "valid_head_chunk_sizes": "schedule",
@@ -26,12 +28,14 @@ _LAZY = {
 
 __all__ = [
     "AttentionKernel",
+    "DocumentKernel",
     "FlashAttnKernel",
     "MathKernel",
     "StagePlan",
     "TorchSDPAKernel",
     "UPipeDistributedAttention",
     "build_plan",
+    "documents_from_positions",
     "exit_process",
     "initialize",
     "make_kernel",
@@ -44,6 +48,7 @@ if TYPE_CHECKING:
     from .integration.process_exit import exit_process
     from .kernels import AttentionKernel, FlashAttnKernel, MathKernel, TorchSDPAKernel, make_kernel
     from .layer import UPipeDistributedAttention
+    from .packing import DocumentKernel, documents_from_positions
     from .schedule import StagePlan, build_plan, valid_head_chunk_sizes
 
 
