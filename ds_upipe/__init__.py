@@ -19,6 +19,8 @@ _LAZY = {
     "TorchSDPAKernel": "kernels",
     "make_kernel": "kernels",
     "UPipeDistributedAttention": "layer",
+    "DocumentKernel": "packing",
+    "documents_from_positions": "packing",
     "StagePlan": "schedule",
     "build_plan": "schedule",
     "valid_head_chunk_sizes": "schedule",
@@ -28,12 +30,14 @@ _LAZY = {
 __all__ = [
     "AttentionKernel",
     "CallableKernel",
+    "DocumentKernel",
     "FlashAttnKernel",
     "MathKernel",
     "StagePlan",
     "TorchSDPAKernel",
     "UPipeDistributedAttention",
     "build_plan",
+    "documents_from_positions",
     "exit_process",
     "initialize",
     "make_kernel",
@@ -46,6 +50,7 @@ if TYPE_CHECKING:
     from .integration.process_exit import exit_process
     from .kernels import AttentionKernel, CallableKernel, FlashAttnKernel, MathKernel, TorchSDPAKernel, make_kernel
     from .layer import UPipeDistributedAttention
+    from .packing import DocumentKernel, documents_from_positions
     from .schedule import StagePlan, build_plan, valid_head_chunk_sizes
 
 

@@ -10,6 +10,7 @@ from deepspeed.sequence.layer import DistributedAttention, apply_rotary_pos_emb
 from torch import Tensor
 
 from .kernels import AttentionKernel, CallableKernel
+from .packing import DocumentBoundaries, DocumentKernel
 from .pipeline import PipelineContext, UPipeAttentionFunction, plan_indices
 from .ring import RingAttentionKernel, SequenceLayout, zigzag_positions
 from .schedule import StagePlan, build_plan
@@ -40,6 +41,13 @@ class UPipeDistributedAttention(DistributedAttention):
     (``ds_upipe.ring.zigzag_shard``), and both groups come from ``ds_upipe.ring.build_sequence_groups``.
     ``ring_overlap`` (None: follow ``overlap_comm``) sends the next K/V block while the current one
     computes.
+
+    Packed sequences: ``forward(..., cu_seqlens=...)`` gives the document boundaries of the global
+    sequence (cumulative lengths ``(0, l1, l1 + l2, ..., S)``, flash-attn's ``cu_seqlens``; one row
+    shared by the batch, or one per row; ``ds_upipe.packing.documents_from_positions`` derives them
+    from global position_ids).  Every stage then attends within each document only
+    (``ds_upipe.packing.DocumentKernel`` around the local kernel), the same on every rank; it needs
+    an ``AttentionKernel`` and no ring.
 
     ``validate_inputs`` exchanges every rank's shapes, dtypes and settings (head_chunk_size,
     overlap_comm, scatter_idx, the kernel's causal and softmax_scale) once per forward (one tiny
@@ -131,15 +139,33 @@ class UPipeDistributedAttention(DistributedAttention):
         batch_dim_idx: int,
         rotary_pos_emb: tuple[Tensor, Tensor] | None = None,
         *args: Any,
+        cu_seqlens: DocumentBoundaries | Tensor | list[int] | list[list[int]] | None = None,
         **kwargs: Any,
     ) -> Tensor:
+        documents = None if cu_seqlens is None else DocumentBoundaries.of(cu_seqlens)
         if self.validate_inputs:
             rows = gather_inputs(
-                query, key, value, batch_dim_idx, self.layer_settings(), self.spg, ring_group=self.ring_group
+                query,
+                key,
+                value,
+                batch_dim_idx,
+                self.layer_settings(),
+                self.spg,
+                ring_group=self.ring_group,
+                documents=None if documents is None else documents.fingerprint(),
             )
             num_heads, num_kv_heads, _ = check_inputs(rows, ulysses_size=self.group_size)
         else:
             num_heads, num_kv_heads = query.shape[2], key.shape[2]
+        attention = self.attention_kernel(batch_dim_idx, args, kwargs)
+        if documents is not None:
+            # the same boundaries on every rank (checked above), so the same error everywhere
+            seq_dim = 1 - batch_dim_idx
+            documents.check(query.shape[batch_dim_idx], query.shape[seq_dim] * self.layout.sp_size)
+            if isinstance(attention, CallableKernel) or self.ring_size > 1:
+                raise ValueError("packed sequences (cu_seqlens) need an AttentionKernel and no ring group")
+            if not documents.is_trivial:
+                attention = DocumentKernel(attention, documents)
         plan = self.plan_for(num_heads, num_kv_heads)
         if rotary_pos_emb is not None:
             query, key = self._apply_local_rotary(query, key, batch_dim_idx, rotary_pos_emb)
@@ -147,7 +173,7 @@ class UPipeDistributedAttention(DistributedAttention):
             plan=plan,
             indices=plan_indices(plan, query.device),
             group=self.spg,
-            attention=self.attention_kernel(batch_dim_idx, args, kwargs),
+            attention=attention,
             stage_counter=self.stage_runs,
             overlap_comm=self.overlap_comm,
         )

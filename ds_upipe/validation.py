@@ -91,6 +91,8 @@ class RankInputs:
     key: TensorInfo
     value: TensorInfo
     settings: LayerSettings
+    #: ``DocumentBoundaries.fingerprint()`` of packed-sequence boundaries ([] when none were given)
+    documents: tuple[int, ...] = ()
 
 
 def _describe(t: Tensor) -> list[int]:
@@ -104,7 +106,9 @@ def _decode_tensor(row: list[int]) -> TensorInfo:
 
 def _decode(row: list[int]) -> RankInputs:
     q, k, v = (_decode_tensor(row[1 + 6 * i : 7 + 6 * i]) for i in range(3))
-    return RankInputs(row[0], q, k, v, LayerSettings.decode(row[19 : 19 + _SETTINGS_FIELDS]))
+    has_documents, *documents = row[19 + _SETTINGS_FIELDS :]
+    settings = LayerSettings.decode(row[19 : 19 + _SETTINGS_FIELDS])
+    return RankInputs(row[0], q, k, v, settings, tuple(documents) if has_documents else ())
 
 
 def gather_inputs(
@@ -115,14 +119,18 @@ def gather_inputs(
     settings: LayerSettings,
     group: dist.ProcessGroup | None,
     ring_group: dist.ProcessGroup | None = None,
+    documents: list[int] | None = None,
 ) -> list[RankInputs]:
     """Every rank's batch_dim_idx, q/k/v shapes and dtypes, and module settings (one all_gather).
 
     With a ring group, the Ulysses group's rows are then gathered over the ring (a second tiny
     all_gather), so every rank of the whole C_u x R sequence-parallel group decides on all C_u x R rows
-    (in sequence-parallel rank order, ring index major): a bad shard on one node fails every node."""
+    (in sequence-parallel rank order, ring index major): a bad shard on one node fails every node.
+
+    ``documents`` is the fingerprint of packed-sequence boundaries (``ds_upipe.packing``), None without."""
+    doc_fields = [0, 0, 0, 0] if documents is None else [1, *documents]
     mine = torch.tensor(
-        [batch_dim_idx, *_describe(query), *_describe(key), *_describe(value), *settings.encode()],
+        [batch_dim_idx, *_describe(query), *_describe(key), *_describe(value), *settings.encode(), *doc_fields],
         dtype=torch.long,
         device=query.device,
     )
@@ -192,6 +200,7 @@ def check_inputs(rows: list[RankInputs], ulysses_size: int | None = None) -> tup
             f"ring attention (ring_size={settings.ring_size}) needs an AttentionKernel as local_attention: its "
             "log-sum-exp merges the blocks of the ring; a generic callable returns no lse"
         )
+    _check_documents(rows, settings)
     for rank, row in enumerate(rows):
         if row.batch_dim_idx not in (0, 1):
             raise ValueError(
@@ -238,6 +247,29 @@ def check_inputs(rows: list[RankInputs], ulysses_size: int | None = None) -> tup
         num_heads, num_kv_heads, group_size, settings.ring_size, settings.head_chunk_size
     )
     return num_heads, num_kv_heads, u
+
+
+def _check_documents(rows: list[RankInputs], settings: LayerSettings) -> None:
+    """Packed-sequence boundaries: given on all ranks or none, the same everywhere, with a kernel, no ring."""
+    given = [bool(row.documents) for row in rows]
+    if not any(given):
+        return
+    if not all(given) or len({row.documents for row in rows}) != 1:
+        raise ValueError(
+            f"packed-sequence boundaries (cu_seqlens) differ across the ranks of the sequence-parallel group (given "
+            f"per rank: {given}): every rank must pass the same global cu_seqlens (e.g. from the global position_ids, "
+            "ds_upipe.packing.documents_from_positions)"
+        )
+    if not settings.uses_kernel:
+        raise ValueError(
+            "packed sequences (cu_seqlens) need an AttentionKernel as local_attention (it runs per document with "
+            "its lse); a generic callable cannot be restricted to documents"
+        )
+    if settings.ring_size > 1:
+        raise ValueError(
+            f"packed sequences (cu_seqlens) are not supported with ring attention (ring_size={settings.ring_size}): "
+            "use UPipe without a ring group (ring_group=None) for packed rows"
+        )
 
 
 def check_ring_block(shard_len: int, ulysses_size: int, ring_size: int) -> None:

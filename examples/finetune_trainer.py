@@ -14,6 +14,12 @@ downloaded); ``--model PATH`` fine-tunes a local HF checkpoint instead (with ZeR
 under ``deepspeed.zero.Init``, already partitioned, so ``TrainingArguments`` comes first).  Runs on
 CPU (float32, gloo) and on GPU (bf16) without changes.  ``--metrics_out`` writes the per-step
 training losses, the eval loss and how many UPipe stages ran (rank 0) as JSON.
+
+``--packing`` fine-tunes on packed rows instead: random-length documents, ``--docs_per_row`` of them
+flattened into one row by transformers' ``DataCollatorWithFlattening`` (position_ids restart at each
+document, no attention mask) and padded at the end to ``--seq_len``.  UPipe attends within each
+document only (docs/hf_patches.md, "Packed sequences"); so does the non-SP run, whose SDPA mask
+transformers builds from the restarting positions.
 """
 
 from __future__ import annotations
@@ -23,7 +29,14 @@ import os
 import time
 
 import torch
-from tiny_llama import RandomTokens, report_metrics, tiny_llama_config, watch_long_context
+from tiny_llama import (
+    PackedRows,
+    RandomDocuments,
+    RandomTokens,
+    report_metrics,
+    tiny_llama_config,
+    watch_long_context,
+)
 
 CPU = not torch.cuda.is_available()
 if CPU:
@@ -44,6 +57,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="/tmp/ds_upipe_trainer")
     p.add_argument("--metrics_out", default=None, help="JSON file for losses and UPipe stage counts (rank 0)")
+    p.add_argument("--packing", action="store_true", help="packed rows of documents (DataCollatorWithFlattening)")
+    p.add_argument("--docs_per_row", type=int, default=4, help="with --packing: documents per row (batch size)")
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return p.parse_args()
 
@@ -80,8 +95,9 @@ def main() -> None:
         parallelism_config=parallelism,
         use_cpu=CPU,
         bf16=not CPU,
-        per_device_train_batch_size=1,
-        per_device_eval_batch_size=1,
+        # with --packing a batch of documents is one packed row
+        per_device_train_batch_size=opts.docs_per_row if opts.packing else 1,
+        per_device_eval_batch_size=opts.docs_per_row if opts.packing else 1,
         max_steps=opts.steps,
         learning_rate=opts.lr,
         lr_scheduler_type="constant",
@@ -93,8 +109,15 @@ def main() -> None:
     )
     model = build_model(opts)
     vocab = model.config.vocab_size
-    train = RandomTokens(opts.train_samples, opts.seq_len, vocab, seed=opts.seed + 1)
-    evaluation = RandomTokens(opts.eval_samples, opts.seq_len, vocab, seed=opts.seed + 2)
+    collator = None
+    if opts.packing:  # documents of up to seq_len / docs_per_row tokens: a row's documents always fit
+        max_len, per_row = opts.seq_len // opts.docs_per_row, opts.docs_per_row
+        train = RandomDocuments(opts.train_samples * per_row, max_len, vocab, seed=opts.seed + 1)
+        evaluation = RandomDocuments(opts.eval_samples * per_row, max_len, vocab, seed=opts.seed + 2)
+        collator = PackedRows(opts.seq_len)
+    else:
+        train = RandomTokens(opts.train_samples, opts.seq_len, vocab, seed=opts.seed + 1)
+        evaluation = RandomTokens(opts.eval_samples, opts.seq_len, vocab, seed=opts.seed + 2)
 
     losses: list[float] = []
     grad_norms: list[float] = []
@@ -112,8 +135,27 @@ def main() -> None:
         with_kwargs=True,
     )
 
+    # with --packing: how many documents UPipe attended per row (its state, set from the global position_ids)
+    documents_per_row: set[int] = set()
+
+    def count_documents(module, args, kwargs, output) -> None:  # noqa: ANN001
+        from hf_patches import upipe_state
+
+        state = upipe_state(model)
+        if state is not None and state.documents is not None:
+            documents_per_row.update(len(row) - 1 for row in state.documents.rows)
+
+    model.model.register_forward_hook(count_documents, with_kwargs=True)
+
     long_context = watch_long_context(model)  # the ds_config's tiled_* keys: the stack, and no full logits
-    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation, callbacks=[RecordLoss()])
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        data_collator=collator,
+        callbacks=[RecordLoss()],
+    )
     start = time.perf_counter()
     trainer.train()
     train_stages = stages.count
@@ -129,6 +171,7 @@ def main() -> None:
     result = {
         "world_size": torch.distributed.get_world_size(),
         "sp_size": opts.sp_size,
+        "packing": opts.packing,
         "ds_config": opts.deepspeed,
         "train_losses": losses,
         "grad_norms": grad_norms,
@@ -137,6 +180,7 @@ def main() -> None:
         "stage_runs_eval": [s[1] for s in gathered],
         "upipe": None if state is None else {"fused": state.fused, "head_chunk_size": state.head_chunk_size},
         "eval_local_seq_lens": sorted(set(eval_lengths)),
+        "upipe_documents_per_row": sorted(documents_per_row),
         "long_context": long_context(),
         "wall_s": wall,
     }

@@ -67,3 +67,47 @@ class RandomTokens(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         ids = self.ids[i]
         return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(len(ids))}
+
+
+class RandomDocuments(torch.utils.data.Dataset):
+    """Random-token documents of random lengths (1 to ``max_len`` tokens), for packing: the collator
+    (``PackedRows``) puts several into one row and numbers their positions."""
+
+    def __init__(self, num_docs: int, max_len: int, vocab_size: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(1, max_len + 1, (num_docs,), generator=g).tolist()
+        self.docs = [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return {"input_ids": self.docs[i], "labels": list(self.docs[i])}
+
+
+class PackedRows:
+    """transformers' ``DataCollatorWithFlattening`` (a batch of documents -> one row, position_ids
+    restarting at each document, -100 at each document's first label), then padded at the end to
+    ``seq_len`` tokens (ignored labels, positions counting on).  A fixed row length keeps every row a
+    multiple of the sequence-parallel size, as DeepSpeed's ``UlyssesSPDataLoaderAdapter`` needs (and
+    equally long on every rank, as its all_gather needs on gloo)."""
+
+    def __init__(self, seq_len: int) -> None:
+        from transformers import DataCollatorWithFlattening
+
+        self.flatten = DataCollatorWithFlattening()
+        self.seq_len = seq_len
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = self.flatten(features)
+        pad = self.seq_len - batch["input_ids"].shape[1]
+        if pad < 0:
+            raise ValueError(
+                f"{len(features)} documents of {batch['input_ids'].shape[1]} tokens exceed seq_len={self.seq_len}"
+            )
+        tail = batch["position_ids"][:, -1:] + torch.arange(1, pad + 1)
+        return {
+            "input_ids": torch.nn.functional.pad(batch["input_ids"], (0, pad), value=0),
+            "labels": torch.nn.functional.pad(batch["labels"], (0, pad), value=-100),
+            "position_ids": torch.cat([batch["position_ids"], tail], dim=1),
+        }

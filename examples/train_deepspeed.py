@@ -15,6 +15,9 @@ Reports per step: loss, gradient norm, tokens/s and peak memory (rank 0, tqdm), 
 ``--metrics_out`` writes them as JSON.  ``--save_dir``/``--save_every`` save DeepSpeed checkpoints,
 ``--resume DIR`` continues from the latest one (same data order, so the same loss trajectory), also
 across sequence_parallel_size values at the same world size.
+``--packing N`` packs N documents of random lengths into each sequence (position_ids restart per
+document, as transformers' ``DataCollatorWithFlattening`` does): UPipe, and ALST with sdpa, attend
+within each document only.
 ``--runs FILE`` runs several configurations one after another in one launch (tests use it).
 """
 
@@ -56,19 +59,33 @@ def generated_text(num_chars: int, seed: int = 1234) -> str:
 
 
 class TokenBlocks(torch.utils.data.Dataset):
-    """Consecutive blocks of ``seq_len`` tokens; labels = input_ids (the model shifts them)."""
+    """Consecutive blocks of ``seq_len`` tokens; labels = input_ids (the model shifts them).
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, num_samples: int) -> None:
+    ``documents`` > 1: each block is a packed row of that many documents of random lengths (fixed per
+    block), as transformers' ``DataCollatorWithFlattening`` lays them out: position_ids restart at
+    each document and each document's first label is -100, so no token predicts across a boundary."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, num_samples: int, documents: int = 1) -> None:
         if num_samples < 1:
             raise ValueError(f"the text has {len(tokens)} tokens, too few for one sequence of {seq_len}")
-        self.tokens, self.seq_len, self.num_samples = tokens, seq_len, num_samples
+        if not 1 <= documents <= seq_len:
+            raise ValueError(f"--packing {documents}: must be between 1 and seq_len={seq_len}")
+        self.tokens, self.seq_len, self.num_samples, self.documents = tokens, seq_len, num_samples, documents
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         ids = self.tokens[i * self.seq_len : (i + 1) * self.seq_len]
-        return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(self.seq_len)}
+        labels, positions = ids.clone(), torch.arange(self.seq_len)
+        if self.documents > 1:
+            gen = torch.Generator().manual_seed(i)  # the same documents in every parallel layout
+            starts = (torch.randperm(self.seq_len - 1, generator=gen)[: self.documents - 1] + 1).sort().values
+            starts = torch.cat([torch.zeros(1, dtype=torch.long), starts])
+            lengths = torch.diff(starts, append=torch.tensor([self.seq_len]))
+            positions = torch.cat([torch.arange(int(n)) for n in lengths])
+            labels[starts] = -100
+        return {"input_ids": ids, "labels": labels, "position_ids": positions}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,6 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model_config", default="{}", help="JSON overrides of the default Llama config")
     p.add_argument("--data", default=None, help="UTF-8 text file to train on (default: generated text)")
     p.add_argument("--seq_len", type=int, default=4096, help="global tokens per sequence")
+    p.add_argument(
+        "--packing", type=int, default=1, help="documents of random lengths packed into each sequence (1: none)"
+    )
     p.add_argument("--num_samples", type=int, default=256, help="sequences of generated text (without --data)")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps in total (a resumed run counts from 0)")
     p.add_argument("--seed", type=int, default=0)
@@ -217,7 +237,7 @@ def train(opts: argparse.Namespace) -> dict[str, Any]:
     model, tokens = build_model_and_tokens(opts, opts.num_samples * opts.seq_len + 1)
     # the dataset depends on the text only, never on the parallel layout: runs with different
     # sequence_parallel_size see the same samples in the same order
-    dataset = TokenBlocks(tokens, opts.seq_len, (len(tokens) - 1) // opts.seq_len)
+    dataset = TokenBlocks(tokens, opts.seq_len, (len(tokens) - 1) // opts.seq_len, opts.packing)
     if opts.hf_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -293,6 +313,10 @@ def train(opts: argparse.Namespace) -> dict[str, Any]:
         peak_memory_kind="cuda_max_allocated" if device.type == "cuda" else "max_rss",
         upipe_fused=state.fused if state is not None else None,
         upipe_ring_size=state.ring_size if state is not None else 1,
+        # packed rows: documents per row UPipe attended in the last forward (None: one per row, or no UPipe)
+        upipe_documents=None
+        if state is None or state.documents is None
+        else [len(r) - 1 for r in state.documents.rows],
         long_context=long_context_record(model),
         checkpointing=engine.upipe_checkpointing,
         init_s=init_s,

@@ -8,28 +8,38 @@ RoPE frequencies of the whole sequence (``hf_patches.rope``).
 
 What we can honour: each rank holds a contiguous, equally long shard of the sequence (ALST's
 convention; with a ring group, its zigzag shard: ``ds_upipe.ring.zigzag_positions``), with
-position_ids = the global positions of its tokens, consecutive over the whole sequence once the
-shards are put back in sequence order; attention_mask None or a 2-D right-padding mask (ones, then zeros: with causal
-attention, real tokens never see the padding, so their outputs are exact; the padding's outputs
-are unspecified and must carry ignored labels).  Anything else (left padding, packed sequences,
-4-D masks, a KV cache) is refused.
+position_ids = the global positions of its tokens once the shards are put back in sequence order;
+attention_mask None or a 2-D right-padding mask (ones, then zeros: with causal attention, real tokens
+never see the padding, so their outputs are exact; the padding's outputs are unspecified and must
+carry ignored labels).  Packed sequences: where the global positions are not consecutive (a
+restart), a new document begins (transformers' ``find_packed_sequence_indices`` rule), and every
+attention layer of the forward attends within documents only (``UPipeState.documents``,
+``ds_upipe.packing``); not with a ring group.  Anything else (left padding, 4-D masks, a KV cache)
+is refused.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ds_upipe.packing import DocumentBoundaries, documents_from_positions
 from ds_upipe.ring import zigzag_unshard
 
 from .rope import set_last_position
 from .state import UPipeState
 
 _MASK_NONE, _MASK_2D, _MASK_OTHER = 0, 1, 2
+logger = logging.getLogger("hf_patches")
+
+#: flash-attn packing kwargs (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``): they
+#: describe the whole row, and UPipe derives the same boundaries from the global position_ids
+_FLASH_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 #: why a patched model cannot generate, and what to do instead (also used by the input check)
 GENERATION_UNSUPPORTED = (
@@ -114,8 +124,13 @@ def check_and_prepare(model: nn.Module, args: tuple, kwargs: dict, state: UPipeS
     keep = torch.ones((batch, seq), dtype=torch.long, device=device) if mask is None else (mask != 0).long()
     full = global_sequence(torch.stack([pos, keep.to(device)]), state)  # [2, b, S] in sequence order
     _check_positions_and_mask(full[0], full[1], state.ring_size)
+    state.documents = documents_from_positions(full[0], full[1])
+    if state.documents is not None:
+        _warn_if_local_positions(state.documents, seq, state.layout.sp_size)
     set_last_position(model, full[0].max())  # RoPE scaling decided by the whole sequence, as unsharded
 
+    for key in _FLASH_PACKING_KWARGS:
+        call.pop(key, None)
     call["attention_mask"] = None  # honoured: right padding needs no mask under causal attention
     call["use_cache"] = False
     return (), call
@@ -162,7 +177,8 @@ def _check_meta(rows: list[list[int]]) -> None:
     if any(k == _MASK_OTHER for k in per_rank(3)):
         raise ValueError(
             f"attention_mask kinds per rank {per_rank(3)} (2 = not a [batch, local_seq] 2-D mask): UPipe attention is "
-            "causal over the whole sequence and can only honour None or a 2-D right-padding mask"
+            "causal over the whole sequence and can only honour None or a 2-D right-padding mask (for packed "
+            "documents pass no mask and position_ids that restart at each document)"
         )
     if any(p == -1 for p in per_rank(2)):
         missing = [r for r, p in enumerate(per_rank(2)) if p == -1]
@@ -192,11 +208,26 @@ def _check_positions_and_mask(pos: Tensor, keep: Tensor, ring_size: int = 1) -> 
             "whole sequence and can only honour right padding (ones, then zeros). Pad at the end instead"
         )
     real_pairs = keep[:, 1:].bool()  # both tokens real (the mask is non-increasing)
-    if bool(((pos[:, 1:] - pos[:, :-1] != 1) & real_pairs).any()):
-        shard = "contiguous shard" if ring_size == 1 else f"zigzag shard (ring size {ring_size})"
-        order = "rank order" if ring_size == 1 else "the ring's zigzag order, ds_upipe.ring.zigzag_positions"
+    if ring_size > 1 and bool(((pos[:, 1:] - pos[:, :-1] != 1) & real_pairs).any()):
         raise ValueError(
-            f"position_ids are not consecutive over the whole sequence (in {order}). Each rank must pass the "
-            f"global positions of its {shard}, e.g. from hf_patches.shard_batch; packed sequences (positions that "
-            "restart) cannot be honoured by UPipe's causal attention"
+            "position_ids are not consecutive over the whole sequence (in the ring's zigzag order, "
+            f"ds_upipe.ring.zigzag_positions). Each rank must pass the global positions of its zigzag shard (ring "
+            f"size {ring_size}), e.g. from hf_patches.shard_batch; packed sequences (positions that restart) are not "
+            "supported with a ring group: use UPipe without ring_group for packed rows"
+        )
+
+
+_WARNED_LOCAL_POSITIONS: list[bool] = []
+
+
+def _warn_if_local_positions(documents: DocumentBoundaries, local_seq: int, sp_size: int) -> None:
+    """Documents starting exactly at every shard start and nowhere else look like each rank passing
+    its local positions (0 ... s-1) instead of global ones: legal packing, but most likely a mistake."""
+    shard_starts = tuple(range(0, local_seq * sp_size + 1, local_seq))
+    if sp_size > 1 and not _WARNED_LOCAL_POSITIONS and all(row == shard_starts for row in documents.rows):
+        _WARNED_LOCAL_POSITIONS.append(True)  # once per process
+        logger.warning(
+            "hf_patches: position_ids restart at every shard start and nowhere else, so every shard is run as its "
+            "own document. If these are packed documents, ignore this; if each rank passed its local positions, "
+            "pass the global ones instead (hf_patches.shard_batch)"
         )

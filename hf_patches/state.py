@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ds_upipe.kernels import AttentionKernel
+from ds_upipe.packing import DocumentBoundaries, DocumentKernel
 from ds_upipe.pipeline import PipelineContext, plan_indices
 from ds_upipe.ring import RingAttentionKernel, SequenceLayout
 from ds_upipe.schedule import StagePlan
@@ -43,6 +44,9 @@ class UPipeState:
     #: sum half-precision gradients over the stages in the input dtype instead of float32
     #: (``apply_upipe(accumulate_in_input_dtype=...)``; settable after apply_upipe)
     accumulate_in_input_dtype: bool = False
+    #: packed sequences: the document boundaries of the current forward's global sequence, set by the
+    #: model-level input check from the global position_ids (None: one document per row)
+    documents: DocumentBoundaries | None = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> UPipeState:
         """A copy of a patched model (reference model, EMA) joins the same sequence-parallel group:
@@ -65,7 +69,11 @@ class UPipeState:
 
     def attention(self) -> AttentionKernel:
         """What each stage runs: the kernel, or ring attention around it over the ring group (a new one
-        per call, so it follows ``overlap_comm`` as set now; forward and backward share the call's)."""
+        per call, so it follows ``overlap_comm`` as set now; forward and backward share the call's).
+        With packed sequences, the kernel runs per document (``DocumentKernel``; the input check
+        refuses packing with a ring)."""
+        if self.documents is not None:
+            return DocumentKernel(self.kernel, self.documents)
         if self.ring_size == 1:
             return self.kernel
         return RingAttentionKernel(self.kernel, self.ring_group, overlap=self.overlap_comm)

@@ -99,6 +99,69 @@ def other_attention_matrix(rank, world):
     return failures, count
 
 
+def packed_documents(seq, world, seed):
+    """Random document lengths of a packed row of ``seq`` tokens (shard length seq / world): a
+    single-token document, one shorter than a shard, one crossing at least one shard boundary."""
+    shard = seq // world
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [1, max(1, shard // 2), shard + 3]  # a doc crossing the shard boundary (and shard 1's end)
+    while sum(lengths) < seq:
+        lengths.append(int(torch.randint(1, 2 * shard, (1,), generator=gen)))
+    lengths[-1] -= sum(lengths) - seq
+    lengths = [n for n in lengths if n > 0]
+    perm = torch.randperm(len(lengths), generator=gen).tolist()
+    lengths = [lengths[i] for i in perm]
+    return [0, *itertools.accumulate(lengths)]
+
+
+def per_document_reference(q, k, v, rows):
+    """Every document attended as its own sequence ([b, S, h, d]; rows: cu_seqlens per batch row)."""
+    out = []
+    for r, cu in enumerate(rows):
+        docs = [reference_attention(*(t[r : r + 1, s:e] for t in (q, k, v)), True) for s, e in zip(cu, cu[1:])]
+        out.append(torch.cat(docs, dim=1))
+    return torch.cat(out)
+
+
+def packed_case(rank, world, layout, heads, kv_heads, u, batch, kernel, overlap, seed=0, seq_per_rank=6):
+    """UPipe given cu_seqlens == each document run alone, float64 (forward and dq/dk/dv)."""
+    seq = seq_per_rank * world
+    q, k, v, dout = make_inputs(seed, batch, seq, heads, kv_heads, 8, torch.float64)
+    rows = [packed_documents(seq, world, seed + r) for r in range(batch)]
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref_out = per_document_reference(*full, rows)
+    ref_out.backward(dout)
+    locals_ = [local_shard(t, rank, world, layout).requires_grad_(True) for t in (q, k, v)]
+    attn = UPipeDistributedAttention(kernel, dist.group.WORLD, head_chunk_size=u, overlap_comm=overlap)
+    out = attn(*locals_, layout, cu_seqlens=rows if batch > 1 else rows[0])
+    out.backward(local_shard(dout, rank, world, layout))
+    errors = {"out": relative_error(out, local_shard(ref_out.detach(), rank, world, layout))}
+    for name, loc, ref in zip("qkv", locals_, full):
+        errors[f"d{name}"] = relative_error(loc.grad, local_shard(ref.grad, rank, world, layout))
+    return errors
+
+
+def packed_matrix(rank, world):
+    """Packed rows (DocumentKernel around the sdpa and math kernels): GQA and KV < C, U in {C, H},
+    both layouts, one row shared / one per batch row, overlap on and off."""
+    failures, count = [], 0
+    for (name, (h, hkv)), layout, u_factor, batch, overlap in itertools.product(
+        (("gqa4", HEAD_CONFIGS["gqa4"]), ("kv_lt_c", HEAD_CONFIGS["kv_lt_c"])), (0, 1), (1, None), (1, 2), (False, True)
+    ):
+        u = h if u_factor is None else u_factor * world
+        kernel = MathKernel() if (layout, batch) == (1, 2) else TorchSDPAKernel()
+        errs = packed_case(rank, world, layout, h, hkv, u, batch, kernel, overlap, seed=count)
+        count += 1
+        if max(errs.values()) > 1e-10:
+            failures.append((name, layout, u, batch, overlap, type(kernel).__name__, errs))
+    return failures, count
+
+
+def other_attention_and_packing(rank, world):
+    """One spawn: ``other_attention_matrix`` and ``packed_matrix``."""
+    return {"other": other_attention_matrix(rank, world), "packed": packed_matrix(rank, world)}
+
+
 class _Generic:
     """A plain callable (not an AttentionKernel) in DistributedAttention's layout for batch_dim_idx=0/1."""
 
@@ -165,13 +228,13 @@ def bad_input_errors(rank, world):
     """Each bad input must raise ValueError on every rank with the same message, and leave no rank
     blocked (a barrier follows every case)."""
 
-    def attempt(make, layout=0, u=None, kernel=None, **module_kwargs):
+    def attempt(make, layout=0, u=None, kernel=None, cu_seqlens=None, **module_kwargs):
         try:
             attn = UPipeDistributedAttention(
                 kernel or TorchSDPAKernel(), dist.group.WORLD, head_chunk_size=u, **module_kwargs
             )
             q, k, v = make()
-            attn(q, k, v, layout).sum().backward()
+            attn(q, k, v, layout, cu_seqlens=cu_seqlens).sum().backward()
             result = "no error"
         except ValueError as err:
             result = str(err)
@@ -205,6 +268,12 @@ def bad_input_errors(rank, world):
         "scale_differs": attempt(tensors(), kernel=TorchSDPAKernel(softmax_scale=0.5 if rank == 0 else None)),
         "scatter_idx_on_one_rank": attempt(tensors(), scatter_idx=3 if rank == 0 else 2),
         "dtype_differs": attempt(tensors(dtype=torch.float64 if rank == 0 else torch.float32)),
+        # packed sequences: the same cu_seqlens on every rank, valid, with a kernel
+        "cu_seqlens_differ": attempt(tensors(), cu_seqlens=[0, 3 + rank % 2, 6 * world]),
+        "cu_seqlens_on_one_rank": attempt(tensors(), cu_seqlens=[0, 3, 6 * world] if rank == 0 else None),
+        "cu_seqlens_bad_end": attempt(tensors(), cu_seqlens=[0, 3, 6 * world - 1]),
+        "cu_seqlens_rows": attempt(tensors(), cu_seqlens=[[0, 6 * world]] * 3),
+        "cu_seqlens_generic": attempt(tensors(), kernel=generic, cu_seqlens=[0, 3, 6 * world]),
         "ok_after_errors": attempt(tensors()),
     }
 

@@ -129,6 +129,90 @@ def parity_case(
     return errors
 
 
+def packed_batch(seed: int, seq: int, world: int, rows: int = 1, vocab: int = 101) -> tuple[dict, list[list[int]]]:
+    """A packed batch built by transformers' DataCollatorWithFlattening (position_ids restart per
+    document, -100 at each document's first label) from random documents of ``seq`` tokens per row
+    (lengths from tests.core_cases.packed_documents: a one-token document, one shorter than a shard,
+    one crossing a shard boundary); several rows are stacked.  Returns (batch, cu_seqlens per row)."""
+    from transformers import DataCollatorWithFlattening
+
+    from tests.core_cases import packed_documents
+
+    gen = torch.Generator().manual_seed(seed)
+    batches, cus = [], []
+    for r in range(rows):
+        cu = packed_documents(seq, world, seed + r)
+        docs = [torch.randint(0, vocab, (e - s,), generator=gen).tolist() for s, e in zip(cu, cu[1:])]
+        batches.append(DataCollatorWithFlattening()([{"input_ids": d, "labels": d} for d in docs]))
+        cus.append(cu)
+    batch = {k: torch.cat([b[k] for b in batches]) for k in ("input_ids", "labels", "position_ids")}
+    return batch, cus
+
+
+def per_document_reference(model, batch, cus):
+    """Every document run as its own unpacked sequence by the unpatched model (one process): the
+    logits concatenated, the mean loss over all documents' predicted tokens, the gradients."""
+    model.zero_grad(set_to_none=True)
+    logits, labels = [], []
+    for r, cu in enumerate(cus):
+        for s, e in zip(cu, cu[1:]):
+            logits.append(model(input_ids=batch["input_ids"][r : r + 1, s:e]).logits)
+            labels.append(hf_patches.shift_labels(batch["input_ids"][r : r + 1, s:e]))
+    flat = torch.cat([t.reshape(-1, t.shape[-1]) for t in logits])
+    loss = F.cross_entropy(flat, torch.cat([t.reshape(-1) for t in labels]), ignore_index=-100)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    rows = [torch.cat(logits[i : i + len(cu) - 1], dim=1) for i, cu in zip(_row_offsets(cus), cus)]
+    return torch.cat(rows).detach(), loss.detach(), grads
+
+
+def _row_offsets(cus):
+    offsets, n = [], 0
+    for cu in cus:
+        offsets.append(n)
+        n += len(cu) - 1
+    return offsets
+
+
+def packed_case(arch, fused, u, overlap, world, rows=1, seq=None, seed=0):
+    """A packed row (or rows) through apply_upipe == every document alone in one process, float64."""
+    group = dist.group.WORLD
+    seq = seq or 6 * world
+    batch, cus = packed_batch(seed, seq, world, rows)
+    model = build_model(arch, torch.float64, seed=seed)
+    ref_model = copy.deepcopy(model)
+    hf_patches.apply_upipe(model, group, head_chunk_size=u, fused_projections=fused, overlap_comm=overlap)
+    state = hf_patches.upipe_state(model)
+    errors = compare(per_document_reference(ref_model, batch, cus), sharded_step(model, batch, group), seq)
+    want = tuple(tuple(cu) for cu in cus)
+    padded = -seq % world
+    if padded:  # the right padding joins the last document
+        want = tuple((*cu[:-1], seq + padded) for cu in want)
+    errors["documents_ok"] = float(state.documents is None or state.documents.rows != want)
+    return errors
+
+
+def packed_matrix(rank, world):
+    """Packed rows, fused and unfused, U in {C, H}, overlap on and off, GQA (Llama: KV < C at C=4),
+    Qwen3 (C=2), two rows with different documents, a row padded at the end; returns {case: errors}."""
+    h = ARCH_CONFIGS["llama"]["num_attention_heads"]
+    cases = {
+        "llama_fused_u=C": ("llama", True, None, False, {}),
+        "llama_unfused_u=H_overlap": ("llama", False, h, True, {}),
+        "llama_fused_u=H_overlap_2rows": ("llama", True, h, True, {"rows": 2}),
+        "llama_unfused_u=C_padded": ("llama", False, None, False, {"seq": 6 * world - 1}),
+    }
+    if world == 2:  # Qwen3 (q/k norms) at C=2 only: test time
+        cases["qwen3_fused_u=C_overlap"] = ("qwen3", True, None, True, {})
+        cases["qwen3_unfused_u=H"] = ("qwen3", False, h, False, {"seed": 1})
+    return {name: packed_case(a, f, u, o, world, **kw) for name, (a, f, u, o, kw) in cases.items()}
+
+
+def group_of_four(rank, world):
+    """The C=4 parity spawn: the model matrix and the packed rows."""
+    return {"parity": parity_matrix(rank, world), "packed": packed_matrix(rank, world)}
+
+
 def _base_model_case(model, ref_model, data, group, seq):
     full = ref_model(input_ids=data["input_ids"]).last_hidden_state
     shard = hf_patches.shard_batch(data, group)
@@ -431,7 +515,6 @@ def refusal_cases(rank, world):
     pos = torch.arange(rank * seq, (rank + 1) * seq)[None]
     expect("double_patch", lambda: hf_patches.apply_upipe(model, group))
     expect("no_position_ids", lambda: model(input_ids=ids))
-    expect("packed_positions", lambda: model(input_ids=ids, position_ids=torch.arange(seq)[None]))
     left = torch.ones(1, seq, dtype=torch.long)
     if rank == 0:
         left[0, 0] = 0  # left padding, only on rank 0: all ranks must still raise
@@ -588,6 +671,7 @@ def c2_group(rank, world):
         "parity": parity_matrix(rank, world),
         "misc": misc_cases(rank, world),
         "refusals": refusal_cases(rank, world),
+        "packed": packed_matrix(rank, world),
     }
 
 
@@ -700,8 +784,25 @@ def ring_suite(rank, world, layouts, compact=False):
         results = {name: ring_parity_case(layout=layout, **kwargs) for name, kwargs in cases}
         if not compact:
             results["dataloader"] = ring_dataloader_case(layout)
+            results["packed_refused"] = ring_packed_refusal(layout)
         out[layout] = results
     return out
+
+
+def ring_packed_refusal(layout):
+    """Packed rows with a ring group are refused, with the same ValueError on every rank."""
+    cu, r = layout
+    ulysses, ring = ring_groups(cu, r)
+    world = dist.group.WORLD
+    batch, _ = packed_batch(5, 6 * cu * r, cu * r)
+    model = hf_patches.apply_upipe(build_model("llama", torch.float64), ulysses, ring_group=ring)
+    shard = hf_patches.shard_batch(batch, world, ring_size=r)
+    messages = {}
+    error_recorder(messages)("packed", lambda: model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, messages["packed"])
+    same = len(set(gathered)) == 1
+    return {"refused": float(not same or "not supported with a ring group" not in messages["packed"])}
 
 
 def ring_dataloader_case(layout):

@@ -33,7 +33,7 @@ def test_bench_command_writes_sane_json_and_png(tmp_path):
     ]
     cmd += ["bench", "--world", "2", "--seq", "512,1024", "--heads", "8", "--kv-heads", "2", "--head-dim", "16"]
     cmd += ["--head-chunk-sizes", "2,8", "--repeats", "1", "--warmup", "0", "--device", "cpu", "--out", str(out)]
-    cmd += ["--no-progress"]
+    cmd += ["--no-progress", "--documents", "4"]
     proc = _run(cmd, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[core level] ratios (x) vs deepspeed" in proc.stdout and "[layer level] ratios (x) vs alst" in proc.stdout
@@ -43,8 +43,17 @@ def test_bench_command_writes_sane_json_and_png(tmp_path):
     rows = data["results"]
     core = [r for r in rows if r["level"] == "core"]
     layer = [r for r in rows if r["level"] == "layer"]
-    # core: deepspeed, alst, upipe at U = 2, 8; layer: alst, fused and unfused at each U; two lengths
-    assert len(core) == 4 * 2 and len(layer) == 5 * 2
+    # core: deepspeed, alst, upipe at U = 2, 8, and with 4 packed documents per row deepspeed (per-document
+    # local attention: the reference of their maxdiff) and upipe at U = 2, 8; layer: alst, fused and
+    # unfused at each U; two lengths
+    assert len(core) == 7 * 2 and len(layer) == 5 * 2
+    assert [r["documents"] for r in core[:7]] == [1, 1, 1, 1, 4, 4, 4]
+    assert "[packed rows] fwd+bwd time of N equal documents" in proc.stdout
+    packed = data["packing"]  # the time of 4 documents against one, per method and length (not bounded here)
+    assert [(p["method"], p["seq_len"]) for p in packed] == [
+        (m, seq) for seq in (512, 1024) for m in ("deepspeed docs=4", "upipe[U=2] docs=4", "upipe[U=8] docs=4")
+    ]
+    assert all(p["time_vs_one_document"] > 0 for p in packed)
     for r in rows:
         assert r["peak_bytes"] > r["intermediate_bytes"] > 0 and r["time_s"] > 0, r
         assert r["max_abs_diff"] < 1e-4, r  # every method computes the same outputs and gradients (fp32)
@@ -101,3 +110,5 @@ def test_bench_spec_refuses_bad_settings():
         BenchSpec(levels=("attention",))
     with pytest.raises(ValueError, match="device"):
         BenchSpec(device="tpu")
+    with pytest.raises(ValueError, match="documents=3 must be >= 1 and divide every sequence length"):
+        BenchSpec(world=2, seq_lens=[512], documents=3)

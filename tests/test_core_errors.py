@@ -26,6 +26,11 @@ EXPECTED = {
     "scale_differs": f"the kernel's softmax_scale {DIFFERS}rank 0: 0.5, rank 1: None,",
     "scatter_idx_on_one_rank": f"scatter_idx {DIFFERS}rank 0: 3, rank 1: 2,",
     "dtype_differs": f"query dtype {DIFFERS}rank 0: 'float64', rank 1: 'float32',",
+    "cu_seqlens_differ": "packed-sequence boundaries (cu_seqlens) differ across the ranks",
+    "cu_seqlens_on_one_rank": "given per rank: [True, False, False, False]",
+    "cu_seqlens_bad_end": "must ascend strictly from 0 to the global sequence length 24",
+    "cu_seqlens_rows": "cu_seqlens has 3 rows for a batch of 2",
+    "cu_seqlens_generic": "need an AttentionKernel as local_attention",
     "ok_after_errors": "no error",
 }
 
@@ -47,3 +52,29 @@ def test_plain_errors_without_processes():
     assert valid_head_chunk_sizes(24, 4, 2) == [2, 4, 6, 12, 24]
     with pytest.raises(ValueError, match="whole fraction of a KV group or whole KV groups"):
         build_plan(24, 4, 2, 8)
+
+
+def test_document_boundaries_without_processes():
+    """transformers' rule (a position that is not its predecessor's + 1 starts a document), right
+    padding joining the last document, and the boundary checks."""
+    import torch
+
+    from ds_upipe.packing import DocumentBoundaries, documents_from_positions
+
+    pos = torch.tensor([[0, 1, 0, 0, 1, 2, 3, 0], [5, 6, 7, 8, 9, 10, 11, 12]])
+    assert documents_from_positions(pos).rows == ((0, 2, 3, 7, 8), (0, 8))
+    keep = torch.ones_like(pos)
+    keep[0, 6:] = 0  # right padding: no document starts under it
+    assert documents_from_positions(pos, keep).rows == ((0, 2, 3, 8), (0, 8))
+    assert documents_from_positions(pos[1:]) is None  # no restart: plain causal attention
+    docs = DocumentBoundaries.of([0, 3, 8])
+    assert docs.for_batch(2) == ((0, 3, 8), (0, 3, 8)) and not docs.is_trivial
+    assert docs.fingerprint() == DocumentBoundaries.of(torch.tensor([0, 3, 8])).fingerprint()
+    assert docs.fingerprint() != DocumentBoundaries.of([0, 4, 8]).fingerprint()
+    docs.check(2, 8)
+    with pytest.raises(ValueError, match="must ascend strictly from 0 to the global sequence length 9"):
+        docs.check(1, 9)
+    with pytest.raises(ValueError, match="must ascend strictly"):
+        DocumentBoundaries.of([0, 3, 3, 8]).check(1, 8)
+    with pytest.raises(ValueError, match="cu_seqlens has 2 rows for a batch of 3"):
+        DocumentBoundaries.of([[0, 8], [0, 2, 8]]).check(3, 8)

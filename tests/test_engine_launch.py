@@ -88,6 +88,13 @@ def two_procs_launch(tmp_path_factory):
         run("ref_from_upipe", resume=up_ckpt, resume_tag="step2"),
     ]
     runs.append(run("upipe_z3_overlap", sp=2, gas=2, extra=("upipe.overlap_comm=true",)))
+    # packed rows: 8 documents of random lengths per sequence (position_ids restart), UPipe and ALST (sdpa);
+    # 3 steps (test time)
+    runs += [
+        run("ref_z3_packed", packing=8, steps=3),
+        run("upipe_z3_packed", sp=2, gas=2, packing=8, steps=3),
+        run("alst_z3_packed", "ulysses_alst_zero3", sp=2, gas=2, packing=8, steps=3),
+    ]
     # the long-context stack (tiled loss, norms, MLPs) from the ds_config, UPipe and ALST, ZeRO-2 and 3
     runs += [
         run("ref_z3_stack", extra=STACK),
@@ -201,6 +208,19 @@ def test_local_checkpoint_and_text_file(two_procs):
 def test_overlap_comm(two_procs):
     _check_same(two_procs, "upipe_z3_overlap", "ref_z3")
     assert two_procs["upipe_z3_overlap"]["upipe_stage_runs"] > 0
+
+
+def test_packed_rows_equal_non_sp(two_procs):
+    """ds_upipe.initialize on packed rows: UPipe (per-document kernel) and ALST (its sdpa core run per
+    document, ``hf_patches.packing``) equal the non-SP run, whose SDPA mask transformers builds from
+    the restarting positions; UPipe saw the 8 documents."""
+    for name in ("upipe_z3_packed", "alst_z3_packed"):
+        _check_same(two_procs, name, "ref_z3_packed")
+    assert len(two_procs["upipe_z3_packed"]["losses"]) == 3 and two_procs["upipe_z3_packed"]["upipe_documents"] == [8]
+    assert two_procs["upipe_z3_packed"]["upipe_stage_runs"] > 0
+    assert (
+        max_rel(two_procs["ref_z3_packed"]["losses"], two_procs["ref_z3"]["losses"][:3]) > 1e-3
+    )  # packing changes them
 
 
 def test_offload_config(two_procs):

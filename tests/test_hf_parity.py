@@ -18,7 +18,6 @@ REFUSALS = {  # case -> words its message must contain (the offending value and 
     "attention_dropout": ["attention_dropout=0.1", "must be 0.0"],
     "double_patch": ["already patched"],
     "no_position_ids": ["position_ids are required", "[0, 1]"],
-    "packed_positions": ["not consecutive", "packed"],
     "left_padding": ["left padding", "right padding"],
     "mask_4d": ["attention_mask", "2-D"],
     "use_cache": ["use_cache=True", "generation (KV cache / incremental decoding) is not supported"],
@@ -31,6 +30,17 @@ REFUSALS = {  # case -> words its message must contain (the offending value and 
 }
 
 
+NUM_PACKED_CASES = {2: 6, 4: 4}  # Qwen3 at C=2 only
+
+
+def _check_packed(results, world):
+    """Packed rows (DataCollatorWithFlattening) == every document alone in one process, float64."""
+    for rank, cases in enumerate(results):
+        assert len(cases) == NUM_PACKED_CASES[world]
+        for case, errors in cases.items():
+            assert max(errors.values()) <= F64, f"C={world} rank {rank} packed {case}: {errors}"
+
+
 def _check_parity(results, world):
     for rank, (failures, count, stage_runs) in enumerate(results):
         assert count == NUM_PARITY_CASES
@@ -41,6 +51,7 @@ def _check_parity(results, world):
 def test_group_of_two():
     results = run_ranks(hf_cases.c2_group, 2)
     _check_parity([r["parity"] for r in results], 2)
+    _check_packed([r["packed"] for r in results], 2)
     for rank, r in enumerate(results):
         for case, errors in r["misc"].items():
             assert max(errors.values()) <= F64, f"rank {rank} {case}: {errors}"
@@ -54,7 +65,9 @@ def test_group_of_two():
 
 @pytest.mark.parametrize("world", [4])
 def test_group_of_four(world):
-    _check_parity(run_ranks(hf_cases.parity_matrix, world), world)
+    results = run_ranks(hf_cases.group_of_four, world)
+    _check_parity([r["parity"] for r in results], world)
+    _check_packed([r["packed"] for r in results], world)
 
 
 def test_rope_scaling():
@@ -76,6 +89,6 @@ def test_ring_2x2_and_1x4():
     for rank, by_layout in enumerate(results):
         for layout in RING_LAYOUTS:
             cases = by_layout[layout]
-            assert len(cases) == len(hf_cases.ring_cases_for(layout)) + 1
+            assert len(cases) == len(hf_cases.ring_cases_for(layout)) + 2  # + data loader, packed refusal
             for case, errors in cases.items():
                 assert max(errors.values()) <= F64, f"rank {rank} C_u x R = {layout} {case}: {errors}"

@@ -484,3 +484,67 @@ def test_callable_kernel_recomputes_a_plain_function(batch_dim_idx):
     _assert_matches_reference((q.detach(), k, v, dout), (out, *grads), SCALE, tol=1e-10)
     with pytest.raises(ValueError, match="not a plain callable"):
         RingAttentionKernel(kernel, None)
+
+
+# -- packed rows: DocumentKernel around each CUDA path ------------------------------------------------
+
+#: per batch row: a one-token document, short ones, and one longer than the efficient op's 32-row lse block
+_DOCUMENTS = ((0, 1, 7, 40), (0, 33, 34, 40))
+
+
+def _per_document_reference(q, k, v, dout):
+    """float64 attention of every document alone: out and dq, dk, dv."""
+    ref = _reference(True, SCALE)
+    outs, grads = (
+        torch.zeros_like(q, dtype=torch.float64),
+        [torch.zeros_like(t, dtype=torch.float64) for t in (q, k, v)],
+    )
+    for r, cu in enumerate(_DOCUMENTS):
+        for s, e in zip(cu, cu[1:]):
+            qs, ks, vs, ds = (t[r : r + 1, :, s:e].double() for t in (q, k, v, dout))
+            o, lse, _ = ref.forward(qs, ks, vs)
+            outs[r : r + 1, :, s:e] = o
+            for g, piece in zip(grads, ref.backward(ds, qs, ks, vs, o, lse, ())):
+                g[r : r + 1, :, s:e] = piece
+    return outs, grads
+
+
+def _check_documents(kernel, q, k, v, dout, tol: float) -> tuple:
+    from ds_upipe.packing import DocumentBoundaries, DocumentKernel
+
+    docs = DocumentKernel(kernel, DocumentBoundaries(_DOCUMENTS))
+    out, lse, aux = docs.forward(q, k, v)
+    grads = docs.backward(dout, q, k, v, out, lse, aux)
+    out_ref, grads_ref = _per_document_reference(q, k, v, dout)
+    for got, want in zip((out, *grads), (out_ref, *grads_ref)):
+        assert got.shape == want.shape and got.dtype == q.dtype
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    return out, lse, aux
+
+
+@pytest.mark.parametrize("dtype, op", [(torch.bfloat16, "flash"), (torch.float32, "efficient")])
+def test_document_kernel_on_torch_cuda_paths(as_cuda, dtype, op):
+    """Packed rows through TorchSDPAKernel's CUDA ops (CPU stand-ins): one dense call per document, the
+    efficient op's lse padded to 32 with NaN per document and handed back per document (lengths in aux)."""
+    q, k, v, dout = _inputs(4, 2, dtype)
+    out, lse, aux = _check_documents(
+        TorchSDPAKernel(causal=True, softmax_scale=SCALE), q, k, v, dout, 2e-2 if dtype == torch.bfloat16 else 1e-5
+    )
+    segments = sum(len(cu) - 1 for cu in _DOCUMENTS)
+    assert len(as_cuda.of(op)) == len(as_cuda.of(f"{op}_backward")) == segments
+    lengths = [e - s for cu in _DOCUMENTS for s, e in zip(cu, cu[1:])]
+    want = lengths if op == "flash" else [_padded_lse_len(n) for n in lengths]
+    assert aux[0].tolist() == want and lse.shape[-1] == sum(want)
+    assert len(aux) == 1 + segments * (4 if op == "flash" else 2)  # each segment's own aux, in order
+
+
+@pytest.mark.parametrize("version", ["2.6.3", "2.8.3"])
+def test_document_kernel_around_flash_attn(install_flash_attn, version):
+    """Packed rows through FlashAttnKernel (the fake package with the release's signatures): one call
+    per document, each backward with its own document's rng_state."""
+    rec = install_flash_attn(version)
+    q, k, v, dout = _inputs(4, 2, torch.bfloat16, d=16)
+    _check_documents(FlashAttnKernel(causal=True, softmax_scale=SCALE), q, k, v, dout, 2e-2)
+    forwards, backwards = rec.of("fa_forward"), rec.of("fa_backward")
+    assert len(forwards) == len(backwards) == sum(len(cu) - 1 for cu in _DOCUMENTS)
+    assert all(b[1]["rng_state"] is f[2][-1] for f, b in zip(forwards, backwards))

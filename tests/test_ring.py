@@ -281,6 +281,7 @@ EXPECTED_ERRORS = {
     "uneven_shards_on_one_ring_rank": "sequence shard lengths differ across ranks: [4, 4, 6, 6]",
     "generic_callable_with_ring": "ring attention (ring_size=2) needs an AttentionKernel as local_attention",
     "ring_overlap_differs": f"ring_overlap {RING_DIFFERS}rank 0: False, rank 1: False, rank 2: False, rank 3: True)",
+    "packed_with_ring": "packed sequences (cu_seqlens) are not supported with ring attention (ring_size=2)",
     "ok_after_errors": "no error",
 }
 

@@ -138,6 +138,19 @@ def trainer_ring_runs(trainer_runs, tmp_path_factory) -> dict[str, dict[str, Any
 
 
 @pytest.fixture(scope="module")
+def trainer_packing_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    """``--packing``: rows of 4 random-length documents (DataCollatorWithFlattening, padded to 64
+    tokens), UPipe with SP 2 against the non-SP run (whose SDPA mask transformers builds from the
+    restarting position_ids)."""
+    work = tmp_path_factory.mktemp("trainer_packing")
+    upipe = ("--deepspeed", "examples/ds_config_upipe.json", "--packing")
+    return {
+        "no_sp": _torchrun(1, work / "no_sp.json", *upipe, "--sp_size", "1"),
+        "upipe_packing": _torchrun(2, work / "upipe_packing.json", *upipe, "--sp_size", "2"),
+    }
+
+
+@pytest.fixture(scope="module")
 def accelerate_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
     work = tmp_path_factory.mktemp("accelerate")
     return {
@@ -230,6 +243,17 @@ def test_trainer_upipe_x_ring(trainer_ring_runs):
     assert run["world_size"] == 4 and run["sp_size"] == 4 and run["upipe"] == {"fused": True, "head_chunk_size": 2}
     assert min(run["stage_runs_train"]) > 0 and min(run["stage_runs_eval"]) > 0, run
     assert run["eval_local_seq_lens"] == [SEQ_LEN // 4], run
+
+
+@pytest.mark.slow
+def test_trainer_packing_equals_no_sp(trainer_packing_runs):
+    """Packed rows through the Trainer: UPipe attends per document (4 per row, from the global
+    position_ids) and its losses, gradient norms and eval loss equal the non-SP run's."""
+    _check_parity(trainer_packing_runs, ("upipe_packing",))
+    run = trainer_packing_runs["upipe_packing"]
+    assert run["packing"] and run["upipe_documents_per_row"] == [4], run
+    assert min(run["stage_runs_train"]) > 0 and min(run["stage_runs_eval"]) > 0, run
+    assert run["eval_local_seq_lens"] == [SEQ_LEN // 2], run
 
 
 @pytest.mark.slow

@@ -55,6 +55,7 @@ from .sp_setup import (
     average_gradients_over_all_ranks,
     check_long_context,
     configure_activation_checkpointing,
+    packed_rows_per_document,
 )
 
 #: what enable() replaced, to restore in disable(): (owner, attribute) -> original
@@ -228,6 +229,8 @@ def _register_for_accelerate(args: dict[str, Any]) -> Any:
     _REGISTERED.pop("ring_size", None)
     model = args["model_name_or_path"]
     check_long_context(model, settings.upipe)  # before the registration's collectives (group creation)
+    if not settings.upipe.enabled:  # ALST from the ds_config: exact on packed rows with sdpa too
+        packed_rows_per_document(args["core_attn_implementation"])
     mpu = _register_upipe(args, settings) if settings.upipe.enabled else _alst_register(args)
     # "local": the Trainer / accelerate combine the ranks' losses (deepspeed_sp_compute_loss)
     apply_long_context(model, settings.upipe, "local", None)
@@ -402,9 +405,9 @@ def _alst_mask(core: str, attention_mask: Any) -> Any:
 
 
 def _check_global_positions(module: torch.nn.Module, position_ids: torch.Tensor | None, state: Any) -> None:
-    """UPipe's causal kernel needs one sequence in rank order: gather the positions (as ALST does in
-    every attention call) and refuse packed or shuffled ones; the same data gives the same error on
-    every rank."""
+    """UPipe's kernel needs the global sequence's positions: gather them (as ALST does in every
+    attention call), refuse shuffled ones under a ring, and set the packed documents (positions that
+    restart, ``ds_upipe.packing``) for this call; the same data gives the same result on every rank."""
     if position_ids is None:
         raise ValueError(
             f"{type(module).__name__}: position_ids are required under sequence parallelism: pass the global "
@@ -412,13 +415,15 @@ def _check_global_positions(module: torch.nn.Module, position_ids: torch.Tensor 
         )
     from hf_patches.inputs import global_sequence
 
+    from ..packing import documents_from_positions
+
     full = global_sequence(position_ids.reshape(-1, position_ids.shape[-1]).contiguous(), state)
-    if bool((full[:, 1:] - full[:, :-1] != 1).any()):
-        order = "rank order" if state.ring_size == 1 else "the ring's zigzag order"
+    if state.ring_size > 1 and bool((full[:, 1:] - full[:, :-1] != 1).any()):
         raise ValueError(
-            f"{type(module).__name__}: position_ids are not consecutive over the whole sequence (in {order}); "
-            "UPipe's causal attention cannot honour packed sequences (positions that restart)"
+            f"{type(module).__name__}: position_ids are not consecutive over the whole sequence (in the ring's zigzag "
+            "order); packed sequences (positions that restart) are not supported with a ring group"
         )
+    state.documents = documents_from_positions(full)
 
 
 def _sequence_parallel_in_training_only(model: torch.nn.Module, core: str) -> None:

@@ -109,6 +109,7 @@ def register_alst(model: torch.nn.Module, sp: int, mb: int) -> Any:
     if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
         parallel_state_sp._release_sequence_parallel_groups()  # register_with_transformers creates them
     original = ALL_ATTENTION_FUNCTIONS.get(impl)
+    packed_rows_per_document(impl)
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model,
         core_attn_implementation=impl,
@@ -119,6 +120,20 @@ def register_alst(model: torch.nn.Module, sp: int, mb: int) -> Any:
     if original is not None:
         REPLACED_ATTENTION[impl] = original
     return mpu
+
+
+def packed_rows_per_document(impl: str) -> None:
+    """Before ALST's registration wraps the core attention function ``impl``: with transformers'
+    ``sdpa``, which ignores ``position_ids``, make it run per document on packed rows (ALST drops the
+    mask, so the documents of a packed row would attend to each other; ``hf_patches.packing``).
+    flash-attention functions already read the gathered positions (varlen); others are left as they are."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from hf_patches.packing import per_document_attention
+
+    core = ALL_ATTENTION_FUNCTIONS.get(impl)
+    if impl == "sdpa" and core is not None and not getattr(core, "upipe_per_document", False):
+        ALL_ATTENTION_FUNCTIONS[impl] = per_document_attention(core)
 
 
 def apply_upipe_settings(model: torch.nn.Module, group: Any, head_chunk_size: int, settings: SPSettings) -> None:

@@ -47,6 +47,8 @@ class Method:
     kind: str  # "deepspeed" | "alst" | "upipe"
     head_chunk_size: int | None = None
     fused: bool | None = None
+    #: core level: equal documents packed into each row (1: one sequence per row)
+    documents: int = 1
 
 
 @dataclass
@@ -74,12 +76,24 @@ class BenchSpec:
     #: ALST have no ring, so with ring_size > 1 the methods are UPipe x Ring at every U valid for C_u,
     #: the baseline being U = H (Ulysses x Ring), on zigzag shards
     ring_size: int = 1
+    #: core level: also run DeepSpeed and UPipe on rows of this many equal packed documents (1: not)
+    documents: int = 1
 
     def __post_init__(self) -> None:
         from ..schedule import valid_head_chunk_sizes
 
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device!r}: must be 'cpu' or 'cuda'")
+        if self.documents < 1 or any(seq % self.documents for seq in self.seq_lens):
+            raise ValueError(
+                f"documents={self.documents} must be >= 1 and divide every sequence length {self.seq_lens} "
+                "(equal documents)"
+            )
+        if self.documents > 1 and self.ring_size > 1:
+            raise ValueError(
+                f"documents={self.documents} with ring_size={self.ring_size}: packed rows are not supported with a "
+                "ring (docs/core.md); bench them with ring_size 1"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(DTYPES)}")
         bad = [lvl for lvl in self.levels if lvl not in LEVELS]
@@ -137,9 +151,13 @@ class BenchSpec:
                 Method(f"upipe-unfused-ring{self.ring_size}[U={u}]", "upipe", u, False) for u in us
             ]
         if level == "core":
-            return [Method("deepspeed", "deepspeed"), Method("alst", "alst")] + [
-                Method(f"upipe[U={u}]", "upipe", u) for u in us
-            ]
+            methods = [Method("deepspeed", "deepspeed"), Method("alst", "alst")]
+            methods += [Method(f"upipe[U={u}]", "upipe", u) for u in us]
+            if self.documents > 1:  # packed rows: DeepSpeed with per-document local attention first (reference)
+                n = self.documents
+                methods += [Method(f"deepspeed docs={n}", "deepspeed", documents=n)]
+                methods += [Method(f"upipe[U={u}] docs={n}", "upipe", u, documents=n) for u in us]
+            return methods
         return (
             [Method("alst", "alst")]
             + [Method(f"upipe-fused[U={u}]", "upipe", u, True) for u in us]
@@ -162,6 +180,26 @@ class Measurement:
     peak_ratio: float = math.nan  # vs the level's baseline
     intermediate_ratio: float = math.nan
     time_ratio: float = math.nan
+    documents: int = 1  # core level: equal documents packed per row
+
+
+def packing_ratios(rows: list[Measurement]) -> list[dict[str, Any]]:
+    """Per method with packed rows: its time over the same method's on one document per row (same
+    sequence length): the cost of N equal documents against one document of the full row length."""
+    single = {(r.level, r.seq_len, r.kind, r.head_chunk_size): r for r in rows if r.documents == 1}
+    out = []
+    for r in rows:
+        if r.documents > 1:
+            one = single[(r.level, r.seq_len, r.kind, r.head_chunk_size)]
+            out.append(
+                {
+                    "method": r.method,
+                    "seq_len": r.seq_len,
+                    "documents": r.documents,
+                    "time_vs_one_document": r.time_s / one.time_s,
+                }
+            )
+    return out
 
 
 # -- timing one forward+backward ----------------------------------------------------------------
@@ -201,7 +239,18 @@ CORE_LOCAL_ATTENTION = {
     "deepspeed": "ds_upipe.kernels.gqa_native_sdpa (torch SDPA, enable_gqa)",
     "alst": "transformers' sdpa_attention_forward",
     "upipe": "ds_upipe.TorchSDPAKernel (torch SDPA ops with lse)",
+    "docs=N": "deepspeed: gqa_native_sdpa per document; upipe: DocumentKernel(TorchSDPAKernel) via cu_seqlens",
 }
+
+
+def _per_document(local: Callable[..., torch.Tensor], cu_seqlens: list[int]) -> Callable[..., torch.Tensor]:
+    """DistributedAttention's local attention run per document of the gathered [b, S, h, d] sequence
+    (what a DeepSpeed user writes for packed rows without a varlen kernel); autograd by torch."""
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.cat([local(*(t[:, s:e] for t in (q, k, v))) for s, e in zip(cu_seqlens, cu_seqlens[1:])], dim=1)
+
+    return attention
 
 
 def _core_attention(method: Method, spec: BenchSpec, group: Any, pos: torch.Tensor) -> Callable[..., torch.Tensor]:
@@ -213,17 +262,23 @@ def _core_attention(method: Method, spec: BenchSpec, group: Any, pos: torch.Tens
     from ..kernels import TorchSDPAKernel, gqa_native_sdpa
     from ..layer import UPipeDistributedAttention
 
+    seq = pos.shape[-1] * spec.world
+    cu_seqlens = list(range(0, seq + 1, seq // method.documents))  # equal documents
     if method.kind == "deepspeed":
-        return DistributedAttention(gqa_native_sdpa, group)
+        local = gqa_native_sdpa if method.documents == 1 else _per_document(gqa_native_sdpa, cu_seqlens)
+        return DistributedAttention(local, group)
     if method.kind == "upipe":
         ulysses, ring = sequence_groups(spec)
-        return UPipeDistributedAttention(
+        upipe = UPipeDistributedAttention(
             TorchSDPAKernel(causal=True),
             ulysses,
             head_chunk_size=method.head_chunk_size,
             overlap_comm=spec.overlap_comm,
             ring_group=ring,
         )
+        if method.documents == 1:
+            return upipe
+        return lambda q, k, v, batch_dim_idx: upipe(q, k, v, batch_dim_idx, cu_seqlens=cu_seqlens)
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -433,11 +488,10 @@ def _rank_main(rank: int, world: int, spec: BenchSpec) -> list[tuple]:
     for level in spec.levels:
         runner = run_core_case if level == "core" else run_layer_case
         for seq in spec.seq_lens:
-            reference = None
+            references: dict[int, dict[str, torch.Tensor]] = {}  # per documents per row: the first method's
             for method in spec.methods(level):
                 res = runner(method, spec, seq, rank, device)
-                if reference is None:
-                    reference = res["values"]
+                reference = references.setdefault(method.documents, res["values"])
                 diff = _max_abs_diff(res["values"], reference)
                 rows.append((level, method, seq, res["peak"], res["intermediate"], res["time"], diff))
                 del res
@@ -485,6 +539,7 @@ def combine_ranks(per_rank: list[list[tuple]]) -> list[Measurement]:
                 intermediate_bytes=max(c[4] for c in cases),
                 time_s=max(c[5] for c in cases),
                 max_abs_diff=max(c[6] for c in cases),
+                documents=method.documents,
             )
         )
     baselines = {(m.level, m.seq_len): m for m in rows if _is_first(m, rows)}
@@ -536,6 +591,11 @@ def format_table(rows: list[Measurement]) -> str:
                 f"{r.time_s:>11.3f}{r.time_ratio:>6.2f}{r.max_abs_diff:>10.1e}"
             )
         lines.append("")
+    packed = packing_ratios(rows)
+    if packed:
+        lines.append("[packed rows] fwd+bwd time of N equal documents per row / one document of the full row length")
+        lines += [f"{p['method']:<22}{p['seq_len']:>9}{p['time_vs_one_document']:>8.3f}" for p in packed]
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -557,6 +617,7 @@ def write_json(path: str | Path, spec: BenchSpec, rows: list[Measurement], extra
         "intermediate_bytes": INTERMEDIATE,
         "core_local_attention": CORE_LOCAL_ATTENTION,
         "results": [asdict(r) for r in rows],
+        "packing": packing_ratios(rows),
         **(extra or {}),
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)

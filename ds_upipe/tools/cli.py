@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--head-chunk-sizes", type=_int_list, default=None, help="U values (default: all valid)")
     bench.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float64")
     bench.add_argument("--batch", type=int, default=1)
+    bench.add_argument(
+        "--documents",
+        type=int,
+        default=1,
+        help="core level: also run rows of N equal packed documents (DeepSpeed per document, UPipe with cu_seqlens)",
+    )
     bench.add_argument("--repeats", type=int, default=2, help="timed repetitions (median reported)")
     bench.add_argument("--warmup", type=int, default=1)
     bench.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
@@ -230,6 +236,7 @@ def _bench(args: argparse.Namespace) -> int:
         tiled_mlp=args.tiled_mlp,
         overlap_comm=args.overlap_comm,
         batch=args.batch,
+        documents=args.documents,
         dtype=dtype,
         head_chunk_sizes=args.head_chunk_sizes,
         repeats=args.repeats,
