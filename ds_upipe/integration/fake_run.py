@@ -42,6 +42,8 @@ import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .checkpointing import without_recomputed_outputs
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 KERNELS = ("none", "fa2", "fa3")
 _FLASH_BACKWARD = {
@@ -380,6 +382,8 @@ class StepSpec:
     loss_tile_tokens: int | None = None
     kernel: str = "none"  # the analytic CUDA workspace: "none" (CPU), "fa2", "fa3"
     comm_backend: str = "nccl"  # whose async-Work buffer lifetime to reproduce: "nccl" or "gloo"
+    #: the layer runs as a checkpointed layer's replay in backward (``integration.checkpointing``)
+    checkpointed: bool = False
 
     def __post_init__(self) -> None:
         if self.comm_backend not in ("nccl", "gloo"):
@@ -493,8 +497,11 @@ def layer_step(spec: StepSpec, live: bool = False) -> Peak:
     """Rank 0's peak over one decoder layer's forward (with grad) and backward: the layer's weights,
     its input x, the incoming gradient dy, cos/sin and the position ids are alive throughout, the
     weight gradients from their creation on (what a checkpointed layer's recompute + backward holds
-    besides the other layers' checkpoints).  ``after_forward``: x, the output and what the layer
-    saved for backward (what each layer keeps without checkpointing)."""
+    besides the other layers' checkpoints: the reentrant checkpoint holds x and dy through the
+    layer's backward; ``spec.checkpointed`` runs the layer as its replay does, through
+    ``checkpointing.without_recomputed_outputs``, whose output stand-in frees the layer output).
+    ``after_forward``: x, the output and what the layer saved for backward (what each layer keeps
+    without checkpointing)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     dtype = DTYPES[spec.dtype]
@@ -512,8 +519,11 @@ def layer_step(spec: StepSpec, live: bool = False) -> Peak:
         with torch.no_grad():
             cos, sin = rotary(x, pos)
 
+        call = functools.partial(layer, position_embeddings=(cos, sin), position_ids=pos)
+
         def forward() -> torch.Tensor:
-            return layer(x, position_embeddings=(cos, sin), position_ids=pos)
+            # checkpointed: what the checkpoint's replay in backward runs (its output a stand-in)
+            return without_recomputed_outputs(call, x) if spec.checkpointed else call(x)
 
         def backward(y: torch.Tensor) -> None:
             y.backward(dy)
