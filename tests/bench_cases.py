@@ -42,3 +42,46 @@ def measure_layer_peaks(rank: int, world: int, points: list[tuple]) -> list[int]
         layer, rotary = build_layer(method, spec, torch.device("cpu"))
         peaks.append(layer_case(layer, rotary, spec, seq, rank, torch.device("cpu"))["peak"])
     return peaks
+
+
+#: benchmarks/whole_step.py at test size: C=2, the calibration heads (ALST registers one head layout
+#: per process), 2 layers, vocabulary 4096, bf16, each case with and without the long-context stack
+WHOLE_STEP_ARGS = dict(
+    world=CALIBRATION_WORLD,
+    seq=4096,
+    layers=2,
+    hidden=CALIBRATION_SHAPE["hidden"],
+    intermediate=CALIBRATION_SHAPE["intermediate"],
+    heads=CALIBRATION_SHAPE["heads"],
+    kv_heads=CALIBRATION_SHAPE["kv_heads"],
+    vocab=4096,
+    dtype="bfloat16",
+    loss_tile=128,
+    norm_tile=256,
+    mlp_tile=256,
+)
+
+
+def calibration_group(rank: int, world: int, points: list[tuple], whole_step_args: dict) -> dict:
+    """One spawn for the planner's measurements: the decoder-layer points, then every whole-step case
+    (benchmarks/whole_step.py's run_case: per-rank peak bytes).  The layer points register ALST in
+    transformers' registry (ds_upipe.tools.bench); it is restored and DeepSpeed's sequence-parallel
+    groups dropped so that the whole step's ALST registers as it does on its own."""
+    import argparse
+    import sys
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from benchmarks import whole_step
+    from ds_upipe.tools import bench
+
+    layers = measure_layer_peaks(rank, world, points)
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
+    bench._ALST_REGISTERED[0] = False
+    sys.modules["deepspeed.runtime.sequence_parallel.parallel_state_sp"]._release_sequence_parallel_groups()
+    args = argparse.Namespace(**whole_step_args)
+    steps = {
+        f"{m}{'+stack' if s else ''}": whole_step.run_case(m, s, args, rank)["peak_bytes"] for m, s in whole_step.CASES
+    }
+    return {"whole_step": steps, "layers": layers}
