@@ -581,6 +581,7 @@ def core_step(
     batch: int = 1,
     dtype: str = "bf16",
     kernel: str = "none",
+    accumulate_in_input_dtype: bool = False,
 ) -> Peak:
     """Rank 0's peak over ``UPipeDistributedAttention`` (TorchSDPAKernel) forward+backward on
     [b, S/C, H, d] q and [b, S/C, Hkv, d] k, v, with the output gradient materialized.  ``weights``
@@ -597,7 +598,11 @@ def core_step(
         # validate_inputs=False: the documented trusted-inputs switch; the check's one all_gather of
         # a few int64 per rank ends in .tolist(), which fake tensors cannot run
         attn = UPipeDistributedAttention(
-            TorchSDPAKernel(causal=True), group, head_chunk_size=head_chunk_size, validate_inputs=False
+            TorchSDPAKernel(causal=True),
+            group,
+            head_chunk_size=head_chunk_size,
+            validate_inputs=False,
+            accumulate_in_input_dtype=accumulate_in_input_dtype,
         )
         q = torch.empty(batch, s, num_heads, head_dim, dtype=t).requires_grad_(True)
         k = torch.empty(batch, s, num_kv_heads, head_dim, dtype=t).requires_grad_(True)
