@@ -115,6 +115,7 @@ class UPipeDistributedAttention(DistributedAttention):
             softmax_scale=None if kernel is None else kernel.softmax_scale,
             ring_size=self.ring_size,
             ring_overlap=self.ring_overlap and self.ring_size > 1,  # moot without a ring
+            accumulate_in_input_dtype=self.accumulate_in_input_dtype,
         )
 
     def plan_for(self, num_heads: int, num_kv_heads: int) -> StagePlan:
