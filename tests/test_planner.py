@@ -225,6 +225,40 @@ def test_layer_plan_matches_memtracker_on_cpu(calibration):
     assert not bad, "\n".join(map(str, report))
 
 
+def test_checkpoint_replay_plan_matches_memtracker_on_cpu(calibration):
+    """With checkpointing the planner runs the layer as the checkpoint's replay (output stand-in, x and
+    dy alive): against the same replay measured with MemTracker (UPipe fused, U = C, tiled MLP), within
+    5%, and below the plain layer's peak by about the layer output it no longer holds."""
+    kind, u, fused, seq, dtype, tiled, overlap = bench_cases.REPLAY_POINT
+    shape = bench_cases.CALIBRATION_SHAPE
+    dims = planner.ModelDims(
+        "calibration",
+        shape["heads"],
+        shape["kv_heads"],
+        shape["head_dim"],
+        shape["hidden"],
+        shape["intermediate"],
+        1,
+        128,
+    )
+    setup = planner.TrainSetup(
+        gpus=bench_cases.CALIBRATION_WORLD,
+        dtype="fp32",
+        tiled_mlp=tiled,
+        tiled_norm=False,
+        tiled_loss=False,
+        kernel="none",
+        comm_backend="gloo",
+        offload_checkpoints=False,
+    )
+    method = planner.AttentionScheme("upipe", u, fused, overlap)
+    peak = planner.layer_peak(dims, setup, method, seq)
+    plain = planner.layer_peak(dims, replace(setup, checkpointing=False), method, seq)
+    worst = max(r["replay"] for r in calibration)
+    assert abs(peak.total / worst - 1) <= 0.05, (worst, peak.total, peak.at)
+    assert peak.total < plain.total
+
+
 def test_whole_step_plan_matches_memtracker_on_cpu(calibration):
     """The planner's whole-step prediction (fake-tensor layer and loss phases + the weights, the other
     layers' saved tensors and the gradients made so far) against benchmarks/whole_step.py's MemTracker
