@@ -63,6 +63,8 @@ def main() -> int:
             tiled_loss=False,
             kernel="none",
             comm_backend="gloo",
+            checkpointing=False,  # the measured layer runs plain forward + backward (no replay)
+            offload_checkpoints=False,
         )
         peak = planner.layer_peak(dims, setup, m, r.seq_len)
         pred, where = peak.total, peak.at

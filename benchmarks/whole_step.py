@@ -125,6 +125,45 @@ def run_case(method: str, stack: bool, args: argparse.Namespace, rank: int) -> d
     }
 
 
+def planner_prediction(args: dict[str, Any], method: str, stack: bool) -> Any:
+    """The planner's prediction for one case of benchmarks/whole_step.py: no ZeRO, no checkpointing,
+    no optimizer (gradients from None), CPU (no kernel workspace, no reserve), gloo.  ``args``: this
+    script's arguments as a dict.  Runs the fake-tensor phases in this process (it must have no
+    process group)."""
+    from ds_upipe.tools import planner
+
+    dims = planner.ModelDims(
+        "whole-step",
+        args["heads"],
+        args["kv_heads"],
+        args["hidden"] // args["heads"],
+        args["hidden"],
+        args["intermediate"],
+        args["layers"],
+        args["vocab"],
+    )
+    setup = planner.TrainSetup(
+        gpus=args["world"],
+        gpu_memory_gib=1e6,
+        zero_stage=0,
+        checkpointing=False,
+        offload_checkpoints=False,
+        tiled_mlp=stack,
+        tiled_norm=stack,
+        tiled_loss=stack,
+        loss_tile_tokens=args["loss_tile"],
+        norm_tile_tokens=args["norm_tile"],
+        mlp_tile_tokens=args["mlp_tile"],
+        dtype={"float32": "fp32", "bfloat16": "bf16"}[args["dtype"]],
+        kernel="none",
+        reserve_gib=0,
+        comm_backend="gloo",
+        optimizer=False,
+    )
+    scheme = planner.AttentionScheme("ulysses") if method == "alst" else planner.AttentionScheme("upipe", args["world"])
+    return planner.predict(dims, setup, scheme, args["seq"])
+
+
 def rank_body(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """All cases on one rank (run by ds_upipe.tools.ranks.run_ranks over deepspeed.comm: ALST needs it)."""
     rows = []
@@ -142,15 +181,19 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return [row for rows in per_rank for row in rows]
 
 
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Worst rank per case, the stack's reduction per method, and UPipe vs ALST with the stack."""
+def summarize(rows: list[dict[str, Any]], args: dict[str, Any]) -> dict[str, Any]:
+    """Worst rank per case, the stack's reduction per method, UPipe vs ALST with the stack, and the
+    planner's prediction of each case (``planner_prediction``) with its relative error."""
     worst = {}
     for row in rows:
         key = f"{row['method']}{'+stack' if row['stack'] else ''}"
         if key not in worst or row["peak_bytes"] > worst[key]["peak_bytes"]:
             worst[key] = row
+    predicted = {k: planner_prediction(args, v["method"], v["stack"]).total_gib * 2**30 for k, v in worst.items()}
     return {
         "peak_mib": {k: v["peak_bytes"] / 2**20 for k, v in worst.items()},
+        "planner_mib": {k: predicted[k] / 2**20 for k in worst},
+        "planner_error": {k: predicted[k] / worst[k]["peak_bytes"] - 1 for k in worst},
         "loss": {k: v["loss"] for k, v in worst.items()},
         "seconds_rank0": {k: v["seconds"] for k, v in worst.items()},
         "parameter_mib": next(iter(worst.values()))["parameter_bytes"] / 2**20,
@@ -178,7 +221,7 @@ def main() -> int:
     args = p.parse_args()
     start = time.perf_counter()
     rows = run(args)
-    summary = summarize(rows)
+    summary = summarize(rows, vars(args))
     print(json.dumps(summary, indent=1))
     print(f"wall time {time.perf_counter() - start:.0f} s")
     if args.out is not None:

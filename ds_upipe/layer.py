@@ -69,6 +69,7 @@ class UPipeDistributedAttention(DistributedAttention):
         validate_inputs: bool = True,
         ring_group: dist.ProcessGroup | None = None,
         ring_overlap: bool | None = None,
+        accumulate_in_input_dtype: bool = False,
     ) -> None:
         # DeepSpeed's overlap handles belong to its own forward; UPipe runs its own loop.
         super().__init__(local_attention, sequence_process_group, scatter_idx, gather_idx, None, num_kv_heads)
@@ -78,6 +79,8 @@ class UPipeDistributedAttention(DistributedAttention):
             raise ValueError(f"head_chunk_size must be a positive int or None, got {head_chunk_size!r}")
         self.head_chunk_size = head_chunk_size
         self.overlap_comm = overlap_comm
+        #: bf16/fp16 dK/dV summed over a round's stages in their own dtype (sent per stage) instead of float32
+        self.accumulate_in_input_dtype = bool(accumulate_in_input_dtype)
         self.validate_inputs = validate_inputs
         del sp_stream  # accepted for DistributedAttention's signature; UPipe's async collectives need no stream
         self.ring_group = ring_group
@@ -126,6 +129,7 @@ class UPipeDistributedAttention(DistributedAttention):
             softmax_scale=None if kernel is None else kernel.softmax_scale,
             ring_size=self.ring_size,
             ring_overlap=self.ring_overlap and self.ring_size > 1,  # moot without a ring
+            accumulate_in_input_dtype=self.accumulate_in_input_dtype,
         )
 
     def plan_for(self, num_heads: int, num_kv_heads: int) -> StagePlan:
@@ -176,6 +180,7 @@ class UPipeDistributedAttention(DistributedAttention):
             attention=attention,
             stage_counter=self.stage_runs,
             overlap_comm=self.overlap_comm,
+            accumulate_in_input_dtype=self.accumulate_in_input_dtype,
         )
         return UPipeAttentionFunction.apply(query, key, value, pctx, batch_dim_idx)
 

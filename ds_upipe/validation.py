@@ -42,6 +42,8 @@ class LayerSettings:
     #: ranks of the ring group (1 = no ring attention) and whether its K/V exchange overlaps compute
     ring_size: int = 1
     ring_overlap: bool = False
+    #: 16-bit dK/dV summed in their own dtype and sent per stage (the order of the all-to-alls changes)
+    accumulate_in_input_dtype: bool = False
 
     def encode(self) -> list[int]:
         scale = _NONE if self.softmax_scale is None else struct.unpack("<q", struct.pack("<d", self.softmax_scale))[0]
@@ -55,11 +57,12 @@ class LayerSettings:
             scale,
             self.ring_size,
             int(self.ring_overlap),
+            int(self.accumulate_in_input_dtype),
         ]
 
     @staticmethod
     def decode(row: list[int]) -> LayerSettings:
-        u, scatter_idx, overlap, kernel, causal, has_scale, scale, ring_size, ring_overlap = row
+        u, scatter_idx, overlap, kernel, causal, has_scale, scale, ring_size, ring_overlap, accumulate = row
         return LayerSettings(
             head_chunk_size=None if u == _NONE else u,
             scatter_idx=scatter_idx,
@@ -69,6 +72,7 @@ class LayerSettings:
             softmax_scale=struct.unpack("<d", struct.pack("<q", scale))[0] if has_scale else None,
             ring_size=ring_size,
             ring_overlap=bool(ring_overlap),
+            accumulate_in_input_dtype=bool(accumulate),
         )
 
 
@@ -165,6 +169,7 @@ def check_settings(rows: list[RankInputs]) -> LayerSettings:
         "softmax_scale": "the kernel's softmax_scale",
         "ring_size": "ring_size (ranks of the ring group)",
         "ring_overlap": "ring_overlap",
+        "accumulate_in_input_dtype": "accumulate_in_input_dtype",
     }
     for field, label in names.items():
         values = [getattr(row.settings, field) for row in rows]

@@ -140,7 +140,15 @@ class FusedProjectionSource:
     Backward mode keeps, per stage in flight, only the head indices (and, with a q/k norm, the
     pre-norm chunk); the stage's gradient is taken back through RoPE by hand, through the norm by
     autograd, and through the linear part by hand: dx += g @ W_rows in place (no x-sized temporary
-    per stage), dW[rows] += g^T x, db[rows] += sum g."""
+    per stage), dW[rows] += g^T x, db[rows] += sum g.
+
+    Without a k norm it takes partial gradients (``accepts_partial_grads``): the pipeline hands each
+    source rank's heads over as they arrive, in the order of the stage's (or round's) heads, without
+    copying them into one piece, and may return a round's dK/dV once per stage instead of summing them
+    in a round-sized accumulator first (when they are in the accumulation dtype): that accumulator
+    would sit beside the kernel's backward, where the layer peaks.  Qwen3's k norm computes in
+    float32: its backward must see the round's summed dK, as the model's own autograd does (each
+    stage's piece rounded to float32 on its own would differ from it by about 1e-7)."""
 
     def __init__(
         self,
@@ -167,12 +175,17 @@ class FusedProjectionSource:
         self.need_p = tuple(bool(n) for n in needs_grad[1:]) if backward else (False,) * NUM_PARAMS
         # float32 sums for half-precision x / weights unless asked to sum in their own dtype
         self.accumulate_in_input_dtype = accumulate_in_input_dtype
+        #: gradients may arrive as consecutive pieces of a stage's (a round's) heads, dK/dV per stage
+        self.accepts_partial_grads = proj.k_norm is None
         self.grad_x: Tensor | None = None
         self.grad_p: list[Tensor | None] = [None] * NUM_PARAMS
-        # FIFO: with overlapped communication the next stage is fetched before this one's gradient returns
-        self._pending_q: deque[tuple[Tensor | None, Tensor]] = deque()
-        self._pending_kv: deque[tuple[Tensor | None, Tensor]] = deque()
-        # backward: the plan's KV replica layout per round (key_value is called once per round, in order)
+        # per chunk fetched in backward: [pre-norm chunk or None, heads, heads already given gradients].
+        # Queries: FIFO (with overlapped communication the next stage is fetched before this one's
+        # gradient returns); key/value: the current round's (its gradient may come once per stage).
+        self._pending_q: deque[list] = deque()
+        self._pending_kv: deque[list] = deque()
+        # backward: the plan's KV replica layout per round (key_value is called once per round, in order),
+        # used where a round's dK/dV come whole (a k norm, no partial gradients)
         self._kv_rounds = list(kv_rounds)
         self._kv_round = 0
 
@@ -195,7 +208,9 @@ class FusedProjectionSource:
         y = self._linear(rows, w_idx)
         norm = self._norm(norm_idx)
         if self.backward:
-            pending.append((y if norm is not None else None, rows))
+            if pending is self._pending_kv:
+                pending.clear()  # a new round: the previous one's gradients are all in
+            pending.append([y if norm is not None else None, heads, 0])
         if norm is not None:
             y = rms_norm(y, self.weights[norm_idx], norm.variance_epsilon)
         return apply_rope(y, self.cos, self.sin)
@@ -209,12 +224,15 @@ class FusedProjectionSource:
         return k, self._linear(self.rows(heads), _WV)
 
     def add_query_grad(self, heads: Tensor, grad: Tensor) -> None:
-        pre_norm, rows = self._pending_q.popleft()
-        self._linear_backward(self._chunk_backward(grad, pre_norm, _QN), rows, _WQ)
+        pre_norm = self._take(self._pending_q, heads, pop=True)
+        self._linear_backward(self._chunk_backward(grad, pre_norm, _QN), self.rows(heads), _WQ)
 
     def add_key_value_grad(self, heads: Tensor, grad_key: Tensor, grad_value: Tensor) -> None:
-        pre_norm, rows = self._pending_kv.popleft()
-        replicas = self._next_kv_replicas()
+        pre_norm = self._take(self._pending_kv, heads, pop=False)
+        rows = self.rows(heads)
+        # with partial gradients (no k norm) add is called per piece and the replicas' terms simply add up in
+        # the weight gradient; otherwise once per round, with the whole round's replicas
+        replicas = None if self.accepts_partial_grads else self._next_kv_replicas()
         if replicas is not None:
             # Sum the replicas' gradients first, as HF's repeat_kv backward does: a q/k norm computes in
             # float32 inside, so taking each replica through it separately would round differently.
@@ -227,6 +245,22 @@ class FusedProjectionSource:
             rows = self.rows(unique)
         self._linear_backward(self._chunk_backward(grad_key, pre_norm, _KN), rows, _WK)
         self._linear_backward(grad_value, rows, _WV)
+
+    @staticmethod
+    def _take(pending: deque[list], heads: Tensor, *, pop: bool) -> Tensor | None:
+        """The pre-norm chunk of the next ``heads.numel()`` heads of the oldest pending chunk (None
+        without a q/k norm); a query chunk is dropped once all its heads have their gradient, a round's
+        key/value chunk starts over (its next stage's gradient)."""
+        entry = pending[0]
+        pre_norm, chunk_heads, start = entry
+        n = heads.numel()
+        part = None if pre_norm is None else pre_norm.narrow(2, start, n)
+        entry[2] = start + n
+        if entry[2] == chunk_heads.numel():
+            entry[2] = 0
+            if pop:
+                pending.popleft()
+        return part
 
     # -- backward helpers --------------------------------------------------------------------
     def _next_kv_replicas(self) -> KeyValueReplicas | None:
@@ -247,7 +281,7 @@ class FusedProjectionSource:
         if pre_norm is None:
             return grad
         norm_weight = self.weights[norm_idx].detach().requires_grad_(self.need_p[norm_idx])
-        leaf = pre_norm.requires_grad_(True)
+        leaf = pre_norm.detach().requires_grad_(True)
         with torch.enable_grad():
             normed = rms_norm(leaf, norm_weight, self._norm(norm_idx).variance_epsilon)
         inputs = (leaf, norm_weight) if norm_weight.requires_grad else (leaf,)

@@ -146,7 +146,12 @@ def _settings(state: UPipeState) -> dict[str, int]:
         "num_attention_heads": state.plan.num_heads,
         "num_key_value_heads": state.plan.num_kv_heads,
         "ring_size (R)": state.ring_size,
+        # upipe.accumulate_dtype: with 16-bit inputs it decides whether dK/dV go back per stage or per round
+        "accumulate_in_input_dtype": int(state.accumulate_in_input_dtype),
     }
+
+
+_FLAGS = ("fused projections", "overlap_comm", "accumulate_in_input_dtype")
 
 
 def _check_settings(names: list[str], rows: list[list[int]]) -> None:
@@ -155,13 +160,14 @@ def _check_settings(names: list[str], rows: list[list[int]]) -> None:
     for i, name in enumerate(names):
         values = [row[i] for row in rows]
         if len(set(values)) > 1:
-            shown = [bool(v) for v in values] if name in ("fused projections", "overlap_comm") else values
+            shown = [bool(v) for v in values] if name in _FLAGS else values
             differ.append(f"{name} per rank {shown}")
     if differ:
         raise ValueError(
             f"UPipe settings differ across the ranks of the sequence-parallel group: {'; '.join(differ)}. Every rank "
             "must patch the same model with the same apply_upipe arguments (head_chunk_size, fused_projections, "
-            "overlap_comm, ring_group); fused projections also need plain nn.Linear projections on every rank"
+            "overlap_comm, accumulate_in_input_dtype, ring_group); fused projections also need plain nn.Linear "
+            "projections on every rank"
         )
 
 

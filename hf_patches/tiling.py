@@ -8,7 +8,9 @@ over the tiles (a different summation order: float64 <= 1e-10, float32 <= 1e-5).
 
 DeepSpeed's autograd Functions do the work (deepspeed.runtime.sequence_parallel.ulysses_sp):
 
-- norm: ``sequence_tiled_compute`` (``SequenceTiledCompute``), output concatenated on the sequence.
+- norm: ``TiledNorm``, DeepSpeed's ``SequenceTiledCompute`` reduced to this case with its input saved by
+  ``save_for_backward`` (released right after its backward; SequenceTiledCompute keeps it on the
+  context for as long as the graph lives), output written tile by tile into one buffer.
 - MLP: ``TiledMLP``, as ALST users apply it, with the tile count chosen so that ``torch.chunk``
   really makes that many tiles (it makes fewer for some lengths, e.g. 6 tokens in 4 chunks gives 3,
   and then TiledMLP never marks the weights' gradients ready for ZeRO: they would be lost).
@@ -30,6 +32,7 @@ the loss's backward (``_MarkGradReady``).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -116,31 +119,70 @@ def _forward_function(module: nn.Module) -> Callable:
     return func
 
 
+class TiledNorm(torch.autograd.Function):
+    """``fn(x)`` of a per-token module on sequence tiles of [batch, seq, hidden] x, recomputed tile by
+    tile in backward: DeepSpeed's ``SequenceTiledCompute`` for this one case, except that x is kept
+    with ``save_for_backward`` instead of on the context.  A saved tensor is released as soon as this
+    node's backward has run (and goes through saved-tensor hooks), while a context attribute lives as
+    long as the graph: in a decoder layer that was the residual sum feeding the post-attention norm,
+    one hidden state kept through the attention's backward (measured on the Llama3-8B plan).
+
+    Parameter gradients accumulate into ``.grad`` through the per-tile backward (the parameters are not
+    inputs of the Function), marked ready for ZeRO's reduction only at the last tile, as
+    SequenceTiledCompute does.  The output is written tile by tile into one buffer (no list + cat)."""
+
+    @staticmethod
+    def forward(ctx, fn: Callable, hidden_states: Tensor, tiles: int, params: Sequence[nn.Parameter]) -> Tensor:
+        ctx.fn = fn
+        ctx.params = [p for p in params if p.requires_grad]
+        seq = hidden_states.shape[1]
+        ctx.step = math.ceil(seq / tiles)
+        ctx.save_for_backward(hidden_states)
+        source = hidden_states.detach()
+        out: Tensor | None = None
+        with torch.no_grad():
+            for start in range(0, seq, ctx.step):
+                tile = fn(source[:, start : start + ctx.step])
+                if out is None:
+                    out = tile.new_empty((tile.shape[0], seq, *tile.shape[2:]))
+                out[:, start : start + ctx.step] = tile
+                del tile
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[None, Tensor | None, None, None]:
+        (hidden_states,) = ctx.saved_tensors
+        needs_x = ctx.needs_input_grad[1]
+        source = hidden_states.detach()
+        grad_x = torch.empty_like(source) if needs_x else None
+        starts = list(range(0, source.shape[1], ctx.step))
+        for i, start in enumerate(starts):
+            for param in ctx.params:  # ZeRO reduces each weight's gradient once, after the last tile
+                param.ds_grad_is_ready = i + 1 == len(starts)
+            tile = source[:, start : start + ctx.step].detach().requires_grad_(needs_x)
+            with torch.enable_grad():
+                out = ctx.fn(tile)
+            torch.autograd.backward(out, grad[:, start : start + ctx.step])
+            del out
+            if grad_x is not None:
+                grad_x[:, start : start + ctx.step] = tile.grad
+        return None, grad_x, None, None
+
+
 def tiled_norm(module: nn.Module, forward: Callable, hidden_states: Tensor, tile_tokens: int) -> Tensor:
     """``forward(module, hidden_states)`` of a per-token module (RMSNorm) on sequence tiles of
-    [batch, seq, hidden] input, recomputed per tile in backward (DeepSpeed's SequenceTiledCompute).
-    No collective runs inside (the module is not called through ``__call__``; ZeRO-3 has gathered
-    its weight around the whole call), so the tile count is this rank's own."""
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import sequence_tiled_compute
-
+    [batch, seq, hidden] input, recomputed per tile in backward (``TiledNorm``).  No collective runs
+    inside (the module is not called through ``__call__``; ZeRO-3 has gathered its weight around the
+    whole call), so the tile count is this rank's own."""
     if hidden_states.dim() != 3:
         return forward(module, hidden_states)
     batch, seq = hidden_states.shape[:2]
     tiles = min(seq, tiles_for(batch * seq, tile_tokens))
     if tiles <= 1:
         return forward(module, hidden_states)
-    hidden_states = _grad_input(hidden_states, list(module.parameters()))
-    return sequence_tiled_compute(
-        _no_grad_detached(lambda hidden_states: forward(module, hidden_states)),
-        seq,
-        tiles,
-        {"hidden_states": hidden_states},
-        {},
-        "hidden_states",
-        list(module.parameters()),
-        output_unshard_dimension=1,
-        output_reduction=None,
-    )
+    params = list(module.parameters())
+    hidden_states = _grad_input(hidden_states, params)
+    return TiledNorm.apply(functools.partial(forward, module), hidden_states, tiles, params)
 
 
 def tiled_mlp(module: nn.Module, forward: Callable, x: Tensor, tile_tokens: int) -> Tensor:

@@ -42,3 +42,88 @@ def measure_layer_peaks(rank: int, world: int, points: list[tuple]) -> list[int]
         layer, rotary = build_layer(method, spec, torch.device("cpu"))
         peaks.append(layer_case(layer, rotary, spec, seq, rank, torch.device("cpu"))["peak"])
     return peaks
+
+
+#: benchmarks/whole_step.py at test size: C=2, the calibration heads (ALST registers one head layout
+#: per process), 2 layers, vocabulary 4096, bf16, each case with and without the long-context stack
+WHOLE_STEP_ARGS = dict(
+    world=CALIBRATION_WORLD,
+    seq=4096,
+    layers=2,
+    hidden=CALIBRATION_SHAPE["hidden"],
+    intermediate=CALIBRATION_SHAPE["intermediate"],
+    heads=CALIBRATION_SHAPE["heads"],
+    kv_heads=CALIBRATION_SHAPE["kv_heads"],
+    vocab=4096,
+    dtype="bfloat16",
+    loss_tile=128,
+    norm_tile=256,
+    mlp_tile=256,
+)
+
+
+def calibration_group(rank: int, world: int, points: list[tuple], whole_step_args: dict) -> dict:
+    """One spawn for the planner's measurements: the decoder-layer points, then every whole-step case
+    (benchmarks/whole_step.py's run_case: per-rank peak bytes).  The layer points register ALST in
+    transformers' registry (ds_upipe.tools.bench); it is restored and DeepSpeed's sequence-parallel
+    groups dropped so that the whole step's ALST registers as it does on its own."""
+    import argparse
+    import sys
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from benchmarks import whole_step
+    from ds_upipe.tools import bench
+
+    layers = measure_layer_peaks(rank, world, points)
+    replay = measure_replay_peak(rank, world, REPLAY_POINT)
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
+    bench._ALST_REGISTERED[0] = False
+    sys.modules["deepspeed.runtime.sequence_parallel.parallel_state_sp"]._release_sequence_parallel_groups()
+    args = argparse.Namespace(**whole_step_args)
+    steps = {
+        f"{m}{'+stack' if s else ''}": whole_step.run_case(m, s, args, rank)["peak_bytes"] for m, s in whole_step.CASES
+    }
+    return {"whole_step": steps, "layers": layers, "replay": replay}
+
+
+#: a checkpointed layer's replay in backward (kind, U, fused, sequence, dtype, tiled MLP, overlap)
+REPLAY_POINT = ("upipe", 2, True, 1024, "float32", True, False)
+
+
+def measure_replay_peak(rank: int, world: int, point: tuple) -> int:
+    """Per-rank peak bytes of what the checkpoint's backward runs for one layer: the replay through
+    ``integration.checkpointing.without_recomputed_outputs`` (its output a stand-in) and the backward
+    from dy, with x and dy alive throughout (DeepSpeed's CheckpointFunction.backward holds them)."""
+    import functools
+
+    from ds_upipe.integration.checkpointing import without_recomputed_outputs
+    from ds_upipe.tools.bench import BenchSpec, Method, build_layer
+    from ds_upipe.tools.memory import measure_peak
+
+    kind, u, fused, seq, dtype, tiled, overlap = point
+    spec = BenchSpec(
+        world=world,
+        seq_lens=[seq],
+        levels=("layer",),
+        dtype=dtype,
+        tiled_mlp=tiled,
+        overlap_comm=overlap,
+        repeats=0,
+        **CALIBRATION_SHAPE,
+    )
+    layer, rotary = build_layer(Method(kind, kind, u, fused), spec, torch.device("cpu"))
+    s, t = seq // world, getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(1, s, spec.hidden_size, generator=gen).to(t).requires_grad_(True)
+    dy = torch.randn(1, s, spec.hidden_size, generator=gen).to(t)
+    pos = torch.arange(rank * s, (rank + 1) * s).unsqueeze(0)
+    with torch.no_grad():
+        cos, sin = rotary(x, pos)
+    call = functools.partial(layer, position_embeddings=(cos, sin), position_ids=pos)
+
+    def step() -> None:
+        without_recomputed_outputs(call, x).backward(dy)
+
+    return measure_peak(step, [layer, x, dy, cos, sin, pos], torch.device("cpu"))

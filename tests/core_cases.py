@@ -263,6 +263,7 @@ def bad_input_errors(rank, world):
         "u_differs_across_ranks": attempt(tensors(), u=world * (1 + rank % 2)),
         "u_none_vs_int": attempt(tensors(), u=None if rank == 0 else 2 * world),
         "overlap_differs": attempt(tensors(), overlap_comm=rank == 0),
+        "accumulate_differs": attempt(tensors(), accumulate_in_input_dtype=rank == 0),
         "kernel_vs_callable": attempt(tensors(), kernel=generic if rank == 0 else None),
         "causal_differs": attempt(tensors(), kernel=TorchSDPAKernel(causal=rank != 0)),
         "scale_differs": attempt(tensors(), kernel=TorchSDPAKernel(softmax_scale=0.5 if rank == 0 else None)),

@@ -528,7 +528,12 @@ def refusal_cases(rank, world):
     uneven_pos = torch.arange(uneven.shape[1])[None] + rank * (seq + 1)
     expect("uneven_shards", lambda: model(input_ids=uneven, position_ids=uneven_pos))
     expect("rank_head_chunk", lambda: _patched_per_rank(rank, head_chunk_size=2 if rank == 0 else 4)(ids, pos))
-    expect("rank_flags", lambda: _patched_per_rank(rank, fused_projections=rank == 0, overlap_comm=rank == 1)(ids, pos))
+    expect(
+        "rank_flags",
+        lambda: _patched_per_rank(
+            rank, fused_projections=rank == 0, overlap_comm=rank == 1, accumulate_in_input_dtype=rank == 0
+        )(ids, pos),
+    )
     # the model still works after the refused calls (no rank left behind in a collective)
     out = model(input_ids=ids, position_ids=pos)
     messages["still_works"] = str(tuple(out.logits.shape))

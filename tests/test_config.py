@@ -205,6 +205,21 @@ def test_stage_memory_is_the_fake_tensor_run_of_the_core():
     assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)  # more heads per stage, more memory
 
 
+def test_auto_plans_the_configured_accumulation():
+    """bf16 with accumulate_dtype "input": the round's float32 dK/dV accumulators (S x kv heads per rank
+    x d x 4 bytes each) are gone from the stage memory "auto" compares (each stage's dK/dV is sent at
+    once instead), and the choice follows."""
+    bf16 = {**DIMS, "dtype_bytes": 2}
+    fp32_acc, input_acc = (
+        attention_stage_bytes(4, **bf16, seq_length=4096, accumulate_in_input_dtype=on) for on in (False, True)
+    )
+    assert fp32_acc - input_acc >= 4096 * 1 * 16 * 4, (fp32_acc, input_acc)
+    budget = (fp32_acc + input_acc) / 2 / 2**30  # U = 4 fits only with input-dtype sums
+    for acc, want in (("fp32", 2), ("input", 4)):
+        cfg = UPipeConfig(head_chunk_size="auto", memory_budget_gib=budget, seq_length=4096, accumulate_dtype=acc)
+        assert choose_head_chunk_size(cfg, **bf16) == want
+
+
 def test_auto_picks_largest_that_fits():
     valid = valid_head_chunk_sizes(8, 2, 2)
     assert len(valid) >= 3
@@ -252,7 +267,8 @@ def test_long_context_configs_differ_only_in_enabled():
     """UPipe and ALST compare on the same stack: ZeRO-3, every tiled part, offloaded checkpoints."""
     upipe, alst = (load_config(REPO / "ds_configs" / f"{name}.json") for name in LONG_CONTEXT)
     u, a = parse_config(upipe).upipe, parse_config(alst).upipe
-    assert u.model_copy(update={"enabled": False}) == a
+    # accumulate_dtype is UPipe's own (its stage accumulators; ALST has none): "input", docs/config.md
+    assert u.accumulate_dtype == "input" and u.model_copy(update={"enabled": False, "accumulate_dtype": "fp32"}) == a
     assert (u.tiled_loss, u.tiled_norm, u.tiled_mlp, u.offload_checkpoints) == (True, True, True, True)
     assert upipe["zero_optimization"]["stage"] == 3 and upipe["activation_checkpointing"]["cpu_checkpointing"]
     assert {k: v for k, v in upipe.items() if k != "upipe"} == {k: v for k, v in alst.items() if k != "upipe"}

@@ -21,6 +21,7 @@ EXPECTED = {
     "u_differs_across_ranks": f"head_chunk_size {DIFFERS}rank 0: 4, rank 1: 8, rank 2: 4, rank 3: 8)",
     "u_none_vs_int": f"head_chunk_size {DIFFERS}rank 0: None, rank 1: 8, rank 2: 8, rank 3: 8)",
     "overlap_differs": f"overlap_comm {DIFFERS}rank 0: True, rank 1: False,",
+    "accumulate_differs": f"accumulate_in_input_dtype {DIFFERS}rank 0: True, rank 1: False,",
     "kernel_vs_callable": f"local_attention is an AttentionKernel {DIFFERS}rank 0: False, rank 1: True,",
     "causal_differs": f"the kernel's causal {DIFFERS}rank 0: False, rank 1: True,",
     "scale_differs": f"the kernel's softmax_scale {DIFFERS}rank 0: 0.5, rank 1: None,",

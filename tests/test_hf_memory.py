@@ -11,7 +11,8 @@ def test_fused_upipe_vs_alst():
         assert units == results[0], "MemTracker is deterministic and the ranks are symmetric"
         fused_block, alst_block = units[("upipe_fused", "attention")], units[("alst", "attention")]
         fused_layer, alst_layer = units[("upipe_fused", "layer")], units[("alst", "layer")]
-        # measured 0.716 (6.63 vs 9.26 units) with the materialized output gradient; issue 11 aims at 0.60
-        assert fused_block <= 0.75 * alst_block, f"rank {rank}: attention block {fused_block} vs ALST {alst_block}"
+        # measured 0.689 (6.38 vs 9.26 units) with the materialized output gradient (issue 11 aims at 0.60;
+        # the floor is x, dy, the block output, the saved attention output and dx: 5 units, docs/benchmarks.md)
+        assert fused_block <= 0.70 * alst_block, f"rank {rank}: attention block {fused_block} vs ALST {alst_block}"
         assert fused_layer < alst_layer, f"rank {rank}: decoder layer {fused_layer} vs ALST {alst_layer}"
         assert alst_block > 4, alst_block  # ALST's gathered q/k/v/output: a real baseline, not a no-op

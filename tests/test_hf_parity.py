@@ -24,7 +24,8 @@ REFUSALS = {  # case -> words its message must contain (the offending value and 
     "generate": ["LlamaForCausalLM.generate()", "generation (KV cache / incremental decoding) is not supported"]
     + ["without sequence parallelism", "attn_implementation='sdpa'"],
     "rank_head_chunk": ["UPipe settings differ", "head_chunk_size (U) per rank [2, 4]"],
-    "rank_flags": ["fused projections per rank [True, False]", "overlap_comm per rank [False, True]"],
+    "rank_flags": ["fused projections per rank [True, False]", "overlap_comm per rank [False, True]"]
+    + ["accumulate_in_input_dtype per rank [True, False]"],
     "generate_use_cache": ["Qwen2ForCausalLM.generate()", "is not supported under UPipe sequence parallelism"],
     "uneven_shards": ["[5, 4]", "equal"],
 }

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from benchmarks.whole_step import planner_prediction
 from ds_upipe.tools import planner
 from ds_upipe.tools.cli import main, parse_tokens
 from ds_upipe.tools.ranks import run_ranks
@@ -192,11 +193,23 @@ def test_fake_run_at_paper_scale_is_the_plan_less_the_analytic_terms():
     assert run.workspace == 4 * seq * 1 * 128 and run.total - run.workspace >= cpu.total - 4 * seq * 128
 
 
-def test_layer_plan_matches_memtracker_on_cpu():
+@pytest.fixture(scope="module")
+def calibration():
+    """Per-rank MemTracker peaks of the whole-step cases and the layer points, one spawn of C=2 ranks."""
+    return run_ranks(
+        bench_cases.calibration_group,
+        bench_cases.CALIBRATION_WORLD,
+        bench_cases.CALIBRATION_POINTS,
+        bench_cases.WHOLE_STEP_ARGS,
+        use_deepspeed=True,
+    )
+
+
+def test_layer_plan_matches_memtracker_on_cpu(calibration):
     """The fake-tensor planner against the real decoder layer measured with MemTracker, per rank, C=2
     gloo ranks (ALST and UPipe fused/unfused, fp32 and bf16, tiled MLP or not): within 5%."""
     points = bench_cases.CALIBRATION_POINTS
-    measured = run_ranks(bench_cases.measure_layer_peaks, bench_cases.CALIBRATION_WORLD, points, use_deepspeed=True)
+    measured = [r["layers"] for r in calibration]
     shape = bench_cases.CALIBRATION_SHAPE
     dims = planner.ModelDims(
         "calibration",
@@ -223,6 +236,8 @@ def test_layer_plan_matches_memtracker_on_cpu():
             tiled_loss=False,
             kernel="none",
             comm_backend="gloo",
+            checkpointing=False,  # the measured layer runs plain forward + backward (no replay)
+            offload_checkpoints=False,
         )
         peak = planner.layer_peak(dims, setup, method, seq)
         worst = max(rank_peaks[i] for rank_peaks in measured)
@@ -253,3 +268,53 @@ def test_real_runs_around_planner_runs_in_one_process():
     for u in (1, 2):
         assert fake_run.core_step(4, 2, 8, 1, u, 16, dtype="fp64").total > 0
         real_run(u)  # U=2: first asked for under the fake mode
+
+
+def test_checkpoint_replay_plan_matches_memtracker_on_cpu(calibration):
+    """With checkpointing the planner runs the layer as the checkpoint's replay (output stand-in, x and
+    dy alive): against the same replay measured with MemTracker (UPipe fused, U = C, tiled MLP), within
+    5%, and below the plain layer's peak by about the layer output it no longer holds."""
+    kind, u, fused, seq, dtype, tiled, overlap = bench_cases.REPLAY_POINT
+    shape = bench_cases.CALIBRATION_SHAPE
+    dims = planner.ModelDims(
+        "calibration",
+        shape["heads"],
+        shape["kv_heads"],
+        shape["head_dim"],
+        shape["hidden"],
+        shape["intermediate"],
+        1,
+        128,
+    )
+    setup = planner.TrainSetup(
+        gpus=bench_cases.CALIBRATION_WORLD,
+        dtype="fp32",
+        tiled_mlp=tiled,
+        tiled_norm=False,
+        tiled_loss=False,
+        kernel="none",
+        comm_backend="gloo",
+        offload_checkpoints=False,
+    )
+    method = planner.AttentionScheme("upipe", u, fused, overlap)
+    peak = planner.layer_peak(dims, setup, method, seq)
+    plain = planner.layer_peak(dims, replace(setup, checkpointing=False), method, seq)
+    worst = max(r["replay"] for r in calibration)
+    assert abs(peak.total / worst - 1) <= 0.05, (worst, peak.total, peak.at)
+    assert peak.total < plain.total
+
+
+def test_whole_step_plan_matches_memtracker_on_cpu(calibration):
+    """The planner's whole-step prediction (fake-tensor layer and loss phases + the weights, the other
+    layers' saved tensors and the gradients made so far) against benchmarks/whole_step.py's MemTracker
+    peak, worst rank, ALST and UPipe with and without the long-context stack: within 10%."""
+    args = bench_cases.WHOLE_STEP_ARGS
+    report = []
+    for key in calibration[0]["whole_step"]:
+        worst = max(r["whole_step"][key] for r in calibration)
+        pred = planner_prediction(args, key.split("+")[0], key.endswith("+stack"))
+        report.append(
+            (key, worst, pred.total_gib * GiB, pred.total_gib * GiB / worst - 1, pred.peak_phase, pred.peak_at)
+        )
+    assert len(report) == 4
+    assert all(abs(r[3]) <= 0.10 for r in report), "\n".join(map(str, report))

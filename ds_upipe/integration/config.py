@@ -273,12 +273,15 @@ def attention_stage_bytes(
     micro_batch_size: int,
     dtype_bytes: int,
     ring_size: int = 1,
+    accumulate_in_input_dtype: bool = False,
 ) -> int:
     """Per-rank attention stage memory of UPipe at this head chunk size, in bytes: the intermediate
     peak (peak minus q, k, v, out, dout, dq, dk, dv) of ``UPipeDistributedAttention`` forward+backward,
     measured by running it on fake tensors as rank 0 of the group (``fake_run.core_step``, the same
     fake-tensor execution ``ds-upipe plan`` uses; in a process that already has a process group it
-    runs in a child process).  Kernel-internal CUDA workspaces are not included."""
+    runs in a child process) with the configured accumulation (``accumulate_in_input_dtype``:
+    upipe.accumulate_dtype = "input", 16-bit dK/dV sums).  Kernel-internal CUDA workspaces are not
+    included."""
     from . import fake_run
 
     dtype = {2: "bf16", 4: "fp32", 8: "fp64"}[dtype_bytes]
@@ -298,6 +301,7 @@ def attention_stage_bytes(
         batch=micro_batch_size,
         dtype=dtype,
         ring_size=ring_size,
+        accumulate_in_input_dtype=accumulate_in_input_dtype,
     )
     return int(peak["total"] - peak["weights"])
 
@@ -337,6 +341,7 @@ def choose_head_chunk_size(
             micro_batch_size=micro_batch_size,
             dtype_bytes=dtype_bytes,
             ring_size=upipe.ring_size,
+            accumulate_in_input_dtype=upipe.accumulate_dtype == "input",
         )
         <= budget
     ]

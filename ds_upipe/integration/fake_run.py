@@ -43,6 +43,8 @@ import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .checkpointing import without_recomputed_outputs
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 KERNELS = ("none", "fa2", "fa3")
 _FLASH_BACKWARD = {
@@ -384,6 +386,8 @@ class StepSpec:
     #: UPipe x Ring: group_size = C_u x ring_size; rank 0 runs UPipe over its C_u Ulysses ranks and the real
     #: RingAttentionKernel over a fake ring group of ring_size ranks (its K/V and dK/dV blocks in flight)
     ring_size: int = 1
+    #: the layer runs as a checkpointed layer's replay in backward (``integration.checkpointing``)
+    checkpointed: bool = False
 
     def __post_init__(self) -> None:
         if self.comm_backend not in ("nccl", "gloo"):
@@ -524,8 +528,11 @@ def layer_step(spec: StepSpec, live: bool = False) -> Peak:
     """Rank 0's peak over one decoder layer's forward (with grad) and backward: the layer's weights,
     its input x, the incoming gradient dy, cos/sin and the position ids are alive throughout, the
     weight gradients from their creation on (what a checkpointed layer's recompute + backward holds
-    besides the other layers' checkpoints).  ``after_forward``: x, the output and what the layer
-    saved for backward (what each layer keeps without checkpointing)."""
+    besides the other layers' checkpoints: the reentrant checkpoint holds x and dy through the
+    layer's backward; ``spec.checkpointed`` runs the layer as its replay does, through
+    ``checkpointing.without_recomputed_outputs``, whose output stand-in frees the layer output).
+    ``after_forward``: x, the output and what the layer saved for backward (what each layer keeps
+    without checkpointing)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     dtype = DTYPES[spec.dtype]
@@ -543,8 +550,11 @@ def layer_step(spec: StepSpec, live: bool = False) -> Peak:
         with torch.no_grad():
             cos, sin = rotary(x, pos)
 
+        call = functools.partial(layer, position_embeddings=(cos, sin), position_ids=pos)
+
         def forward() -> torch.Tensor:
-            return layer(x, position_embeddings=(cos, sin), position_ids=pos)
+            # checkpointed: what the checkpoint's replay in backward runs (its output a stand-in)
+            return without_recomputed_outputs(call, x) if spec.checkpointed else call(x)
 
         def backward(y: torch.Tensor) -> None:
             y.backward(dy)
@@ -603,6 +613,7 @@ def core_step(
     dtype: str = "bf16",
     kernel: str = "none",
     ring_size: int = 1,
+    accumulate_in_input_dtype: bool = False,
 ) -> Peak:
     """Rank 0's peak over ``UPipeDistributedAttention`` (TorchSDPAKernel) forward+backward on
     [b, S/C, H, d] q and [b, S/C, Hkv, d] k, v, with the output gradient materialized; with
@@ -627,6 +638,7 @@ def core_step(
             head_chunk_size=head_chunk_size,
             validate_inputs=False,
             ring_group=ring,
+            accumulate_in_input_dtype=accumulate_in_input_dtype,
         )
         q = torch.empty(batch, s, num_heads, head_dim, dtype=t).requires_grad_(True)
         k = torch.empty(batch, s, num_kv_heads, head_dim, dtype=t).requires_grad_(True)

@@ -20,6 +20,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from ..heads import HeadLayout
+from .checkpointing import releasing
 from .config import SPSettings, UPipeConfig, check_heads, choose_head_chunk_size, tiled
 
 #: attention functions ALST replaced in transformers' process-global registry, to restore them
@@ -219,7 +220,9 @@ def configure_activation_checkpointing(
     recomputed layer output in backward (one hidden state less), but it keeps the first forward's
     autograd graph, and DeepSpeed's ``SequenceTiledCompute`` (``upipe.tiled_norm``) holds its input on
     the autograd context, outside the saved-tensor hooks a non-reentrant checkpoint replaces: two
-    hidden states per layer would stay on the device for every layer.  Under ZeRO-3 it also fails:
+    hidden states per layer would stay on the device for every layer (hf_patches' own tiled norm now
+    saves its input with save_for_backward).  The replayed layer output that the reentrant backward
+    would hold is released (``checkpointing.releasing``).  Under ZeRO-3 it also fails:
     the weights it saved while recomputing are released (emptied) by ZeRO-3 before the backward uses
     them.  The reentrant checkpoint runs the first forward without a graph."""
     section = ds_config.get("activation_checkpointing")
@@ -237,7 +240,8 @@ def configure_activation_checkpointing(
     ds_checkpointing.configure(mpu, deepspeed_config=ds_config, checkpoint_in_cpu=in_cpu)
     if not (getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "_set_gradient_checkpointing")):
         return None
-    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=ds_checkpointing.checkpoint)
+    # releasing: the replay in backward frees the replayed layer output (one hidden state) at once
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=releasing(ds_checkpointing.checkpoint))
     # DeepSpeed's checkpoint is reentrant: backward reaches a layer only if its input requires grad
     model.enable_input_require_grads()
     return "reentrant"

@@ -230,6 +230,11 @@ class TrainSetup:
     #: whose async all-to-all buffer lifetime the fake run reproduces: "nccl" (released at wait) or
     #: "gloo" (held until the handle dies: what the CPU measurements see)
     comm_backend: str = "nccl"
+    #: False: one forward + backward without optimizer states, from gradients set to None (what
+    #: benchmarks/whole_step.py measures): the model states are the weights, and each gradient counts
+    #: from its creation on (the fake runs count the phase's own; a layer's backward comes after the
+    #: loss phase's lm_head / final-norm gradients)
+    optimizer: bool = True
     zero_prefetch_layers: int = 1  # ZeRO-3: layers gathered ahead of the current one
     zero_reduce_bucket: int = 500_000_000  # ZeRO: reduce_bucket_size (elements), DeepSpeed's default
     #: UPipe x Ring (upipe.ring_size): the ``gpus`` sequence-parallel ranks are Ulysses degree C_u = gpus /
@@ -376,6 +381,8 @@ def model_state_bytes(dims: ModelDims, setup: TrainSetup) -> int:
     p = dims.total_params
     w, g, o = (4, 4, 8) if setup.dtype == "fp32" else (2, 2, 12)
     n = setup.gpus
+    if not setup.optimizer:  # weights only: the step's gradients are counted where they are made
+        g = o = 0
     if setup.zero_stage >= 3:
         return math.ceil(p * (w + g + o) / n)
     if setup.zero_stage == 2:
@@ -434,6 +441,7 @@ def step_spec(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_l
         kernel=setup.kernel,
         comm_backend=setup.comm_backend,
         ring_size=setup.ring_size,
+        checkpointed=setup.checkpointing,
     )
 
 
@@ -498,6 +506,8 @@ def predict(
     # without checkpointing a layer keeps what it saved, its input among them (its output is the next one's)
     saved = max(0, layer.after_forward - layer.weights - x - rope - 8 * setup.batch * (seq_len // setup.gpus))
     resident = _checkpoint_bytes(dims, setup, seq_len, saved)
+    if not setup.optimizer:  # gradients from None: the lm_head's and final norm's exist in the layers' backward
+        resident["layer"] += (dims.embedding_params + dims.hidden_size) * setup.act_bytes
     peaks = {"layer": layer, "loss": loss}
     phases = {k: resident[k] + peaks[k].activations for k in peaks}
     phase = max(phases, key=lambda k: phases[k])
