@@ -65,8 +65,9 @@ WHOLE_STEP_ARGS = dict(
 def calibration_group(rank: int, world: int, points: list[tuple], whole_step_args: dict) -> dict:
     """One spawn for the planner's measurements: the decoder-layer points, then every whole-step case
     (benchmarks/whole_step.py's run_case: per-rank peak bytes).  The layer points register ALST in
-    transformers' registry (ds_upipe.tools.bench); it is restored and DeepSpeed's sequence-parallel
-    groups dropped so that the whole step's ALST registers as it does on its own."""
+    transformers' registry (ds_upipe.tools.hf_memory's cached registration); the registry is restored,
+    the cache dropped and DeepSpeed's sequence-parallel groups released, so that the whole step's ALST
+    registers as it does on its own."""
     import argparse
     import sys
 
@@ -74,12 +75,12 @@ def calibration_group(rank: int, world: int, points: list[tuple], whole_step_arg
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from benchmarks import whole_step
-    from ds_upipe.tools import bench
+    from ds_upipe.tools import hf_memory
 
     layers = measure_layer_peaks(rank, world, points)
     replay = measure_replay_peak(rank, world, REPLAY_POINT)
     ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
-    bench._ALST_REGISTERED[0] = False
+    hf_memory.forget_alst_registrations()
     sys.modules["deepspeed.runtime.sequence_parallel.parallel_state_sp"]._release_sequence_parallel_groups()
     args = argparse.Namespace(**whole_step_args)
     steps = {

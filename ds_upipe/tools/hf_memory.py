@@ -110,6 +110,12 @@ def alst_attention_function(model: nn.Module, batch: int) -> Any:
     return _ALST_WRAPPERS[key]
 
 
+def forget_alst_registrations() -> None:
+    """Drop the cached ALST wrappers (after DeepSpeed's sequence-parallel groups were released, so that
+    the next ``alst_attention_function`` registers again)."""
+    _ALST_WRAPPERS.clear()
+
+
 def measure_peak_activation(
     method: MethodName,
     part: Part,
