@@ -186,4 +186,5 @@ class DocumentKernel(AttentionKernel):
         return dq, dk, dv
 
     def __repr__(self) -> str:
-        return f"DocumentKernel({self.inner!r}, documents per row {[len(r) - 1 for r in self.boundaries.rows]})"
+        per_row = [len(r) - 1 for r in self.boundaries.rows]
+        return f"DocumentKernel({self.inner!r}, documents per row {per_row}{', varlen' if self.varlen else ''})"
