@@ -391,11 +391,16 @@ class MathKernel(AttentionKernel):
 
 # -- flash-attn 2 ------------------------------------------------------------------------------------
 
-#: flash-attn releases whose private ``_flash_attn_forward``/``_flash_attn_backward`` this adapter calls
-#: with their exact signatures, read from the v2.6.3, v2.7.0, v2.7.4.post1 and v2.8.3 sources: 2.6
-#: takes ``window_size=(left, right)`` and returns (out, q, k, v, out_padded, softmax_lse, S_dmask,
+#: flash-attn releases whose private ``_flash_attn_forward``/``_flash_attn_backward`` and
+#: ``_flash_attn_varlen_forward``/``_flash_attn_varlen_backward`` this adapter calls with their exact
+#: signatures, read from the v2.6.0-v2.6.3, v2.7.0, v2.7.4.post1 and v2.8.3 sources: 2.6 takes
+#: ``window_size=(left, right)`` and returns (out, q, k, v, out_padded, softmax_lse, S_dmask,
 #: rng_state); 2.7 and 2.8 take ``window_size_left``/``window_size_right`` and return (out,
-#: softmax_lse, S_dmask, rng_state).  Keep in step with setup.py's "flash" extra.
+#: softmax_lse, S_dmask, rng_state); the varlen backward returns (dq, dk, dv, softmax_d) in 2.6 and
+#: softmax_d in 2.7+, filling the dq, dk, dv it is given in both.  The varlen forward's trailing
+#: optional arguments differ (2.6.0: ``block_table`` without a default; 2.6.1 adds ``leftpad_k``,
+#: 2.6.2 ``seqused_k``, 2.7.3 ``zero_tensors``), so the adapter passes ``block_table=None`` and leaves
+#: the others at their defaults.  Keep in step with setup.py's "flash" extra.
 FLASH_ATTN_REQUIREMENT = "flash-attn>=2.6,<2.9"
 _FLASH_ATTN_RANGE = ((2, 6), (2, 9))
 
@@ -438,12 +443,24 @@ def _load_flash_attn() -> tuple[ModuleType, tuple[int, int]]:
     return flash_attn_interface, flash_attn_release(getattr(flash_attn, "__version__", "unknown"))
 
 
+def _token_major(t: Tensor) -> Tensor:
+    """[b, h, S, d] -> [b*S, h, d], flash-attn's varlen layout (the rows' tokens concatenated).
+
+    flash-attn reads a varlen tensor through one token stride and one head stride (only the last dim
+    must be contiguous), so this is a view when the tokens of all rows are evenly strided (one row, a
+    single head, or token-major memory) and one copy otherwise (b > 1 rows of head-major memory)."""
+    return t.transpose(1, 2).flatten(0, 1)
+
+
 class FlashAttnKernel(AttentionKernel):
     """flash-attn 2 (``flash_attn.flash_attn_interface``, releases 2.6-2.8) on CUDA, fp16/bf16,
     native GQA, head_dim a multiple of 8 up to 256.
 
     flash-attn works on [b, S, h, d] and reads its inputs through their strides (only the last dim
-    must be contiguous), so the adapter hands it transposed views of the kernel layout, no copies."""
+    must be contiguous), so the adapter hands it transposed views of the kernel layout, no copies.
+
+    ``forward_varlen``/``backward_varlen`` run flash-attn's varlen functions once over many documents
+    (``ds_upipe.packing.DocumentKernel`` calls them for packed rows)."""
 
     name = "flash_attn"
 
@@ -512,6 +529,82 @@ class FlashAttnKernel(AttentionKernel):
             rng_state=rng_state,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+    def forward_varlen(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int
+    ) -> tuple[Tensor, Tensor, KernelAux]:
+        """One ``_flash_attn_varlen_forward`` call for every document of the [b, h, S, d] tensors.
+
+        ``cu_seqlens`` (int32, on q's device) are the document boundaries over the b*S tokens of the
+        rows concatenated (``_token_major``), the same for queries and keys; ``max_seqlen`` is the
+        longest document.  Returns out ([b, h, S, d], a view of flash-attn's token-major output),
+        the lse in flash-attn's varlen layout, [h, b*S] float32 (``softmax_lse`` of ``mha_varlen_fwd``:
+        ``{num_heads, total_q}``), only for ``backward_varlen``, and ``(rng_state,)``."""
+        self._check_inputs(q)
+        b, _, seq, _ = q.shape
+        res = self._fa._flash_attn_varlen_forward(
+            _token_major(q),
+            _token_major(k),
+            _token_major(v),
+            cu_seqlens,
+            cu_seqlens,
+            max_seqlen,
+            max_seqlen,
+            0.0,
+            self.scale_for(q.shape[-1]),
+            causal=self.causal,
+            **self._window(),
+            softcap=0.0,
+            alibi_slopes=None,
+            return_softmax=False,
+            block_table=None,  # 2.6.0 has no default for it; leftpad_k, seqused_k, zero_tensors keep theirs
+        )
+        # 2.6: (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state); 2.7+: (out, softmax_lse, S_dmask, rng_state)
+        out, lse, rng_state = (res[0], res[5], res[7]) if self.release < (2, 7) else (res[0], res[1], res[3])
+        return out.unflatten(0, (b, seq)).transpose(1, 2), lse, (rng_state,)
+
+    def backward_varlen(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        aux: KernelAux,
+        cu_seqlens: Tensor,
+        max_seqlen: int,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """One ``_flash_attn_varlen_backward`` call: ``forward_varlen``'s lse and aux handed back."""
+        (rng_state,) = aux
+        b, _, seq, _ = q.shape
+        qt, kt, vt, ot, dt = (_token_major(t) for t in (q, k, v, out, dout))
+        dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
+        # fills dq, dk, dv in place (dk, dv keep the hkv heads: flash-attn sums the GQA groups)
+        self._fa._flash_attn_varlen_backward(
+            dt,
+            qt,
+            kt,
+            vt,
+            ot,
+            lse,
+            dq,
+            dk,
+            dv,
+            cu_seqlens,
+            cu_seqlens,
+            max_seqlen,
+            max_seqlen,
+            0.0,
+            self.scale_for(q.shape[-1]),
+            self.causal,
+            **self._window(),
+            softcap=0.0,
+            alibi_slopes=None,
+            deterministic=False,
+            rng_state=rng_state,
+        )
+        return tuple(g.unflatten(0, (b, seq)).transpose(1, 2) for g in (dq, dk, dv))
 
 
 KERNELS: dict[str, type[AttentionKernel]] = {k.name: k for k in (TorchSDPAKernel, MathKernel, FlashAttnKernel)}

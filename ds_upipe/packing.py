@@ -6,6 +6,7 @@ all-to-all a rank holds the whole sequence for its heads, so the document bounda
 sequence apply unchanged to every stage: ``DocumentKernel`` wraps the stage's local kernel and runs
 it once per document segment (exact; cost the sum of the squared document lengths instead of the
 square of the row), keeping the ``(out, lse, aux)`` contract, so the stage loop does not change.
+Around ``FlashAttnKernel`` it makes one flash-attn varlen call per stage for all documents instead.
 
 Boundaries are *cumulative sequence lengths* of the global sequence (flash-attn's ``cu_seqlens``):
 ``(0, l1, l1 + l2, ..., S)``, one tuple per batch row (``DocumentBoundaries``).
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .kernels import AttentionKernel, KernelAux
+from .kernels import AttentionKernel, FlashAttnKernel, KernelAux
 
 _HASH_MODULUS = (1 << 61) - 1  # a Mersenne prime: the fingerprint fits an int64 and mixes well
 
@@ -103,10 +104,15 @@ class DocumentKernel(AttentionKernel):
     """``inner`` run per document segment of the [b, h, S, d] stage tensors (the global sequence of a
     stage's heads): tokens attend (causally, when ``inner`` is causal) within their own document only.
 
-    Forward concatenates the segments' outputs, and their lse along the last dim (flat, [1, h, sum]),
-    since a kernel's lse may be longer than its segment (CUDA memory-efficient attention pads it);
-    ``aux`` is the per-segment lse lengths (a CPU tensor) followed by each segment's inner aux, so its
-    length is the same for every stage of a call, as the pipeline needs."""
+    With ``FlashAttnKernel`` inside (CUDA), each stage is one call of flash-attn's varlen functions
+    over the b*S tokens of all rows concatenated (``FlashAttnKernel.forward_varlen``): ``cu_seqlens``
+    of every document of every row, the longest document as ``max_seqlen``; the lse is flash-attn's
+    varlen [h, b*S] and ``aux`` is (cu_seqlens, rng_state).  Every other inner kernel (torch's CPU
+    flash and CUDA ops, the math kernel) runs once per document segment: forward concatenates the
+    segments' outputs, and their lse along the last dim (flat, [1, h, sum]), since a kernel's lse may
+    be longer than its segment (CUDA memory-efficient attention pads it); ``aux`` is the per-segment
+    lse lengths (a CPU tensor) followed by each segment's inner aux.  Either way ``aux`` has the same
+    length for every stage of a call, as the pipeline needs."""
 
     name = "documents"
 
@@ -116,13 +122,35 @@ class DocumentKernel(AttentionKernel):
         super().__init__(inner.causal, inner.softmax_scale)
         self.inner = inner
         self.boundaries = boundaries
+        # the varlen path's (batch, seq, device) -> (cu_seqlens, max_seqlen): built once, not per stage
+        self._varlen_cache: dict[tuple[int, int, torch.device], tuple[Tensor, int]] = {}
+
+    @property
+    def varlen(self) -> bool:
+        """Whether each stage is one flash-attn varlen call (else one inner call per document)."""
+        return isinstance(self.inner, FlashAttnKernel)
 
     def segments(self, batch: int) -> list[tuple[int, int, int]]:
         """(row, start, end) of every document, row-major."""
         return [(r, s, e) for r, row in enumerate(self.boundaries.for_batch(batch)) for s, e in zip(row, row[1:])]
 
+    def flat_cu_seqlens(self, batch: int, seq: int, device: torch.device) -> tuple[Tensor, int]:
+        """flash-attn's varlen ``cu_seqlens`` (int32, on ``device``) of every document over the
+        ``batch * seq`` tokens of the rows concatenated, and the longest document's length."""
+        key = (batch, seq, torch.device(device))
+        if key not in self._varlen_cache:
+            rows = self.boundaries.for_batch(batch)
+            flat = [0] + [r * seq + x for r, row in enumerate(rows) for x in row[1:]]
+            longest = max(e - s for row in rows for s, e in zip(row, row[1:]))
+            self._varlen_cache[key] = (torch.tensor(flat, dtype=torch.int32, device=device), longest)
+        return self._varlen_cache[key]
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, KernelAux]:
         self.boundaries.check(q.shape[0], q.shape[2])
+        if isinstance(self.inner, FlashAttnKernel):  # == self.varlen, spelled out for type narrowing
+            cu_seqlens, longest = self.flat_cu_seqlens(q.shape[0], q.shape[2], q.device)
+            out, lse, aux = self.inner.forward_varlen(q, k, v, cu_seqlens, longest)
+            return out, lse, (cu_seqlens, *aux)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lses, lengths, aux_all = [], [], []
         for r, s, e in self.segments(q.shape[0]):
@@ -137,6 +165,10 @@ class DocumentKernel(AttentionKernel):
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: KernelAux
     ) -> tuple[Tensor, Tensor, Tensor]:
+        if isinstance(self.inner, FlashAttnKernel):
+            cu_seqlens, *inner_aux = aux
+            _, longest = self.flat_cu_seqlens(q.shape[0], q.shape[2], q.device)
+            return self.inner.backward_varlen(dout, q, k, v, out, lse, tuple(inner_aux), cu_seqlens, longest)
         lengths, *inner_aux = aux
         segments = self.segments(q.shape[0])
         per_segment = len(inner_aux) // len(segments)
@@ -154,4 +186,5 @@ class DocumentKernel(AttentionKernel):
         return dq, dk, dv
 
     def __repr__(self) -> str:
-        return f"DocumentKernel({self.inner!r}, documents per row {[len(r) - 1 for r in self.boundaries.rows]})"
+        per_row = [len(r) - 1 for r in self.boundaries.rows]
+        return f"DocumentKernel({self.inner!r}, documents per row {per_row}{', varlen' if self.varlen else ''})"

@@ -70,8 +70,9 @@ class UPipeState:
     def attention(self) -> AttentionKernel:
         """What each stage runs: the kernel, or ring attention around it over the ring group (a new one
         per call, so it follows ``overlap_comm`` as set now; forward and backward share the call's).
-        With packed sequences, the kernel runs per document (``DocumentKernel``; the input check
-        refuses packing with a ring)."""
+        With packed sequences, the kernel runs per document (``DocumentKernel``: one flash-attn varlen
+        call per stage around ``flash_attn``, one call per document otherwise; the input check refuses
+        packing with a ring)."""
         if self.documents is not None:
             return DocumentKernel(self.kernel, self.documents)
         if self.ring_size == 1:

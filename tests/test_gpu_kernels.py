@@ -47,6 +47,36 @@ def test_flash_attn(hkv):
     _check(FlashAttnKernel(causal=True), torch.bfloat16, 2e-2, hkv)
 
 
+@cuda
+@pytest.mark.skipif(not flash_attn_available(), reason="flash-attn not installed")
+@pytest.mark.parametrize("hkv", [2, 8])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_flash_attn_varlen_documents(hkv, batch):
+    """Packed rows around flash-attn: one varlen call per direction (rows with different boundaries
+    concatenated when batch = 2) against every document attended alone in float64."""
+    from ds_upipe.packing import DocumentBoundaries, DocumentKernel
+
+    rows = ((0, 1, 70, 71, 256), (0, 128, 200, 256))[:batch]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, 8, 256, 64, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, hkv, 256, 64, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn_like(q)
+    kernel = DocumentKernel(FlashAttnKernel(causal=True), DocumentBoundaries(rows))
+    assert kernel.varlen
+    out, lse, aux = kernel.forward(q, k, v)
+    got = (out, *kernel.backward(dout, q, k, v, out, lse, aux))
+    ref, wants = MathKernel(causal=True), [torch.zeros_like(t, dtype=torch.float64) for t in (q, q, k, v)]
+    for r, cu in enumerate(rows):
+        for s, e in zip(cu, cu[1:]):
+            qs, ks, vs, ds = (t[r : r + 1, :, s:e].double() for t in (q, k, v, dout))
+            o, doc_lse, _ = ref.forward(qs, ks, vs)
+            for want, piece in zip(wants, (o, *ref.backward(ds, qs, ks, vs, o, doc_lse, ()))):
+                want[r : r + 1, :, s:e] = piece
+    for g, want in zip(got, wants):
+        assert g.shape == want.shape
+        assert ((g.double() - want).abs().max() / want.abs().max()).item() < 2e-2
+
+
 def test_flash_attn_refused_without_cuda_or_package():
     if flash_attn_available():
         pytest.skip("flash-attn is available here")

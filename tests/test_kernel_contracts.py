@@ -8,13 +8,16 @@ driven by torch's *own* SDPA autograd formula (``out.backward`` through the aten
 compare what the adapters pass to each backward op with what torch itself passes there: the forward's
 outputs handed back unchanged (undefined cum_seq, the forward's RNG state, max_q/max_k), dropout 0,
 the causal flag and the scale.  A fake ``flash_attn`` package with the exact private signatures of
-flash-attn 2.6.3, 2.7.4.post1 and 2.8.3 does the same for ``FlashAttnKernel``.
+flash-attn 2.6.3, 2.7.4.post1 and 2.8.3 (and, for the varlen functions ``DocumentKernel`` calls
+around ``FlashAttnKernel``, of every release whose varlen signature differs: 2.6.0, 2.6.1, 2.7.0)
+does the same for ``FlashAttnKernel``, computing varlen attention per document in float64.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import re
 import sys
 import types
 
@@ -356,12 +359,76 @@ def _fa_backward_27(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, soft
                     window_size_right, softcap, alibi_slopes, deterministic, rng_state=None): ...  # fmt: skip
 
 
+# the parameter lists of _flash_attn_varlen_forward/_flash_attn_varlen_backward, copied from the sources:
+# v2.6.0 (block_table without a default), v2.6.1 (+ leftpad_k), v2.6.2 = v2.6.3 (+ seqused_k, defaults),
+# v2.7.0 = v2.7.2 (window_size_left/right), v2.7.3 = v2.7.4.post1 = v2.8.3 (+ zero_tensors)
+def _fa_varlen_forward_260(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                           causal, window_size, softcap, alibi_slopes, return_softmax, block_table): ...  # fmt: skip
+def _fa_varlen_forward_261(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                           causal, window_size, softcap, alibi_slopes, return_softmax, block_table=None,
+                           leftpad_k=None): ...  # fmt: skip
+def _fa_varlen_forward_263(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                           causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_softmax=False,
+                           block_table=None, leftpad_k=None, seqused_k=None): ...  # fmt: skip
+def _fa_varlen_backward_26(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, rng_state=None): ...  # fmt: skip
+def _fa_varlen_forward_270(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                           causal, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                           return_softmax=False, block_table=None, leftpad_k=None, seqused_k=None): ...  # fmt: skip
+def _fa_varlen_backward_270(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                            softcap, alibi_slopes, deterministic, rng_state=None): ...  # fmt: skip
+def _fa_varlen_forward_273(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                           causal, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                           return_softmax=False, block_table=None, leftpad_k=None, seqused_k=None,
+                           zero_tensors=False): ...  # fmt: skip
+def _fa_varlen_backward_273(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                            softcap, alibi_slopes, deterministic, rng_state=None, zero_tensors=False): ...  # fmt: skip
+
+
+def _release_tuple(version: str) -> tuple[int, ...]:
+    """(major, minor, patch); () for a version string without one (the refused 'unknown')."""
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    return tuple(int(x) for x in match.groups()) if match else ()
+
+
+def _varlen_signatures(version: str) -> tuple[inspect.Signature, inspect.Signature]:
+    release = _release_tuple(version)
+    if release >= (2, 7, 3):
+        fwd, bwd = _fa_varlen_forward_273, _fa_varlen_backward_273
+    elif release >= (2, 7):
+        fwd, bwd = _fa_varlen_forward_270, _fa_varlen_backward_270
+    elif release >= (2, 6, 2):
+        fwd, bwd = _fa_varlen_forward_263, _fa_varlen_backward_26
+    elif release >= (2, 6, 1):
+        fwd, bwd = _fa_varlen_forward_261, _fa_varlen_backward_26
+    else:
+        fwd, bwd = _fa_varlen_forward_260, _fa_varlen_backward_26
+    return inspect.signature(fwd), inspect.signature(bwd)
+
+
+def _documents_of(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    """The (start, end) token ranges flash-attn's varlen kernels read from cu_seqlens, as mha_varlen_fwd
+    checks it: int32, contiguous, 1-D."""
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous() and cu_seqlens.dim() == 1
+    cu = cu_seqlens.tolist()
+    return list(zip(cu, cu[1:]))
+
+
+def _per_head(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, 1).unsqueeze(0)  # [L, h, d] -> [1, h, L, d]
+
+
 def _fake_flash_attn(version: str, rec: Recorder) -> types.ModuleType:
     """flash_attn with ``__version__`` and an interface whose private functions bind their arguments
-    with the release's signature, record them, and compute exact attention on [b, S, h, d]."""
+    with the release's signature, record them, and compute exact attention on [b, S, h, d] (varlen:
+    per document of [total, h, d], with flash-attn's [h, total] float32 lse)."""
     old = version.startswith("2.6")
     fwd_sig = inspect.signature(_fa_forward_26 if old else _fa_forward_27)
     bwd_sig = inspect.signature(_fa_backward_26 if old else _fa_backward_27)
+    varlen_fwd_sig, varlen_bwd_sig = _varlen_signatures(version)
 
     def forward(*args, **kwargs):
         a = fwd_sig.bind(*args, **kwargs).arguments
@@ -392,8 +459,46 @@ def _fake_flash_attn(version: str, rec: Recorder) -> types.ModuleType:
         softmax_d = torch.empty(0)
         return (a["dq"], a["dk"], a["dv"], softmax_d) if old else softmax_d
 
+    def varlen_forward(*args, **kwargs):
+        a = varlen_fwd_sig.bind(*args, **kwargs).arguments  # what the caller passed (defaults left out)
+        q, k, v = a["q"], a["k"], a["v"]
+        assert q.dtype in (torch.float16, torch.bfloat16) and q.dim() == k.dim() == v.dim() == 3
+        assert q.shape[1] % k.shape[1] == 0
+        _check_last_dim_contiguous(q, k, v)
+        docs = _documents_of(a["cu_seqlens_q"])
+        assert docs[-1][1] == q.shape[0] and _documents_of(a["cu_seqlens_k"])[-1][1] == k.shape[0]
+        ref = _reference(a["causal"], a["softmax_scale"])
+        out = torch.empty_like(q)  # mha_varlen_fwd: empty_like(q), so q's strides
+        lse = torch.full((q.shape[1], q.shape[0]), float("nan"), dtype=torch.float32)  # {num_heads, total_q}
+        for s, e in docs:
+            o, doc_lse, _ = ref.forward(*(_per_head(t[s:e]) for t in (q, k, v)))
+            out[s:e] = o[0].transpose(0, 1)
+            lse[:, s:e] = doc_lse[0]
+        rng_state = torch.tensor([7, 8], dtype=torch.int64)
+        res = (out, q, k, v, out, lse, torch.empty(0), rng_state) if old else (out, lse, torch.empty(0), rng_state)
+        rec.calls.append(("fa_varlen_forward", (), a, res))
+        return res
+
+    def varlen_backward(*args, **kwargs):
+        a = varlen_bwd_sig.bind(*args, **kwargs)
+        a.apply_defaults()
+        a = a.arguments
+        rec.calls.append(("fa_varlen_backward", (), a, None))
+        q, k, v, out, dout, lse = (a[n] for n in ("q", "k", "v", "out", "dout", "softmax_lse"))
+        _check_last_dim_contiguous(q, k, v, out, dout, a["dq"], a["dk"], a["dv"])
+        assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32 and lse.is_contiguous()
+        ref = _reference(a["causal"], a["softmax_scale"])
+        for s, e in _documents_of(a["cu_seqlens_q"]):
+            grads = ref.backward(*(_per_head(t[s:e]) for t in (dout, q, k, v, out)), lse[None, :, s:e], ())
+            for buf, g in zip((a["dq"], a["dk"], a["dv"]), grads):
+                assert buf.shape[1:] == g.shape[1:2] + g.shape[3:]  # dk, dv: the hkv heads of k, v
+                buf[s:e] = g[0].transpose(0, 1)  # the real kernels fill the buffers they are given
+        softmax_d = torch.empty(0)
+        return (a["dq"], a["dk"], a["dv"], softmax_d) if old else softmax_d
+
     iface = types.ModuleType("flash_attn.flash_attn_interface")
     iface._flash_attn_forward, iface._flash_attn_backward = forward, backward
+    iface._flash_attn_varlen_forward, iface._flash_attn_varlen_backward = varlen_forward, varlen_backward
     pkg = types.ModuleType("flash_attn")
     pkg.__version__, pkg.flash_attn_interface = version, iface
     return pkg
@@ -492,14 +597,14 @@ def test_callable_kernel_recomputes_a_plain_function(batch_dim_idx):
 _DOCUMENTS = ((0, 1, 7, 40), (0, 33, 34, 40))
 
 
-def _per_document_reference(q, k, v, dout):
+def _per_document_reference(q, k, v, dout, documents=_DOCUMENTS):
     """float64 attention of every document alone: out and dq, dk, dv."""
     ref = _reference(True, SCALE)
     outs, grads = (
         torch.zeros_like(q, dtype=torch.float64),
         [torch.zeros_like(t, dtype=torch.float64) for t in (q, k, v)],
     )
-    for r, cu in enumerate(_DOCUMENTS):
+    for r, cu in enumerate(documents):
         for s, e in zip(cu, cu[1:]):
             qs, ks, vs, ds = (t[r : r + 1, :, s:e].double() for t in (q, k, v, dout))
             o, lse, _ = ref.forward(qs, ks, vs)
@@ -509,17 +614,17 @@ def _per_document_reference(q, k, v, dout):
     return outs, grads
 
 
-def _check_documents(kernel, q, k, v, dout, tol: float) -> tuple:
+def _check_documents(kernel, q, k, v, dout, tol: float, documents=_DOCUMENTS) -> tuple:
     from ds_upipe.packing import DocumentBoundaries, DocumentKernel
 
-    docs = DocumentKernel(kernel, DocumentBoundaries(_DOCUMENTS))
+    docs = DocumentKernel(kernel, DocumentBoundaries(documents))
     out, lse, aux = docs.forward(q, k, v)
     grads = docs.backward(dout, q, k, v, out, lse, aux)
-    out_ref, grads_ref = _per_document_reference(q, k, v, dout)
+    out_ref, grads_ref = _per_document_reference(q, k, v, dout, documents)
     for got, want in zip((out, *grads), (out_ref, *grads_ref)):
         assert got.shape == want.shape and got.dtype == q.dtype
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
-    return out, lse, aux
+    return out, lse, aux, grads
 
 
 @pytest.mark.parametrize("dtype, op", [(torch.bfloat16, "flash"), (torch.float32, "efficient")])
@@ -527,7 +632,7 @@ def test_document_kernel_on_torch_cuda_paths(as_cuda, dtype, op):
     """Packed rows through TorchSDPAKernel's CUDA ops (CPU stand-ins): one dense call per document, the
     efficient op's lse padded to 32 with NaN per document and handed back per document (lengths in aux)."""
     q, k, v, dout = _inputs(4, 2, dtype)
-    out, lse, aux = _check_documents(
+    out, lse, aux, _ = _check_documents(
         TorchSDPAKernel(causal=True, softmax_scale=SCALE), q, k, v, dout, 2e-2 if dtype == torch.bfloat16 else 1e-5
     )
     segments = sum(len(cu) - 1 for cu in _DOCUMENTS)
@@ -536,15 +641,95 @@ def test_document_kernel_on_torch_cuda_paths(as_cuda, dtype, op):
     want = lengths if op == "flash" else [_padded_lse_len(n) for n in lengths]
     assert aux[0].tolist() == want and lse.shape[-1] == sum(want)
     assert len(aux) == 1 + segments * (4 if op == "flash" else 2)  # each segment's own aux, in order
+    # only FlashAttnKernel takes the one-call varlen path: torch's ops (and the math kernel) run per segment
+    from ds_upipe.packing import DocumentBoundaries, DocumentKernel
+
+    assert not any(
+        DocumentKernel(kernel, DocumentBoundaries(_DOCUMENTS)).varlen for kernel in (TorchSDPAKernel(), MathKernel())
+    )
 
 
-@pytest.mark.parametrize("version", ["2.6.3", "2.8.3"])
-def test_document_kernel_around_flash_attn(install_flash_attn, version):
-    """Packed rows through FlashAttnKernel (the fake package with the release's signatures): one call
-    per document, each backward with its own document's rng_state."""
+#: flash-attn releases whose varlen signatures differ (see _varlen_signatures), and the pinned ones
+_VARLEN_VERSIONS = ["2.6.0", "2.6.1", "2.6.3", "2.7.0", "2.7.4.post1", "2.8.3"]
+
+
+@pytest.mark.parametrize("version", _VARLEN_VERSIONS)
+def test_document_kernel_around_flash_attn_is_one_varlen_call(install_flash_attn, version):
+    """Packed rows through FlashAttnKernel (the fake package with the release's signatures): one varlen
+    forward and one varlen backward for all documents of both rows, with cu_seqlens over the rows
+    concatenated, the longest document as max_seqlen, the forward's lse ([h, b*S]) and rng_state handed
+    back; values equal every document attended alone."""
     rec = install_flash_attn(version)
     q, k, v, dout = _inputs(4, 2, torch.bfloat16, d=16)
-    _check_documents(FlashAttnKernel(causal=True, softmax_scale=SCALE), q, k, v, dout, 2e-2)
-    forwards, backwards = rec.of("fa_forward"), rec.of("fa_backward")
-    assert len(forwards) == len(backwards) == sum(len(cu) - 1 for cu in _DOCUMENTS)
-    assert all(b[1]["rng_state"] is f[2][-1] for f, b in zip(forwards, backwards))
+    out, lse, aux, _ = _check_documents(FlashAttnKernel(causal=True, softmax_scale=SCALE), q, k, v, dout, 2e-2)
+    assert not rec.of("fa_forward") and not rec.of("fa_backward")  # no per-document dense calls
+    ((_, fwd, fwd_res),), ((_, bwd, _),) = rec.of("fa_varlen_forward"), rec.of("fa_varlen_backward")
+    old = version.startswith("2.6")
+    window = {"window_size": (-1, -1)} if old else {"window_size_left": -1, "window_size_right": -1}
+    cu = fwd["cu_seqlens_q"]
+    # row 1's boundaries follow row 0's 40 tokens: the rows concatenated, [b*S, h, d]
+    assert cu.tolist() == [0, 1, 7, 40, 73, 74, 80] and fwd["cu_seqlens_k"] is cu
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        assert torch.equal(fwd[n], t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]))  # token-major
+    # exactly these arguments: leftpad_k, seqused_k and zero_tensors stay at their defaults
+    assert {n: fwd[n] for n in fwd if n not in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")} == {
+        "max_seqlen_q": 33, "max_seqlen_k": 33, "dropout_p": 0.0, "softmax_scale": SCALE, "causal": True,
+        **window, "softcap": 0.0, "alibi_slopes": None, "return_softmax": False, "block_table": None,
+    }  # fmt: skip
+    rng_state = fwd_res[-1]
+    assert lse is fwd_res[5 if old else 1] and lse.shape == (4, 80) and aux == (cu, rng_state)
+    assert bwd["softmax_lse"] is lse and bwd["rng_state"] is rng_state
+    assert bwd["cu_seqlens_q"] is cu and bwd["cu_seqlens_k"] is cu
+    tensors = ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k",
+               "rng_state")  # fmt: skip
+    want_bwd = {
+        "max_seqlen_q": 33, "max_seqlen_k": 33, "dropout_p": 0.0, "softmax_scale": SCALE, "causal": True, **window,
+        "softcap": 0.0, "alibi_slopes": None, "deterministic": False,
+    }  # fmt: skip
+    if _release_tuple(version) >= (2, 7, 3):
+        want_bwd["zero_tensors"] = False  # its default
+    assert {n: bwd[n] for n in bwd if n not in tensors} == want_bwd
+
+
+def test_varlen_with_one_row_makes_no_copies(install_flash_attn):
+    """b = 1 (a packed row): the [1, h, S, d] tensors are handed to flash-attn as [S, h, d] views (token
+    stride d, head stride S*d), and out, dq, dk, dv come back as views of flash-attn's buffers."""
+    rec = install_flash_attn("2.8.3")
+    documents = ((0, 5, 6, 24, 40),)
+    q, k, v, dout = _inputs(4, 2, torch.bfloat16, d=16, b=1)
+    out, _, _, grads = _check_documents(
+        FlashAttnKernel(causal=True, softmax_scale=SCALE), q, k, v, dout, 2e-2, documents
+    )
+    ((_, fwd, fwd_res),), ((_, bwd, _),) = rec.of("fa_varlen_forward"), rec.of("fa_varlen_backward")
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        assert fwd[n].data_ptr() == t.data_ptr() and fwd[n].stride() == (16, 40 * 16, 1)
+    for n, t in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)):
+        assert bwd[n].data_ptr() == t.data_ptr()
+    assert out.data_ptr() == fwd_res[0].data_ptr()
+    assert [g.data_ptr() for g in grads] == [bwd[n].data_ptr() for n in ("dq", "dk", "dv")]
+    assert fwd["cu_seqlens_q"].tolist() == [0, 5, 6, 24, 40] and fwd["max_seqlen_q"] == 18
+
+
+def test_pipeline_threads_varlen_aux_per_stage(install_flash_attn):
+    """Through the stage loop: each stage's one varlen backward gets that stage's lse and rng_state and
+    the shared cu_seqlens; outputs and gradients equal every document attended alone."""
+    from ds_upipe.packing import DocumentBoundaries, DocumentKernel
+
+    rec = install_flash_attn("2.8.3")
+    plan = build_plan(8, 2, 1, 2)  # one rank, 2 query heads per stage: 4 stages in 2 rounds
+    attention = DocumentKernel(FlashAttnKernel(causal=True, softmax_scale=SCALE), DocumentBoundaries(_DOCUMENTS))
+    pctx = PipelineContext(plan=plan, indices=PlanIndices.build(plan, torch.device("cpu")), group=None,
+                           attention=attention)  # fmt: skip
+    q, k, v, dout = (t.transpose(1, 2).contiguous() for t in _inputs(8, 2, torch.bfloat16, d=16))  # [b, s, h, d]
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = UPipeAttentionFunction.apply(q, k, v, pctx)
+    out.backward(dout)
+    fwd, bwd = rec.of("fa_varlen_forward"), rec.of("fa_varlen_backward")
+    assert len(fwd) == len(bwd) == plan.num_stages == 4 and not rec.of("fa_forward")
+    cu = fwd[0][1]["cu_seqlens_q"]
+    for (_, _, res), (_, b, _) in zip(fwd, bwd):  # stages run in the same order both ways
+        assert b["rng_state"] is res[3] and b["softmax_lse"] is res[1] and b["cu_seqlens_q"] is cu
+    out_ref, grads_ref = _per_document_reference(*(t.detach().transpose(1, 2) for t in (q, k, v, dout)))
+    got = tuple(t.transpose(1, 2) for t in (out, q.grad, k.grad, v.grad))
+    for g, want in zip(got, (out_ref, *grads_ref)):
+        torch.testing.assert_close(g.double(), want, rtol=2e-2, atol=2e-2)
