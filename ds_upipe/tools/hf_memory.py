@@ -126,6 +126,7 @@ def measure_peak_activation(
     head_chunk_size: int | None = None,
     seed: int = 0,
     warmup: bool = True,
+    repeats: int = 1,
     **shape: Any,
 ) -> MemoryMeasurement:
     """Peak activation memory of this rank for one forward + backward of ``part``.
@@ -138,6 +139,10 @@ def measure_peak_activation(
         seq_local: this rank's sequence shard length; the global sequence is seq_local * C.
         head_chunk_size: UPipe's U (None: U = C).
         warmup: run one untracked step first (lazy caches are then not counted; they are tiny).
+        repeats: tracked steps; the least peak is kept.  Over gloo a finished collective's tensors are
+            released by gloo's worker thread, which may run after the main thread has moved on, so a
+            step can now and then count a freed buffer at its peak on one rank; more than one repeat
+            filters that timing out (NCCL releases at ``wait``).
         shape: the model's heads, sizes and dtype: ``build_one_layer_model``'s keywords and defaults.
     Every rank of the group must call it with the same arguments (it runs collectives).
     """
@@ -171,11 +176,19 @@ def measure_peak_activation(
             out = layer.self_attn(hidden_states=x, **kwargs)[0] if part == "attention" else layer(x, **kwargs)
             out.backward(dout)
 
-        if warmup:  # lazy caches (plan indices, ALST shapes) are not activations
-            step()
+        def reset() -> None:
             model.zero_grad(set_to_none=True)
             x.grad = None
-        peak = next(iter(peak_snapshot(step, [model, x, dout, cos, sin, position_ids]).values()))
+
+        if warmup:  # lazy caches (plan indices, ALST shapes) are not activations
+            step()
+            reset()
+        peaks = []
+        for i in range(max(1, repeats)):
+            if i:
+                reset()
+            peaks.append(next(iter(peak_snapshot(step, [model, x, dout, cos, sin, position_ids]).values())))
+        peak = min(peaks, key=lambda p: p["Total"])
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = original_sdpa
     params, grads = peak.get("Parameter", 0), peak.get("Gradient", 0)
