@@ -50,22 +50,9 @@ def main() -> int:
     points = []
     print(f"{'method':<22}{'seq':>7}{'measured MiB':>14}{'planner MiB':>13}{'error':>9}  peak set by")
     for r in rows:
-        m = (
-            planner.AttentionScheme("ulysses")
-            if r.kind == "alst"
-            else planner.AttentionScheme("upipe", r.head_chunk_size, r.fused, args.overlap_comm)
-        )
-        setup = planner.TrainSetup(
-            gpus=args.world,
-            dtype={"float32": "fp32", "bfloat16": "bf16"}[args.dtype],
-            tiled_mlp=tiled,
-            tiled_norm=False,
-            tiled_loss=False,
-            kernel="none",
-            comm_backend="gloo",
-            checkpointing=False,  # the measured layer runs plain forward + backward (no replay)
-            offload_checkpoints=False,
-        )
+        m = planner.measured_scheme(r.kind, r.head_chunk_size, r.fused, args.overlap_comm)
+        # the measured layer runs plain forward + backward (no replay)
+        setup = planner.measured_layer_setup(args.world, args.dtype, tiled)
         peak = planner.layer_peak(dims, setup, m, r.seq_len)
         pred, where = peak.total, peak.at
         err = pred / r.peak_bytes - 1

@@ -154,13 +154,13 @@ def planner_prediction(args: dict[str, Any], method: str, stack: bool) -> Any:
         loss_tile_tokens=args["loss_tile"],
         norm_tile_tokens=args["norm_tile"],
         mlp_tile_tokens=args["mlp_tile"],
-        dtype={"float32": "fp32", "bfloat16": "bf16"}[args["dtype"]],
+        dtype=planner.PLANNER_DTYPES[args["dtype"]],
         kernel="none",
         reserve_gib=0,
         comm_backend="gloo",
         optimizer=False,
     )
-    scheme = planner.AttentionScheme("ulysses") if method == "alst" else planner.AttentionScheme("upipe", args["world"])
+    scheme = planner.measured_scheme(method, args["world"])
     return planner.predict(dims, setup, scheme, args["seq"])
 
 

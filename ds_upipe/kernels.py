@@ -483,6 +483,11 @@ class FlashAttnKernel(AttentionKernel):
                 "use kernel 'sdpa'"
             )
 
+    def _forward_outputs(self, res: tuple) -> tuple[Tensor, Tensor, Tensor]:
+        """(out, softmax_lse, rng_state) of a dense or varlen forward's return tuple: 2.6 returns
+        (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state), 2.7+ (out, softmax_lse, S_dmask, rng_state)."""
+        return (res[0], res[5], res[7]) if self.release < (2, 7) else (res[0], res[1], res[3])
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, KernelAux]:
         self._check_inputs(q)
         qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
@@ -498,8 +503,7 @@ class FlashAttnKernel(AttentionKernel):
             alibi_slopes=None,
             return_softmax=False,
         )
-        # 2.6: (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state); 2.7+: (out, softmax_lse, S_dmask, rng_state)
-        out, lse, rng_state = (res[0], res[5], res[7]) if self.release < (2, 7) else (res[0], res[1], res[3])
+        out, lse, rng_state = self._forward_outputs(res)
         return out.transpose(1, 2), lse, (rng_state,)
 
     def backward(
@@ -559,8 +563,7 @@ class FlashAttnKernel(AttentionKernel):
             return_softmax=False,
             block_table=None,  # 2.6.0 has no default for it; leftpad_k, seqused_k, zero_tensors keep theirs
         )
-        # 2.6: (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state); 2.7+: (out, softmax_lse, S_dmask, rng_state)
-        out, lse, rng_state = (res[0], res[5], res[7]) if self.release < (2, 7) else (res[0], res[1], res[3])
+        out, lse, rng_state = self._forward_outputs(res)
         return out.unflatten(0, (b, seq)).transpose(1, 2), lse, (rng_state,)
 
     def backward_varlen(

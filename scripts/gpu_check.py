@@ -39,7 +39,6 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -214,13 +213,6 @@ def _init_fake_group(device: str) -> None:
     deepspeed.init_distributed(dist_backend="fake", verbose=False)
 
 
-def _scheme(planner: Any, m: Any) -> Any:
-    """The planner's AttentionScheme of a bench Method."""
-    if m.kind == "alst":
-        return planner.AttentionScheme("ulysses")
-    return planner.AttentionScheme("upipe", m.head_chunk_size, m.fused)
-
-
 def run_layer_checks(args: argparse.Namespace, device_name: str) -> tuple[list[bool], str]:
     """The layer table's rows, one line per (method, length); returns the results and the table."""
     import torch
@@ -256,7 +248,11 @@ def run_layer_checks(args: argparse.Namespace, device_name: str) -> tuple[list[b
     )
     # the planner's fake-tensor runs need a process without a process group: before the fake group below
     predicted = {
-        (m.name, seq): planner.layer_peak(dims, setup, _scheme(planner, m), seq).total for m in methods for seq in seqs
+        (m.name, seq): planner.layer_peak(
+            dims, setup, planner.measured_scheme(m.kind, m.head_chunk_size, m.fused), seq
+        ).total
+        for m in methods
+        for seq in seqs
     }
     _init_fake_group(device_name)
     device = torch.device(device_name, 0) if device_name == "cuda" else torch.device("cpu")

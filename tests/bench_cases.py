@@ -24,24 +24,32 @@ CALIBRATION_POINTS = [
 
 def measure_layer_peaks(rank: int, world: int, points: list[tuple]) -> list[int]:
     """Per-rank peak bytes of one decoder layer forward+backward (MemTracker), one per point."""
-    from ds_upipe.tools.bench import BenchSpec, Method, build_layer, layer_case
+    from ds_upipe.tools.bench import layer_case
 
     peaks = []
-    for kind, u, fused, seq, dtype, tiled, overlap in points:
-        spec = BenchSpec(
-            world=world,
-            seq_lens=[seq],
-            levels=("layer",),
-            dtype=dtype,
-            tiled_mlp=tiled,
-            overlap_comm=overlap,
-            repeats=0,
-            **CALIBRATION_SHAPE,
-        )
-        method = Method(kind, kind, u, fused)
-        layer, rotary = build_layer(method, spec, torch.device("cpu"))
-        peaks.append(layer_case(layer, rotary, spec, seq, rank, torch.device("cpu"))["peak"])
+    for point in points:
+        layer, rotary, spec = calibration_layer(world, point)
+        peaks.append(layer_case(layer, rotary, spec, point[3], rank, torch.device("cpu"))["peak"])
     return peaks
+
+
+def calibration_layer(world: int, point: tuple) -> tuple:
+    """(layer, rotary embedding, BenchSpec) of one calibration point, built by the bench on the CPU."""
+    from ds_upipe.tools.bench import BenchSpec, Method, build_layer
+
+    kind, u, fused, seq, dtype, tiled, overlap = point
+    spec = BenchSpec(
+        world=world,
+        seq_lens=[seq],
+        levels=("layer",),
+        dtype=dtype,
+        tiled_mlp=tiled,
+        overlap_comm=overlap,
+        repeats=0,
+        **CALIBRATION_SHAPE,
+    )
+    layer, rotary = build_layer(Method(kind, kind, u, fused), spec, torch.device("cpu"))
+    return layer, rotary, spec
 
 
 #: benchmarks/whole_step.py at test size: C=2, the calibration heads (ALST registers one head layout
@@ -100,21 +108,10 @@ def measure_replay_peak(rank: int, world: int, point: tuple) -> int:
     import functools
 
     from ds_upipe.integration.checkpointing import without_recomputed_outputs
-    from ds_upipe.tools.bench import BenchSpec, Method, build_layer
     from ds_upipe.tools.memory import measure_peak
 
-    kind, u, fused, seq, dtype, tiled, overlap = point
-    spec = BenchSpec(
-        world=world,
-        seq_lens=[seq],
-        levels=("layer",),
-        dtype=dtype,
-        tiled_mlp=tiled,
-        overlap_comm=overlap,
-        repeats=0,
-        **CALIBRATION_SHAPE,
-    )
-    layer, rotary = build_layer(Method(kind, kind, u, fused), spec, torch.device("cpu"))
+    seq, dtype = point[3], point[4]
+    layer, rotary, spec = calibration_layer(world, point)
     s, t = seq // world, getattr(torch, dtype)
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(1, s, spec.hidden_size, generator=gen).to(t).requires_grad_(True)

@@ -205,13 +205,10 @@ def calibration():
     )
 
 
-def test_layer_plan_matches_memtracker_on_cpu(calibration):
-    """The fake-tensor planner against the real decoder layer measured with MemTracker, per rank, C=2
-    gloo ranks (ALST and UPipe fused/unfused, fp32 and bf16, tiled MLP or not): within 5%."""
-    points = bench_cases.CALIBRATION_POINTS
-    measured = [r["layers"] for r in calibration]
+def calibration_dims() -> planner.ModelDims:
+    """The planner's dims of bench_cases' calibration model (one layer, vocabulary 128)."""
     shape = bench_cases.CALIBRATION_SHAPE
-    dims = planner.ModelDims(
+    return planner.ModelDims(
         "calibration",
         shape["heads"],
         shape["kv_heads"],
@@ -221,24 +218,19 @@ def test_layer_plan_matches_memtracker_on_cpu(calibration):
         1,
         128,
     )
+
+
+def test_layer_plan_matches_memtracker_on_cpu(calibration):
+    """The fake-tensor planner against the real decoder layer measured with MemTracker, per rank, C=2
+    gloo ranks (ALST and UPipe fused/unfused, fp32 and bf16, tiled MLP or not): within 5%."""
+    points = bench_cases.CALIBRATION_POINTS
+    measured = [r["layers"] for r in calibration]
+    dims = calibration_dims()
     report = []
     for i, (kind, u, fused, seq, dtype, tiled, overlap) in enumerate(points):
-        method = (
-            planner.AttentionScheme("ulysses")
-            if kind == "alst"
-            else planner.AttentionScheme("upipe", u, fused, overlap)
-        )
-        setup = planner.TrainSetup(
-            gpus=bench_cases.CALIBRATION_WORLD,
-            dtype={"float32": "fp32", "bfloat16": "bf16"}[dtype],
-            tiled_mlp=tiled,
-            tiled_norm=False,
-            tiled_loss=False,
-            kernel="none",
-            comm_backend="gloo",
-            checkpointing=False,  # the measured layer runs plain forward + backward (no replay)
-            offload_checkpoints=False,
-        )
+        method = planner.measured_scheme(kind, u, fused, overlap)
+        # the measured layer runs plain forward + backward (no replay)
+        setup = planner.measured_layer_setup(bench_cases.CALIBRATION_WORLD, dtype, tiled)
         peak = planner.layer_peak(dims, setup, method, seq)
         worst = max(rank_peaks[i] for rank_peaks in measured)
         report.append((method.label, seq, dtype, worst, peak.total, peak.total / worst - 1, peak.at))
@@ -275,28 +267,9 @@ def test_checkpoint_replay_plan_matches_memtracker_on_cpu(calibration):
     dy alive): against the same replay measured with MemTracker (UPipe fused, U = C, tiled MLP), within
     5%, and below the plain layer's peak by about the layer output it no longer holds."""
     kind, u, fused, seq, dtype, tiled, overlap = bench_cases.REPLAY_POINT
-    shape = bench_cases.CALIBRATION_SHAPE
-    dims = planner.ModelDims(
-        "calibration",
-        shape["heads"],
-        shape["kv_heads"],
-        shape["head_dim"],
-        shape["hidden"],
-        shape["intermediate"],
-        1,
-        128,
-    )
-    setup = planner.TrainSetup(
-        gpus=bench_cases.CALIBRATION_WORLD,
-        dtype="fp32",
-        tiled_mlp=tiled,
-        tiled_norm=False,
-        tiled_loss=False,
-        kernel="none",
-        comm_backend="gloo",
-        offload_checkpoints=False,
-    )
-    method = planner.AttentionScheme("upipe", u, fused, overlap)
+    dims = calibration_dims()
+    setup = planner.measured_layer_setup(bench_cases.CALIBRATION_WORLD, dtype, tiled, checkpointing=True)
+    method = planner.measured_scheme(kind, u, fused, overlap)
     peak = planner.layer_peak(dims, setup, method, seq)
     plain = planner.layer_peak(dims, replace(setup, checkpointing=False), method, seq)
     worst = max(r["replay"] for r in calibration)

@@ -283,6 +283,37 @@ class TrainSetup:
         return "tiled " + "/".join(parts) if parts else "no long-context stack"
 
 
+#: torch dtype names (what the bench and the CPU measurements take) -> the planner's names
+PLANNER_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def measured_scheme(
+    kind: str, head_chunk_size: int | None = None, fused: bool = True, overlap_comm: bool = False
+) -> AttentionScheme:
+    """The scheme of a measured method: the bench's ``"alst"`` is the planner's ``"ulysses"``."""
+    if kind == "alst":
+        return AttentionScheme("ulysses")
+    return AttentionScheme("upipe", head_chunk_size, fused, overlap_comm)
+
+
+def measured_layer_setup(gpus: int, dtype: str, tiled_mlp: bool, checkpointing: bool = False) -> TrainSetup:
+    """The setup of one decoder layer measured with MemTracker on CPU gloo ranks (the bench, the
+    planner's calibration): torch ``dtype`` name, no tiled norm or loss, no CUDA kernel workspace,
+    gloo's buffer lifetimes, checkpoints kept on the device; ``checkpointing`` plans the checkpoint's
+    replay in backward instead of a plain forward + backward."""
+    return TrainSetup(
+        gpus=gpus,
+        dtype=PLANNER_DTYPES[dtype],
+        tiled_mlp=tiled_mlp,
+        tiled_norm=False,
+        tiled_loss=False,
+        kernel="none",
+        comm_backend="gloo",
+        checkpointing=checkpointing,
+        offload_checkpoints=False,
+    )
+
+
 def methods_for(
     dims: ModelDims, gpus: int, fused: bool = True, overlap_comm: bool = False, ring_size: int = 1
 ) -> list[AttentionScheme]:
