@@ -14,7 +14,7 @@ from .packing import DocumentBoundaries, DocumentKernel
 from .pipeline import PipelineContext, UPipeAttentionFunction, plan_indices
 from .ring import RingAttentionKernel, SequenceLayout, zigzag_positions
 from .schedule import StagePlan, build_plan
-from .validation import LayerSettings, check_inputs, gather_inputs
+from .validation import LayerSettings, check_inputs, check_packing_supported, gather_inputs
 
 
 class UPipeDistributedAttention(DistributedAttention):
@@ -166,8 +166,8 @@ class UPipeDistributedAttention(DistributedAttention):
             # the same boundaries on every rank (checked above), so the same error everywhere
             seq_dim = 1 - batch_dim_idx
             documents.check(query.shape[batch_dim_idx], query.shape[seq_dim] * self.layout.sp_size)
-            if isinstance(attention, CallableKernel) or self.ring_size > 1:
-                raise ValueError("packed sequences (cu_seqlens) need an AttentionKernel and no ring group")
+            # the input exchange's check again, for validate_inputs=False (local settings only)
+            check_packing_supported(not isinstance(attention, CallableKernel), self.ring_size)
             if not documents.is_trivial:
                 attention = DocumentKernel(attention, documents)
         plan = self.plan_for(num_heads, num_kv_heads)

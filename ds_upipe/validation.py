@@ -265,14 +265,19 @@ def _check_documents(rows: list[RankInputs], settings: LayerSettings) -> None:
             f"per rank: {given}): every rank must pass the same global cu_seqlens (e.g. from the global position_ids, "
             "ds_upipe.packing.documents_from_positions)"
         )
-    if not settings.uses_kernel:
+    check_packing_supported(settings.uses_kernel, settings.ring_size)
+
+
+def check_packing_supported(uses_kernel: bool, ring_size: int) -> None:
+    """Packed sequences need an AttentionKernel (run per document with its lse) and no ring."""
+    if not uses_kernel:
         raise ValueError(
             "packed sequences (cu_seqlens) need an AttentionKernel as local_attention (it runs per document with "
             "its lse); a generic callable cannot be restricted to documents"
         )
-    if settings.ring_size > 1:
+    if ring_size > 1:
         raise ValueError(
-            f"packed sequences (cu_seqlens) are not supported with ring attention (ring_size={settings.ring_size}): "
+            f"packed sequences (cu_seqlens) are not supported with ring attention (ring_size={ring_size}): "
             "use UPipe without a ring group (ring_group=None) for packed rows"
         )
 
