@@ -171,6 +171,9 @@ class PipelineContext:
     #: of float32: the round's dK/dV accumulator (and a fused source's dx / weight-gradient ones) are
     #: half the size, at the cost of one rounding per stage
     accumulate_in_input_dtype: bool = False
+    #: fused mode (hf_patches): save no attention output; backward recomputes each stage's attention
+    #: forward (``RecomputedOutput``).  One hidden state less per layer, one more kernel forward per stage
+    recompute_output: bool = False
 
     def accumulate_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype gradients of ``dtype`` are summed in over the stages."""
@@ -246,25 +249,38 @@ def pipeline_forward(ctx: PipelineContext, source: StageSource, out: Tensor) -> 
     return saved
 
 
+@dataclass
+class RecomputedOutput:
+    """Stands for the output in ``pipeline_backward`` when the forward saved neither it nor the stages'
+    lse: each stage's attention forward is run again on its gathered q/k/v, and the stage's output,
+    sent back to the local layout, is handed to ``take(heads, o_local)`` (per source rank, [b, s, n, d]).
+    Fused mode uses it to compute o_proj's weight gradient stage by stage instead of keeping the whole
+    attention output (one hidden state) from forward to backward."""
+
+    dtype: torch.dtype
+    take: Callable[[Tensor, Tensor], None]
+
+
 def pipeline_backward(
     ctx: PipelineContext,
     source: StageSource,
-    out: Tensor,
+    out: Tensor | RecomputedOutput,
     grad_out: Tensor | Callable[[Tensor], Tensor],
     saved: Sequence[Tensor | None],
 ) -> None:
     """Replay every stage and hand q/k/v gradients (local layout) to ``source``; ``saved`` is what
-    ``pipeline_forward`` returned.
+    ``pipeline_forward`` returned (empty with a ``RecomputedOutput``).
 
     ``grad_out`` is the output gradient ([b, s, H, d] view) or a function returning the gradient of
     the given heads ([b, s, n, d]): a caller that fuses the output projection computes each stage's
     slice on demand instead of materializing the full gradient."""
+    recomputed = out if isinstance(out, RecomputedOutput) else None
     dtype = out.dtype
     by_rank = getattr(source, "accepts_partial_grads", False)
     stage_number = 0
-    per_stage = len(saved) // ctx.plan.num_stages  # lse + the kernel's aux, the same for every stage
+    per_stage = 0 if recomputed else len(saved) // ctx.plan.num_stages  # lse + the kernel's aux, per stage
     # an lse-based backward needs the stage output; a recompute (CallableKernel) does not
-    needs_output = ctx.attention.needs_output_in_backward
+    needs_output = ctx.attention.needs_output_in_backward and recomputed is None
     for round_idx, kv_idx in enumerate(ctx.indices.kv):
         key_value = list(source.key_value(kv_idx))
         k_full, v_full = ctx.gather(key_value), ctx.gather(key_value)
@@ -281,10 +297,17 @@ def pipeline_backward(
 
         for q_idx, (q_full, dout_full, *o_full) in ctx.prefetched(ctx.indices.query[round_idx], start_stage):
             # [dq, dk, dv], the only references: each is freed as soon as it is on its way back
-            lse, *aux = saved[stage_number * per_stage : (stage_number + 1) * per_stage]
-            o_stage = o_full.pop() if o_full else None
+            if recomputed is not None:
+                o_stage, lse, aux = ctx.attention.forward(q_full, k_full, v_full)
+                # before the kernel's backward, whose gradients would otherwise sit beside these buffers
+                o_local = ctx.scatter_by_rank([o_stage], dtype)
+                _hand_over(recomputed.take, q_idx, (o_local,), True)
+                del o_local
+            else:
+                lse, *aux = saved[stage_number * per_stage : (stage_number + 1) * per_stage]
+                o_stage = o_full.pop() if o_full else None
             grads = list(ctx.attention.backward(dout_full, q_full, k_full, v_full, o_stage, lse, tuple(aux)))
-            del o_full, o_stage
+            del o_full, o_stage, lse, aux
             del q_full, dout_full  # free the stage's inputs before its gradients travel
             dq_local = ctx.scatter_by_rank(grads, dtype)
             _hand_over(source.add_query_grad, q_idx, (dq_local,), by_rank)

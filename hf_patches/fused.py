@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ds_upipe.pipeline import PipelineContext, pipeline_backward, pipeline_forward
+from ds_upipe.pipeline import PipelineContext, RecomputedOutput, pipeline_backward, pipeline_forward
 from ds_upipe.schedule import StagePlan
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -342,12 +342,17 @@ class FusedUPipeAttention(torch.autograd.Function):
             lses = pipeline_forward(pctx, source, out)
             y = F.linear(out.flatten(2), params[_WO], params[_BO])
         fctx.pctx, fctx.proj = pctx, proj
-        fctx.save_for_backward(x, cos, sin, out, *lses)
+        if pctx.recompute_output:  # backward recomputes the stages' outputs (pipeline.RecomputedOutput)
+            fctx.out_shape = out.shape
+            del out, lses
+            fctx.save_for_backward(x, cos, sin)
+        else:
+            fctx.save_for_backward(x, cos, sin, out, *lses)
         return y
 
     @staticmethod
     def backward(fctx, grad_y: Tensor):
-        x, cos, sin, out, *lses = fctx.saved_tensors
+        x, cos, sin, *saved = fctx.saved_tensors
         needs = (fctx.needs_input_grad[0], *fctx.needs_input_grad[5:])
         source = FusedProjectionSource(
             x,
@@ -361,17 +366,32 @@ class FusedUPipeAttention(torch.autograd.Function):
         )
         dy = grad_y.reshape(-1, grad_y.shape[-1])
         w_o = fctx.proj.o_proj.weight
-        b, s, num_heads, d = out.shape
+        recompute = fctx.pctx.recompute_output
+        b, s, num_heads, d = fctx.out_shape if recompute else saved[0].shape
 
         def grad_out(heads: Tensor) -> Tensor:
             """This stage's slice of d(attention output) = dy @ Wo[:, columns of the heads]."""
             return (dy @ w_o.index_select(1, source.rows(heads))).view(b, s, heads.numel(), d)
 
         with torch.no_grad():
-            pipeline_backward(fctx.pctx, source, out, grad_out, lses)
-            grad_x, grads = source.results()
-            if source.need_p[_WO]:
-                grads[_WO] = dy.t() @ out.view(-1, num_heads * d)
+            if recompute:
+                # o_proj's weight gradient column block by column block, from each stage's recomputed
+                # output: the heads' columns are disjoint, so each is written once (no summation)
+                grad_w_o = torch.empty(w_o.shape, dtype=x.dtype, device=x.device) if source.need_p[_WO] else None
+
+                def take_output(heads: Tensor, o_local: Tensor) -> None:
+                    if grad_w_o is not None:
+                        grad_w_o.index_copy_(1, source.rows(heads), dy.t() @ o_local.reshape(dy.shape[0], -1))
+
+                pipeline_backward(fctx.pctx, source, RecomputedOutput(x.dtype, take_output), grad_out, ())
+                grad_x, grads = source.results()
+                grads[_WO] = grad_w_o
+            else:
+                out, *lses = saved
+                pipeline_backward(fctx.pctx, source, out, grad_out, lses)
+                grad_x, grads = source.results()
+                if source.need_p[_WO]:
+                    grads[_WO] = dy.t() @ out.view(-1, num_heads * d)
             if fctx.proj.o_proj.bias is not None and source.need_p[_BO]:
                 grads[_BO] = dy.sum(0)
         return (grad_x, None, None, None, None, *grads)

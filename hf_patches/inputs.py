@@ -148,10 +148,12 @@ def _settings(state: UPipeState) -> dict[str, int]:
         "ring_size (R)": state.ring_size,
         # upipe.accumulate_dtype: with 16-bit inputs it decides whether dK/dV go back per stage or per round
         "accumulate_in_input_dtype": int(state.accumulate_in_input_dtype),
+        # backward runs one more kernel forward per stage (with a ring: one more ring pass)
+        "recompute_attention_output": int(state.fused and state.recompute_attention_output),
     }
 
 
-_FLAGS = ("fused projections", "overlap_comm", "accumulate_in_input_dtype")
+_FLAGS = ("fused projections", "overlap_comm", "accumulate_in_input_dtype", "recompute_attention_output")
 
 
 def _check_settings(names: list[str], rows: list[list[int]]) -> None:
@@ -166,8 +168,8 @@ def _check_settings(names: list[str], rows: list[list[int]]) -> None:
         raise ValueError(
             f"UPipe settings differ across the ranks of the sequence-parallel group: {'; '.join(differ)}. Every rank "
             "must patch the same model with the same apply_upipe arguments (head_chunk_size, fused_projections, "
-            "overlap_comm, accumulate_in_input_dtype, ring_group); fused projections also need plain nn.Linear "
-            "projections on every rank"
+            "overlap_comm, accumulate_in_input_dtype, recompute_attention_output, ring_group); fused projections "
+            "also need plain nn.Linear projections on every rank"
         )
 
 

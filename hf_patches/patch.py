@@ -119,6 +119,7 @@ def apply_upipe(
     overlap_comm: bool = False,
     ring_group: dist.ProcessGroup | None = None,
     accumulate_in_input_dtype: bool = False,
+    recompute_attention_output: bool = False,
 ) -> nn.Module:
     """Patch a Llama/Mistral/Qwen2/Qwen3 ``*ForCausalLM`` or base ``*Model`` in place for UPipe.
 
@@ -140,6 +141,11 @@ def apply_upipe(
             UPipe paper does, instead of float32: those accumulators take half the memory, and each
             stage adds one rounding (docs/config.md, ``accumulate_dtype``, has the measured error).
             No effect on float32/float64 inputs.
+        recompute_attention_output: fused mode keeps no attention output (one hidden state per layer)
+            from forward to backward: backward runs each stage's attention forward again, then its
+            backward, and takes o_proj's weight gradient stage by stage.  Less memory for one more
+            kernel forward per stage.  Needs fused projections (ValueError with
+            ``fused_projections=False``; where fused mode falls back, the warning says it is off too).
 
     Returns the same model.  Every rank must then pass its sequence shard and the matching global
     ``position_ids`` (see ``shard_batch``): the contiguous shard of its rank without a ring, its
@@ -165,12 +171,22 @@ def apply_upipe(
     scaling = attentions[0].scaling
     attn_kernel = make_kernel(kernel, causal=True, softmax_scale=scaling)
 
+    if recompute_attention_output and not fused_projections:
+        raise ValueError(
+            "recompute_attention_output=True needs fused_projections=True: unfused, o_proj (the model's own "
+            "nn.Linear) keeps the attention output for its weight gradient anyway; set fused_projections=True "
+            "or recompute_attention_output=False"
+        )
     fallback = (
         _fused_blocker(attentions, _qwen3_norm_class() if arch == "qwen3" else None) if fused_projections else None
     )
     fused = fused_projections and fallback is None
     if fallback is not None and dist.get_rank(process_group) == 0:  # one line per group
-        logger.warning("hf_patches: fused projections off (%s); using unfused UPipe attention", fallback)
+        logger.warning(
+            "hf_patches: fused projections off (%s); using unfused UPipe attention%s",
+            fallback,
+            " (recompute_attention_output has no effect unfused)" if recompute_attention_output else "",
+        )
 
     state = UPipeState(
         group=process_group,
@@ -184,6 +200,7 @@ def apply_upipe(
         ring_group=ring_group if ring_size > 1 else None,
         ring_size=ring_size,
         accumulate_in_input_dtype=bool(accumulate_in_input_dtype),
+        recompute_attention_output=bool(recompute_attention_output),
     )
     register_attention_function()
     for attn in attentions:

@@ -44,6 +44,9 @@ class UPipeState:
     #: sum half-precision gradients over the stages in the input dtype instead of float32
     #: (``apply_upipe(accumulate_in_input_dtype=...)``; settable after apply_upipe)
     accumulate_in_input_dtype: bool = False
+    #: fused mode: keep no attention output from forward to backward; backward recomputes each stage's
+    #: attention forward (``apply_upipe(recompute_attention_output=...)``; settable after apply_upipe)
+    recompute_attention_output: bool = False
     #: packed sequences: the document boundaries of the current forward's global sequence, set by the
     #: model-level input check from the global position_ids (None: one document per row)
     documents: DocumentBoundaries | None = None
@@ -88,4 +91,5 @@ class UPipeState:
             stage_counter=self.stage_runs,
             overlap_comm=self.overlap_comm,
             accumulate_in_input_dtype=self.accumulate_in_input_dtype,
+            recompute_output=self.fused and self.recompute_attention_output,
         )

@@ -47,6 +47,7 @@ ALLOWED: dict[str, str] = {
     "overlap_comm": "true or false",
     "ring_size": "an int >= 1 that divides sequence_parallel_size (1: no ring)",
     "accumulate_dtype": '"fp32" or "input" (the dtype bf16/fp16 gradients are summed in over the stages)',
+    "recompute_attention_output": "true or false (fused projections only)",
     "tiled_loss": TILED,
     "tiled_norm": TILED,
     "tiled_mlp": TILED,
@@ -88,6 +89,8 @@ class UPipeConfig(BaseModel):
     overlap_comm: StrictBool = False
     ring_size: StrictInt = 1
     accumulate_dtype: Literal["fp32", "input"] = "fp32"
+    #: fused mode: backward recomputes each stage's attention instead of keeping the layer's attention output
+    recompute_attention_output: StrictBool = False
     # the long-context stack (hf_patches.apply_long_context_stack); also with enabled=false (ALST)
     tiled_loss: TiledSetting = False
     tiled_norm: TiledSetting = False
@@ -188,6 +191,7 @@ def parse_config(ds_config: dict[str, Any]) -> SPSettings:
         raise ValueError(f"invalid ds_config: sequence_parallel_size: got {sp!r}; allowed: an int >= 1")
     upipe = parse_upipe_block(ds_config.get("upipe"))
     check_ring_size(upipe, sp)
+    check_recompute_attention_output(upipe)
     zero = ds_config.get("zero_optimization", {}) or {}
     zero_stage = zero.get("stage", 0)
     if sp > 1 and zero_stage == 0:
@@ -210,6 +214,24 @@ def parse_config(ds_config: dict[str, Any]) -> SPSettings:
         )
     half = any((ds_config.get(k, {}) or {}).get("enabled", False) for k in ("bf16", "fp16", "bfloat16"))
     return SPSettings(sequence_parallel_size=sp, upipe=upipe, zero_stage=zero_stage, dtype_bytes=2 if half else 4)
+
+
+def check_recompute_attention_output(upipe: UPipeConfig) -> None:
+    """ValueError if ``upipe.recompute_attention_output`` is on where it cannot act: only fused UPipe
+    owns o_proj's weight gradient (unfused, and in ALST, the model's o_proj keeps the output itself)."""
+    if not upipe.recompute_attention_output:
+        return
+    if not upipe.enabled:
+        raise ValueError(
+            "invalid ds_config: upipe.recompute_attention_output: got true with upipe.enabled=false; allowed: false "
+            "(DeepSpeed ALST keeps the attention output for o_proj; set upipe.enabled=true for UPipe)"
+        )
+    if not upipe.fused_projections:
+        raise ValueError(
+            "invalid ds_config: upipe.recompute_attention_output: got true with upipe.fused_projections=false; "
+            "allowed: false (unfused, the model's o_proj keeps the attention output for its weight gradient anyway; "
+            "set upipe.fused_projections=true to recompute it)"
+        )
 
 
 def check_ring_size(upipe: UPipeConfig, sequence_parallel_size: int) -> None:

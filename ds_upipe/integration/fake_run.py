@@ -373,6 +373,7 @@ class StepSpec:
     fused: bool = True
     overlap_comm: bool = False
     accumulate_in_input_dtype: bool = False  # upipe.accumulate_dtype = "input"
+    recompute_attention_output: bool = False  # upipe.recompute_attention_output (fused only)
     batch: int = 1
     dtype: str = "bf16"
     tiled_norm: bool = False
@@ -489,6 +490,7 @@ def _patched_model(spec: StepSpec, group: dist.ProcessGroup) -> Iterator[torch.n
                 fused_projections=spec.fused,
                 overlap_comm=spec.overlap_comm,
                 accumulate_in_input_dtype=spec.accumulate_in_input_dtype,
+                recompute_attention_output=spec.recompute_attention_output,
                 ring_group=ring,
             )
         if spec.tiled_norm or spec.tiled_mlp or spec.tiled_loss:

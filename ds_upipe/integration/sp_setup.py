@@ -157,6 +157,7 @@ def apply_upipe_settings(model: torch.nn.Module, group: Any, head_chunk_size: in
         overlap_comm=upipe.overlap_comm,
         ring_group=ring_group,
         accumulate_in_input_dtype=upipe.accumulate_dtype == "input",
+        recompute_attention_output=upipe.recompute_attention_output,
     )
 
 

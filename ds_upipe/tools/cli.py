@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(overrides the config; default fp32 without --config)",
     )
     plan.add_argument(
+        "--recompute-attention-output",
+        action="store_true",
+        help="upipe.recompute_attention_output: fused UPipe's backward recomputes each stage's attention output "
+        "instead of keeping the layer's (one hidden state less, one more attention forward per stage)",
+    )
+    plan.add_argument(
         "--seq",
         type=parse_token_list,
         default=None,
@@ -173,6 +179,13 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
     if args.accumulate_dtype is not None:
         on = args.accumulate_dtype == "input"
         methods = [replace(m, accumulate_in_input_dtype=on) if m.kind == "upipe" else m for m in methods]
+    if args.recompute_attention_output:
+        if any(m.kind == "upipe" and not m.fused for m in methods):
+            raise ValueError(
+                "--recompute-attention-output needs fused projections (drop --unfused, or set "
+                "upipe.fused_projections=true in the config)"
+            )
+        methods = [replace(m, recompute_attention_output=True) if m.kind == "upipe" else m for m in methods]
     if args.no_checkpointing:
         changes.update(checkpointing=False, offload_checkpoints=False)
     elif args.no_offload:

@@ -13,7 +13,7 @@ definitions": inside a model the block's input needs a gradient and its output g
 tensor; the broadcast scalar gradient of ``out.sum()`` would hide one hidden state).  The input,
 dout, the input's gradient and the RoPE cos/sin count as activations for every method alike.
 
-Methods: ``"upipe_fused"`` and ``"upipe_unfused"`` patch the model with ``apply_upipe``;
+Methods: ``"upipe_fused"``, ``"upipe_fused_recompute"`` and ``"upipe_unfused"`` patch the model with ``apply_upipe``;
 ``"alst"`` runs DeepSpeed's ``UlyssesSPAttentionHF`` as the integration registers it
 (``alst_attention_function``: ``register_with_transformers`` once per process and head layout, over
 the whole world, so ALST needs the group to be the world and ``deepspeed.comm`` initialized).  ALST's
@@ -33,9 +33,9 @@ from hf_patches import apply_upipe
 
 from .memory import peak_snapshot
 
-MethodName = Literal["upipe_fused", "upipe_unfused", "alst"]
+MethodName = Literal["upipe_fused", "upipe_fused_recompute", "upipe_unfused", "alst"]
 Part = Literal["attention", "layer"]
-METHODS: tuple[MethodName, ...] = ("upipe_fused", "upipe_unfused", "alst")
+METHODS: tuple[MethodName, ...] = ("upipe_fused", "upipe_fused_recompute", "upipe_unfused", "alst")
 PARTS: tuple[Part, ...] = ("attention", "layer")
 
 #: ALST's attention wrapper per head layout (see alst_attention_function)
@@ -132,7 +132,8 @@ def measure_peak_activation(
     """Peak activation memory of this rank for one forward + backward of ``part``.
 
     Args:
-        method: "upipe_fused", "upipe_unfused" or "alst" (DeepSpeed's UlyssesSPAttentionHF).
+        method: "upipe_fused", "upipe_fused_recompute" (``recompute_attention_output``), "upipe_unfused"
+            or "alst" (DeepSpeed's UlyssesSPAttentionHF).
         part: "attention" (one layer's self_attn module, hidden_states in, o_proj out) or
             "layer" (one whole decoder layer).
         group: the sequence-parallel group (None: the world; ALST always uses the world).
@@ -160,7 +161,13 @@ def measure_peak_activation(
             raise ValueError("ALST registers its sequence-parallel groups over the whole world; pass group=None")
         ALL_ATTENTION_FUNCTIONS["sdpa"] = alst_attention_function(model, batch)
     else:
-        apply_upipe(model, group, head_chunk_size=head_chunk_size, fused_projections=method == "upipe_fused")
+        apply_upipe(
+            model,
+            group,
+            head_chunk_size=head_chunk_size,
+            fused_projections=method != "upipe_unfused",
+            recompute_attention_output=method == "upipe_fused_recompute",
+        )
     try:
         layer = model.layers[0]
         gen = torch.Generator().manual_seed(seed + 1 + rank)

@@ -186,6 +186,8 @@ class AttentionScheme:
     overlap_comm: bool = False  # the pipeline's prefetch of the next stage (two stages' inputs alive)
     #: upipe.accumulate_dtype = "input": bf16/fp16 gradients summed over the stages in that dtype
     accumulate_in_input_dtype: bool = False
+    #: upipe.recompute_attention_output: fused backward recomputes each stage's attention output
+    recompute_attention_output: bool = False
 
     @property
     def label(self) -> str:
@@ -195,6 +197,7 @@ class AttentionScheme:
             ("" if self.fused else "-unfused")
             + ("+overlap" if self.overlap_comm else "")
             + ("+input-acc" if self.accumulate_in_input_dtype else "")
+            + ("+recompute" if self.recompute_attention_output else "")
         )
         return f"upipe{extra} U={self.head_chunk_size}"
 
@@ -391,6 +394,7 @@ def from_ds_config(
             settings.upipe.fused_projections,
             settings.upipe.overlap_comm,
             settings.upipe.accumulate_dtype == "input",
+            settings.upipe.recompute_attention_output,
         )
     else:
         scheme = AttentionScheme("ulysses")
@@ -461,6 +465,7 @@ def step_spec(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_l
         fused=scheme.fused,
         overlap_comm=scheme.overlap_comm,
         accumulate_in_input_dtype=scheme.accumulate_in_input_dtype,
+        recompute_attention_output=scheme.recompute_attention_output,
         batch=setup.batch,
         dtype=setup.dtype,
         tiled_norm=setup.tiled_norm,
