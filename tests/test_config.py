@@ -267,8 +267,10 @@ def test_long_context_configs_differ_only_in_enabled():
     """UPipe and ALST compare on the same stack: ZeRO-3, every tiled part, offloaded checkpoints."""
     upipe, alst = (load_config(REPO / "ds_configs" / f"{name}.json") for name in LONG_CONTEXT)
     u, a = parse_config(upipe).upipe, parse_config(alst).upipe
-    # accumulate_dtype is UPipe's own (its stage accumulators; ALST has none): "input", docs/config.md
-    assert u.accumulate_dtype == "input" and u.model_copy(update={"enabled": False, "accumulate_dtype": "fp32"}) == a
+    # accumulate_dtype and recompute_attention_output are UPipe's own (its stage accumulators, its fused
+    # o_proj; ALST has neither): "input" and true, docs/config.md
+    own = {"enabled": False, "accumulate_dtype": "fp32", "recompute_attention_output": False}
+    assert u.accumulate_dtype == "input" and u.recompute_attention_output and u.model_copy(update=own) == a
     assert (u.tiled_loss, u.tiled_norm, u.tiled_mlp, u.offload_checkpoints) == (True, True, True, True)
     assert upipe["zero_optimization"]["stage"] == 3 and upipe["activation_checkpointing"]["cpu_checkpointing"]
     assert {k: v for k, v in upipe.items() if k != "upipe"} == {k: v for k, v in alst.items() if k != "upipe"}

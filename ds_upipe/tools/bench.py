@@ -49,6 +49,8 @@ class Method:
     fused: bool | None = None
     #: core level: equal documents packed into each row (1: one sequence per row)
     documents: int = 1
+    #: layer level, fused: ``apply_upipe(recompute_attention_output=True)``
+    recompute_attention_output: bool = False
 
 
 @dataclass
@@ -78,6 +80,8 @@ class BenchSpec:
     ring_size: int = 1
     #: core level: also run DeepSpeed and UPipe on rows of this many equal packed documents (1: not)
     documents: int = 1
+    #: layer level: also run fused UPipe with ``recompute_attention_output`` (rows upipe-fused-recompute[U=u])
+    recompute_attention_output: bool = False
 
     def __post_init__(self) -> None:
         from ..schedule import valid_head_chunk_sizes
@@ -161,6 +165,10 @@ class BenchSpec:
         return (
             [Method("alst", "alst")]
             + [Method(f"upipe-fused[U={u}]", "upipe", u, True) for u in us]
+            + [
+                Method(f"upipe-fused-recompute[U={u}]", "upipe", u, True, recompute_attention_output=True)
+                for u in (us if self.recompute_attention_output else [])
+            ]
             + [Method(f"upipe-unfused[U={u}]", "upipe", u, False) for u in us]
         )
 
@@ -419,6 +427,7 @@ def build_layer(method: Method, spec: BenchSpec, device: torch.device) -> tuple[
             fused_projections=method.fused,
             overlap_comm=spec.overlap_comm,
             ring_group=ring,
+            recompute_attention_output=method.recompute_attention_output,
         )
     else:
         raise ValueError(f"method {method.name!r} has no decoder-layer implementation")

@@ -131,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--intermediate", type=int, default=None, help="layer level (default 2 * hidden)")
     bench.add_argument("--tiled-mlp", action="store_true", help="layer level: DeepSpeed's TiledMLP")
     bench.add_argument("--overlap-comm", action="store_true", help="UPipe prefetches the next stage's all-to-alls")
+    bench.add_argument(
+        "--recompute-attention-output",
+        action="store_true",
+        help="layer level: also fused UPipe with upipe.recompute_attention_output (upipe-fused-recompute rows)",
+    )
     bench.add_argument("--head-chunk-sizes", type=_int_list, default=None, help="U values (default: all valid)")
     bench.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float64")
     bench.add_argument("--batch", type=int, default=1)
@@ -248,6 +253,7 @@ def _bench(args: argparse.Namespace) -> int:
         intermediate=args.intermediate,
         tiled_mlp=args.tiled_mlp,
         overlap_comm=args.overlap_comm,
+        recompute_attention_output=args.recompute_attention_output,
         batch=args.batch,
         documents=args.documents,
         dtype=dtype,
