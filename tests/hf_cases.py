@@ -110,16 +110,35 @@ def compare(ref, got, seq: int) -> dict[str, float]:
 
 
 def parity_case(
-    arch, fused, dtype, u=None, seq=None, batch=2, world=2, seed=0, base_model=False, overlap=False, **overrides
+    arch,
+    fused,
+    dtype,
+    u=None,
+    seq=None,
+    batch=2,
+    world=2,
+    seed=0,
+    base_model=False,
+    overlap=False,
+    recompute=False,
+    **overrides,
 ):
     group = dist.group.WORLD
     seq = seq if seq is not None else 6 * world
     data = make_batch(seed, batch, seq)
     model = build_model(arch, dtype, seed=seed, base=base_model, **overrides)
     ref_model = copy.deepcopy(model)
-    hf_patches.apply_upipe(model, group, head_chunk_size=u, fused_projections=fused, overlap_comm=overlap)
+    hf_patches.apply_upipe(
+        model,
+        group,
+        head_chunk_size=u,
+        fused_projections=fused,
+        overlap_comm=overlap,
+        recompute_attention_output=recompute,
+    )
     state = hf_patches.upipe_state(model)
     assert state.fused == fused and state.overlap_comm == overlap, (state.fused, state.fallback_reason)
+    assert state.recompute_attention_output == recompute
     if base_model:
         return _base_model_case(model, ref_model, data, group, seq)
     before = state.stage_runs[0]
@@ -174,15 +193,23 @@ def _row_offsets(cus):
     return offsets
 
 
-def packed_case(arch, fused, u, overlap, world, rows=1, seq=None, seed=0):
+def packed_case(arch, fused, u, overlap, world, rows=1, seq=None, seed=0, recompute=False):
     """A packed row (or rows) through apply_upipe == every document alone in one process, float64."""
     group = dist.group.WORLD
     seq = seq or 6 * world
     batch, cus = packed_batch(seed, seq, world, rows)
     model = build_model(arch, torch.float64, seed=seed)
     ref_model = copy.deepcopy(model)
-    hf_patches.apply_upipe(model, group, head_chunk_size=u, fused_projections=fused, overlap_comm=overlap)
+    hf_patches.apply_upipe(
+        model,
+        group,
+        head_chunk_size=u,
+        fused_projections=fused,
+        overlap_comm=overlap,
+        recompute_attention_output=recompute,
+    )
     state = hf_patches.upipe_state(model)
+    assert state.recompute_attention_output == recompute
     errors = compare(per_document_reference(ref_model, batch, cus), sharded_step(model, batch, group), seq)
     want = tuple(tuple(cu) for cu in cus)
     padded = -seq % world
@@ -194,13 +221,16 @@ def packed_case(arch, fused, u, overlap, world, rows=1, seq=None, seed=0):
 
 def packed_matrix(rank, world):
     """Packed rows, fused and unfused, U in {C, H}, overlap on and off, GQA (Llama: KV < C at C=4),
-    Qwen3 (C=2), two rows with different documents, a row padded at the end; returns {case: errors}."""
+    Qwen3 (C=2), two rows with different documents, a row padded at the end, fused with the attention
+    output recomputed in backward; returns {case: errors}."""
     h = ARCH_CONFIGS["llama"]["num_attention_heads"]
     cases = {
         "llama_fused_u=C": ("llama", True, None, False, {}),
         "llama_unfused_u=H_overlap": ("llama", False, h, True, {}),
         "llama_fused_u=H_overlap_2rows": ("llama", True, h, True, {"rows": 2}),
         "llama_unfused_u=C_padded": ("llama", False, None, False, {"seq": 6 * world - 1}),
+        # fused recompute_attention_output: each stage's output recomputed in backward, per document
+        "llama_fused_u=H_overlap_recompute": ("llama", True, h, True, {"recompute": True, "seed": 2}),
     }
     if world == 2:  # Qwen3 (q/k norms) at C=2 only: test time
         cases["qwen3_fused_u=C_overlap"] = ("qwen3", True, None, True, {})
@@ -223,7 +253,8 @@ def _base_model_case(model, ref_model, data, group, seq):
 
 def parity_matrix(rank, world):
     """All four architectures, fused and unfused, float64 (some float32, U = 2C, U = H, overlapped
-    communication); returns (failures, count, process-wide stage runs)."""
+    communication, fused with the attention output recomputed in backward); returns (failures, count,
+    process-wide stage runs)."""
     failures, count = [], 0
     cases = [(arch, fused, torch.float64, None) for arch in ARCH_CONFIGS for fused in (True, False)]
     cases += [("llama", True, torch.float32, None), ("qwen3", False, torch.float32, None)]
@@ -232,6 +263,11 @@ def parity_matrix(rank, world):
     cases += [("qwen3", True, torch.float64, None, True, {}), ("llama", False, torch.float64, None, True, {})]
     # Qwen3 fused with fewer KV heads than ranks: the replicas' dK must be summed before the float32 k_norm
     cases += [("qwen3", True, torch.float64, None, False, {"num_key_value_heads": world // 2})]
+    # recompute_attention_output: Qwen3 with k-norm, KV replicas and overlap; Qwen2 (q/k/v bias) at U = 2C
+    cases += [
+        ("qwen3", True, torch.float64, None, True, {"num_key_value_heads": world // 2, "recompute": True}),
+        ("qwen2", True, torch.float64, 2 * world, False, {"recompute": True}),
+    ]
     with pipeline.StageCounter() as stages:
         for arch, fused, dtype, u, overlap, overrides in cases:
             errors = parity_case(arch, fused, dtype, u=u, world=world, overlap=overlap, **overrides)
@@ -338,6 +374,10 @@ def misc_cases(rank, world):
             results[f"checkpointing_reentrant={reentrant}_fused={fused}"] = checkpointing_case(
                 "qwen3", fused, reentrant, world
             )
+    # HF's checkpointing reruns the layer forward, then UPipe's backward reruns each stage's attention
+    results["checkpointing_reentrant=True_fused_recompute"] = checkpointing_case(
+        "llama", True, True, world, recompute=True
+    )
     results["peft_lora"] = peft_case(world)
     results["right_padding_mask"] = right_padding_case(world)
     results["autocast_fallback"] = autocast_case(world)
@@ -413,12 +453,13 @@ def reload_case(world):
     return {"logits": relative_error(hf_patches.gather_sequence(logits, group), ref_logits)}
 
 
-def checkpointing_case(arch, fused, reentrant, world):
+def checkpointing_case(arch, fused, reentrant, world, recompute=False):
     group = dist.group.WORLD
     data = make_batch(2, 2, 6 * world)
     model = build_model(arch, torch.float64)
     ref_model = copy.deepcopy(model)
-    hf_patches.apply_upipe(model, group, fused_projections=fused)
+    hf_patches.apply_upipe(model, group, fused_projections=fused, recompute_attention_output=recompute)
+    assert hf_patches.upipe_state(model).recompute_attention_output == recompute
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     return compare(reference_step(ref_model, data), sharded_step(model, data, group), 6 * world)
@@ -508,6 +549,12 @@ def refusal_cases(rank, world):
     expect("unsupported_arch", lambda: hf_patches.apply_upipe(gpt2, group))
     expect("bad_head_chunk", lambda: hf_patches.apply_upipe(build_model("llama"), group, head_chunk_size=3))
     expect("attention_dropout", lambda: hf_patches.apply_upipe(build_model("llama", attention_dropout=0.1), group))
+    expect(
+        "recompute_unfused",
+        lambda: hf_patches.apply_upipe(
+            build_model("llama"), group, fused_projections=False, recompute_attention_output=True
+        ),
+    )
 
     model = hf_patches.apply_upipe(build_model("llama"), group)
     seq = 4
@@ -531,7 +578,11 @@ def refusal_cases(rank, world):
     expect(
         "rank_flags",
         lambda: _patched_per_rank(
-            rank, fused_projections=rank == 0, overlap_comm=rank == 1, accumulate_in_input_dtype=rank == 0
+            rank,
+            fused_projections=rank == 0,
+            overlap_comm=rank == 1,
+            accumulate_in_input_dtype=rank == 0,
+            recompute_attention_output=rank == 0,  # on only where fused: no refusal at apply_upipe
         )(ids, pos),
     )
     # the model still works after the refused calls (no rank left behind in a collective)
@@ -692,7 +743,7 @@ def memory_case(rank, world):
     return {
         # two tracked steps, the least peak: gloo's worker thread may free a collective's buffers late
         (method, part): measure_peak_activation(method, part, repeats=2, **MEMORY_TEST_SHAPES).units
-        for method in ("upipe_fused", "alst")
+        for method in ("upipe_fused", "upipe_fused_recompute", "alst")
         for part in ("attention", "layer")
     }
 
@@ -712,7 +763,7 @@ def ring_groups(ulysses_size: int, ring_size: int):
     return _RING_GROUPS[key]
 
 
-def ring_parity_case(arch, fused, layout, u=None, overlap=False, seq=None, **overrides):
+def ring_parity_case(arch, fused, layout, u=None, overlap=False, seq=None, recompute=False, **overrides):
     """The patched model with a ring on zigzag shards == the unpatched model on the whole sequence."""
     cu, r = layout
     ulysses, ring = ring_groups(cu, r)
@@ -722,10 +773,17 @@ def ring_parity_case(arch, fused, layout, u=None, overlap=False, seq=None, **ove
     model = build_model(arch, torch.float64, **overrides)
     ref_model = copy.deepcopy(model)
     hf_patches.apply_upipe(
-        model, ulysses, head_chunk_size=u, fused_projections=fused, overlap_comm=overlap, ring_group=ring
+        model,
+        ulysses,
+        head_chunk_size=u,
+        fused_projections=fused,
+        overlap_comm=overlap,
+        ring_group=ring,
+        recompute_attention_output=recompute,
     )
     state = hf_patches.upipe_state(model)
     assert (state.fused, state.ring_size, state.group_size) == (fused, r, cu), state
+    assert state.recompute_attention_output == recompute
     before = state.stage_runs[0]
     errors = compare(reference_step(ref_model, data), sharded_step(model, data, world, ring_size=r), seq)
     errors["stage_runs_ok"] = float(
@@ -737,7 +795,7 @@ def ring_parity_case(arch, fused, layout, u=None, overlap=False, seq=None, **ove
 def ring_cases_for(layout):
     """(name, kwargs) of the ring parity cases of one C_u x R layout: Llama (GQA 8/2, and MHA) and Qwen3
     (8/4, q/k norms), fused and unfused, U in {C_u, 2 C_u, H}, overlap on and off, KV < C_u where C_u > 1,
-    and a sequence that needs padding."""
+    a sequence that needs padding, and fused with the attention output recomputed in backward."""
     cu, _ = layout
     cases = [
         (f"{arch} fused={fused}", dict(arch=arch, fused=fused))
@@ -753,6 +811,11 @@ def ring_cases_for(layout):
         # MHA (KV = H) and U = 2 C_u
         ("llama fused MHA U=2C_u", dict(arch="llama", fused=True, u=2 * cu, num_key_value_heads=8)),
         ("qwen3 unfused U=2C_u overlap", dict(arch="qwen3", fused=False, u=2 * cu, overlap=True)),
+        # the attention output recomputed in backward: one more ring pass per stage
+        (
+            "qwen3 fused recompute U=2C_u overlap",
+            dict(arch="qwen3", fused=True, u=2 * cu, overlap=True, recompute=True),
+        ),
     ]
     if cu > 1:
         kv = dict(num_key_value_heads=cu // 2)
@@ -767,8 +830,9 @@ def ring_cases_for(layout):
 
 def ring_cases_compact(layout):
     """A compact case set for large layouts (C_u x R = 4 x 2: 8 processes on few cores): fused and
-    unfused Llama and Qwen3, GQA with KV >= C_u and KV < C_u, U in {C_u, H}, one overlapped case, on
-    the shortest sequence the zigzag split allows (2 tokens per rank)."""
+    unfused Llama and Qwen3, GQA with KV >= C_u and KV < C_u, U in {C_u, H}, one overlapped case, one
+    with the attention output recomputed in backward, on the shortest sequence the zigzag split allows
+    (2 tokens per rank)."""
     cu, r = layout
     seq = 2 * cu * r
     gqa, kv_lt = dict(num_key_value_heads=cu), dict(num_key_value_heads=cu // 2)
@@ -778,6 +842,7 @@ def ring_cases_compact(layout):
         ("qwen3 fused GQA U=H overlap", dict(arch="qwen3", fused=True, u=8, overlap=True, seq=seq, **gqa)),
         ("qwen3 fused KV<C_u", dict(arch="qwen3", fused=True, seq=seq, **kv_lt)),
         ("qwen3 unfused KV<C_u", dict(arch="qwen3", fused=False, seq=seq, **kv_lt)),
+        ("llama fused KV<C_u recompute", dict(arch="llama", fused=True, seq=seq, recompute=True, **kv_lt)),
     ]
 
 

@@ -39,6 +39,7 @@ def test_defaults():
         False,
     )
     assert cfg.accumulate_dtype == "fp32"  # docs/config.md: measured, the more accurate one
+    assert cfg.recompute_attention_output is False
     assert set(ALLOWED) == set(UPipeConfig.model_fields)
     assert parse_upipe_block({"accumulate_dtype": "input"}).accumulate_dtype == "input"
 
@@ -74,6 +75,8 @@ def test_unknown_key_names_key_and_allowed_keys():
         ("ring_size", True),
         ("accumulate_dtype", "bf16"),
         ("accumulate_dtype", None),
+        ("recompute_attention_output", "true"),
+        ("recompute_attention_output", 1),
     ],
 )
 def test_bad_value_names_key_value_and_allowed(key, value):
@@ -183,6 +186,27 @@ def test_ring_stage_memory_is_per_ring_block():
     heads = dict(num_heads=DIMS["num_heads"], num_kv_heads=DIMS["num_kv_heads"], head_dim=DIMS["head_dim"])
     fake = fake_run.core_step(**heads, group_size=4, head_chunk_size=2, seq_len=1024, dtype="fp32", ring_size=2)
     assert ring == fake.activations and half < ring < no_ring, (half, ring, no_ring)
+
+
+def test_recompute_attention_output_needs_fused_upipe():
+    """upipe.recompute_attention_output acts only where fused UPipe owns o_proj's weight gradient."""
+    base = {"sequence_parallel_size": 2, "zero_optimization": {"stage": 3}}
+    assert parse_config(base).upipe.recompute_attention_output is False
+    on = parse_config({**base, "upipe": {"recompute_attention_output": True}}).upipe
+    assert on.recompute_attention_output and on.fused_projections
+    for other, want in (
+        ({"enabled": False}, "upipe.recompute_attention_output: got true with upipe.enabled=false; allowed: false"),
+        (
+            {"fused_projections": False},
+            "upipe.recompute_attention_output: got true with upipe.fused_projections=false; allowed: false",
+        ),
+    ):
+        with pytest.raises(ValueError) as err:
+            parse_config({**base, "upipe": {"recompute_attention_output": True, **other}})
+        msg = str(err.value)
+        assert msg.startswith("invalid ds_config: ") and want in msg, msg
+        off = parse_config({**base, "upipe": {"recompute_attention_output": False, **other}}).upipe
+        assert off.model_dump(include=set(other)) == other  # off, the same settings are fine
 
 
 def test_explicit_head_chunk_size():

@@ -8,7 +8,7 @@ from ds_upipe.tools.ranks import run_ranks
 from tests import hf_cases
 
 F64 = hf_cases.TOLERANCE[hf_cases.torch.float64]
-NUM_PARITY_CASES = 2 * len(hf_cases.ARCH_CONFIGS) + 7
+NUM_PARITY_CASES = 2 * len(hf_cases.ARCH_CONFIGS) + 9
 
 REFUSALS = {  # case -> words its message must contain (the offending value and the rule)
     "mistral_sliding_window": ["sliding_window=16", "sliding-window", "config.sliding_window = None"],
@@ -16,6 +16,8 @@ REFUSALS = {  # case -> words its message must contain (the offending value and 
     "unsupported_arch": ["GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3Model"],
     "bad_head_chunk": ["head_chunk_size=3", "Valid values"],
     "attention_dropout": ["attention_dropout=0.1", "must be 0.0"],
+    "recompute_unfused": ["recompute_attention_output=True needs fused_projections=True"]
+    + ["set fused_projections=True or recompute_attention_output=False"],
     "double_patch": ["already patched"],
     "no_position_ids": ["position_ids are required", "[0, 1]"],
     "left_padding": ["left padding", "right padding"],
@@ -25,13 +27,13 @@ REFUSALS = {  # case -> words its message must contain (the offending value and 
     + ["without sequence parallelism", "attn_implementation='sdpa'"],
     "rank_head_chunk": ["UPipe settings differ", "head_chunk_size (U) per rank [2, 4]"],
     "rank_flags": ["fused projections per rank [True, False]", "overlap_comm per rank [False, True]"]
-    + ["accumulate_in_input_dtype per rank [True, False]"],
+    + ["accumulate_in_input_dtype per rank [True, False]", "recompute_attention_output per rank [True, False]"],
     "generate_use_cache": ["Qwen2ForCausalLM.generate()", "is not supported under UPipe sequence parallelism"],
     "uneven_shards": ["[5, 4]", "equal"],
 }
 
 
-NUM_PACKED_CASES = {2: 6, 4: 4}  # Qwen3 at C=2 only
+NUM_PACKED_CASES = {2: 7, 4: 5}  # Qwen3 at C=2 only
 
 
 def _check_packed(results, world):

@@ -172,6 +172,9 @@ def test_cli_plan_with_a_config_breakdown_and_json(tmp_path, capsys):
     assert set(data["max_context"]) == {"upipe U=4"} and len(data["predictions"]) == 2
     assert main(["plan", "--model", "no-such-model"]) == 2
     assert "not a preset" in capsys.readouterr().err
+    # refused before any fake run: only fused UPipe can recompute the attention output
+    assert main(["plan", "--model", "qwen3-32b", "--unfused", "--recompute-attention-output"]) == 2
+    assert "--recompute-attention-output needs fused projections (drop --unfused" in capsys.readouterr().err
 
 
 def test_fake_run_at_paper_scale_is_the_plan_less_the_analytic_terms():

@@ -180,13 +180,14 @@ def test_parity_4x2(world8):
 
 def test_hf_parity_4x2(world8):
     """Patched HF models at C_u x R = 4 x 2 (the world8 spawn): fused and unfused Llama and Qwen3, GQA and
-    KV < C_u, U in {C_u, H}, overlap: logits, loss and all gradients equal the single-process model."""
+    KV < C_u, U in {C_u, H}, overlap, recompute_attention_output: logits, loss and all gradients equal the
+    single-process model."""
     from tests import hf_cases
 
     layout = (4, 2)
     for rank, res in enumerate(world8):
         cases = res["hf"][layout]
-        assert len(cases) == len(hf_cases.ring_cases_compact(layout)) == 5
+        assert len(cases) == len(hf_cases.ring_cases_compact(layout)) == 6
         for case, errors in cases.items():
             assert max(errors.values()) <= 1e-10, f"rank {rank} C_u x R = {layout} {case}: {errors}"
 
