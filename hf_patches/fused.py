@@ -4,7 +4,9 @@ The full local Q, K, V of a layer never exist: a stage computes its U query head
 round's first stage, its KV heads) from x = the attention input and the matching weight rows,
 applies the bias (Qwen2), the per-head RMSNorm (Qwen3) and RoPE to that chunk, and hands it to
 the core stage loop (``ds_upipe.pipeline``); o_proj runs once on the assembled output.  The node
-saves only x, the attention output (which o_proj needs anyway) and the per-stage lse.  Backward
+saves only x, the attention output (which o_proj needs anyway) and the per-stage lse; with
+``recompute_output`` only x, and backward recomputes each stage's output (one more kernel forward per
+stage), taking o_proj's weight gradient stage by stage (``pipeline.RecomputedOutput``).  Backward
 recomputes each stage's chunk from x and differentiates it back to x and to the weight rows, and
 computes each stage's output gradient from the block's output gradient and that stage's o_proj
 columns, so neither the full output gradient nor the full local Q, K, V is materialized.  Weight
