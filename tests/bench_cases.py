@@ -8,17 +8,19 @@ import torch
 CALIBRATION_SHAPE = {"heads": 8, "kv_heads": 2, "head_dim": 32, "hidden": 256, "intermediate": 512}
 CALIBRATION_WORLD = 2
 
-#: (kind, U, fused, global sequence length, dtype, tiled MLP, overlap_comm): the peaks land in the MLP,
+#: (kind, U, fused, global sequence length, dtype, tiled MLP, overlap_comm, recompute_attention_output):
+#: the peaks land in the MLP,
 #: the RMSNorm backward and the attention stage loop, for ALST and UPipe fused/unfused at U = C and
 #: U = H, synchronous and overlapped.
 CALIBRATION_POINTS = [
-    ("alst", None, None, 1024, "float32", True, False),
-    ("upipe", 2, True, 1024, "float32", True, False),
-    ("upipe", 8, True, 2048, "float32", True, True),
-    ("upipe", 4, False, 2048, "float32", True, True),
-    ("upipe", 4, False, 1024, "float32", False, False),
-    ("alst", None, None, 1024, "bfloat16", True, False),
-    ("upipe", 8, True, 1024, "bfloat16", True, False),
+    ("alst", None, None, 1024, "float32", True, False, False),
+    ("upipe", 2, True, 1024, "float32", True, False, False),
+    ("upipe", 8, True, 2048, "float32", True, True, False),
+    ("upipe", 4, False, 2048, "float32", True, True, False),
+    ("upipe", 4, False, 1024, "float32", False, False, False),
+    ("alst", None, None, 1024, "bfloat16", True, False, False),
+    ("upipe", 8, True, 1024, "bfloat16", True, False, False),
+    ("upipe", 2, True, 1024, "bfloat16", True, False, True),  # recompute_attention_output
 ]
 
 
@@ -37,7 +39,7 @@ def calibration_layer(world: int, point: tuple) -> tuple:
     """(layer, rotary embedding, BenchSpec) of one calibration point, built by the bench on the CPU."""
     from ds_upipe.tools.bench import BenchSpec, Method, build_layer
 
-    kind, u, fused, seq, dtype, tiled, overlap = point
+    kind, u, fused, seq, dtype, tiled, overlap, recompute = point
     spec = BenchSpec(
         world=world,
         seq_lens=[seq],
@@ -48,7 +50,8 @@ def calibration_layer(world: int, point: tuple) -> tuple:
         repeats=0,
         **CALIBRATION_SHAPE,
     )
-    layer, rotary = build_layer(Method(kind, kind, u, fused), spec, torch.device("cpu"))
+    method = Method(kind, kind, u, fused, recompute_attention_output=recompute)
+    layer, rotary = build_layer(method, spec, torch.device("cpu"))
     return layer, rotary, spec
 
 
@@ -97,8 +100,8 @@ def calibration_group(rank: int, world: int, points: list[tuple], whole_step_arg
     return {"whole_step": steps, "layers": layers, "replay": replay}
 
 
-#: a checkpointed layer's replay in backward (kind, U, fused, sequence, dtype, tiled MLP, overlap)
-REPLAY_POINT = ("upipe", 2, True, 1024, "float32", True, False)
+#: a checkpointed layer's replay in backward (kind, U, fused, sequence, dtype, tiled MLP, overlap, recompute)
+REPLAY_POINT = ("upipe", 2, True, 1024, "float32", True, False, False)
 
 
 def measure_replay_peak(rank: int, world: int, point: tuple) -> int:

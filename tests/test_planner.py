@@ -230,8 +230,8 @@ def test_layer_plan_matches_memtracker_on_cpu(calibration):
     measured = [r["layers"] for r in calibration]
     dims = calibration_dims()
     report = []
-    for i, (kind, u, fused, seq, dtype, tiled, overlap) in enumerate(points):
-        method = planner.measured_scheme(kind, u, fused, overlap)
+    for i, (kind, u, fused, seq, dtype, tiled, overlap, recompute) in enumerate(points):
+        method = planner.measured_scheme(kind, u, fused, overlap, recompute)
         # the measured layer runs plain forward + backward (no replay)
         setup = planner.measured_layer_setup(bench_cases.CALIBRATION_WORLD, dtype, tiled)
         peak = planner.layer_peak(dims, setup, method, seq)
@@ -269,10 +269,10 @@ def test_checkpoint_replay_plan_matches_memtracker_on_cpu(calibration):
     """With checkpointing the planner runs the layer as the checkpoint's replay (output stand-in, x and
     dy alive): against the same replay measured with MemTracker (UPipe fused, U = C, tiled MLP), within
     5%, and below the plain layer's peak by about the layer output it no longer holds."""
-    kind, u, fused, seq, dtype, tiled, overlap = bench_cases.REPLAY_POINT
+    kind, u, fused, seq, dtype, tiled, overlap, recompute = bench_cases.REPLAY_POINT
     dims = calibration_dims()
     setup = planner.measured_layer_setup(bench_cases.CALIBRATION_WORLD, dtype, tiled, checkpointing=True)
-    method = planner.measured_scheme(kind, u, fused, overlap)
+    method = planner.measured_scheme(kind, u, fused, overlap, recompute)
     peak = planner.layer_peak(dims, setup, method, seq)
     plain = planner.layer_peak(dims, replace(setup, checkpointing=False), method, seq)
     worst = max(r["replay"] for r in calibration)

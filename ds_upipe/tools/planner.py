@@ -291,12 +291,18 @@ PLANNER_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def measured_scheme(
-    kind: str, head_chunk_size: int | None = None, fused: bool = True, overlap_comm: bool = False
+    kind: str,
+    head_chunk_size: int | None = None,
+    fused: bool = True,
+    overlap_comm: bool = False,
+    recompute_attention_output: bool = False,
 ) -> AttentionScheme:
     """The scheme of a measured method: the bench's ``"alst"`` is the planner's ``"ulysses"``."""
     if kind == "alst":
         return AttentionScheme("ulysses")
-    return AttentionScheme("upipe", head_chunk_size, fused, overlap_comm)
+    return AttentionScheme(
+        "upipe", head_chunk_size, fused, overlap_comm, recompute_attention_output=recompute_attention_output
+    )
 
 
 def measured_layer_setup(gpus: int, dtype: str, tiled_mlp: bool, checkpointing: bool = False) -> TrainSetup:
