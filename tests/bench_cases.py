@@ -9,9 +9,8 @@ CALIBRATION_SHAPE = {"heads": 8, "kv_heads": 2, "head_dim": 32, "hidden": 256, "
 CALIBRATION_WORLD = 2
 
 #: (kind, U, fused, global sequence length, dtype, tiled MLP, overlap_comm, recompute_attention_output):
-#: the peaks land in the MLP,
-#: the RMSNorm backward and the attention stage loop, for ALST and UPipe fused/unfused at U = C and
-#: U = H, synchronous and overlapped.
+#: the peaks land in the MLP, the RMSNorm backward and the attention stage loop, for ALST and UPipe
+#: fused/unfused at U = C and U = H, synchronous and overlapped, and fused with the output recomputed.
 CALIBRATION_POINTS = [
     ("alst", None, None, 1024, "float32", True, False, False),
     ("upipe", 2, True, 1024, "float32", True, False, False),
