@@ -58,7 +58,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=parse_token_list, default=None, help="global lengths (default 128K,256K,512K,1M)")
-    p.add_argument("--methods", default="alst,upipe-fused-8,upipe-fused-16,upipe-unfused-8")
+    p.add_argument("--methods", default="alst,upipe-fused-8,upipe-recompute-8,upipe-fused-16,upipe-unfused-8")
     p.add_argument("--repeats", type=int, default=1, help="timed steps after one warm-up step (0: memory only)")
     p.add_argument("--budget-s", type=float, default=240.0, help="start no new length after this many seconds")
     p.add_argument("--only", choices=("kernels", "layer"), default=None, help="run one of the two parts")
@@ -194,9 +194,10 @@ def _method(name: str):
     if name == "alst":
         return Method("alst", "alst")
     kind, mode, u = name.split("-")
-    if kind != "upipe" or mode not in ("fused", "unfused"):
-        raise ValueError(f"method {name!r}: use alst or upipe-fused-U / upipe-unfused-U")
-    return Method(name, "upipe", int(u), mode == "fused")
+    if kind != "upipe" or mode not in ("fused", "recompute", "unfused"):
+        raise ValueError(f"method {name!r}: use alst or upipe-fused-U / upipe-recompute-U / upipe-unfused-U")
+    # recompute: fused with recompute_attention_output
+    return Method(name, "upipe", int(u), mode != "unfused", recompute_attention_output=mode == "recompute")
 
 
 def _init_fake_group(device: str) -> None:
@@ -249,7 +250,10 @@ def run_layer_checks(args: argparse.Namespace, device_name: str) -> tuple[list[b
     # the planner's fake-tensor runs need a process without a process group: before the fake group below
     predicted = {
         (m.name, seq): planner.layer_peak(
-            dims, setup, planner.measured_scheme(m.kind, m.head_chunk_size, m.fused), seq
+            dims,
+            setup,
+            planner.measured_scheme(m.kind, m.head_chunk_size, m.fused, False, m.recompute_attention_output),
+            seq,
         ).total
         for m in methods
         for seq in seqs
