@@ -109,6 +109,22 @@ def compare(ref, got, seq: int) -> dict[str, float]:
     return errors
 
 
+def patch_model(model, group, u, fused, overlap, recompute, **kwargs):
+    """apply_upipe with the cases' settings; returns the model's UPipeState (the recompute flag checked)."""
+    hf_patches.apply_upipe(
+        model,
+        group,
+        head_chunk_size=u,
+        fused_projections=fused,
+        overlap_comm=overlap,
+        recompute_attention_output=recompute,
+        **kwargs,
+    )
+    state = hf_patches.upipe_state(model)
+    assert state.recompute_attention_output == recompute
+    return state
+
+
 def parity_case(
     arch,
     fused,
@@ -128,17 +144,8 @@ def parity_case(
     data = make_batch(seed, batch, seq)
     model = build_model(arch, dtype, seed=seed, base=base_model, **overrides)
     ref_model = copy.deepcopy(model)
-    hf_patches.apply_upipe(
-        model,
-        group,
-        head_chunk_size=u,
-        fused_projections=fused,
-        overlap_comm=overlap,
-        recompute_attention_output=recompute,
-    )
-    state = hf_patches.upipe_state(model)
+    state = patch_model(model, group, u, fused, overlap, recompute)
     assert state.fused == fused and state.overlap_comm == overlap, (state.fused, state.fallback_reason)
-    assert state.recompute_attention_output == recompute
     if base_model:
         return _base_model_case(model, ref_model, data, group, seq)
     before = state.stage_runs[0]
@@ -200,16 +207,7 @@ def packed_case(arch, fused, u, overlap, world, rows=1, seq=None, seed=0, recomp
     batch, cus = packed_batch(seed, seq, world, rows)
     model = build_model(arch, torch.float64, seed=seed)
     ref_model = copy.deepcopy(model)
-    hf_patches.apply_upipe(
-        model,
-        group,
-        head_chunk_size=u,
-        fused_projections=fused,
-        overlap_comm=overlap,
-        recompute_attention_output=recompute,
-    )
-    state = hf_patches.upipe_state(model)
-    assert state.recompute_attention_output == recompute
+    state = patch_model(model, group, u, fused, overlap, recompute)
     errors = compare(per_document_reference(ref_model, batch, cus), sharded_step(model, batch, group), seq)
     want = tuple(tuple(cu) for cu in cus)
     padded = -seq % world
@@ -772,18 +770,8 @@ def ring_parity_case(arch, fused, layout, u=None, overlap=False, seq=None, recom
     data = make_batch(30 + cu, 2, seq)
     model = build_model(arch, torch.float64, **overrides)
     ref_model = copy.deepcopy(model)
-    hf_patches.apply_upipe(
-        model,
-        ulysses,
-        head_chunk_size=u,
-        fused_projections=fused,
-        overlap_comm=overlap,
-        ring_group=ring,
-        recompute_attention_output=recompute,
-    )
-    state = hf_patches.upipe_state(model)
+    state = patch_model(model, ulysses, u, fused, overlap, recompute, ring_group=ring)
     assert (state.fused, state.ring_size, state.group_size) == (fused, r, cu), state
-    assert state.recompute_attention_output == recompute
     before = state.stage_runs[0]
     errors = compare(reference_step(ref_model, data), sharded_step(model, data, world, ring_size=r), seq)
     errors["stage_runs_ok"] = float(
