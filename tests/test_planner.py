@@ -146,6 +146,23 @@ def test_input_dtype_accumulation_is_planned_by_running_it():
     assert fp32.total - bf16.total >= dx_saving, (fp32.total, bf16.total)
 
 
+def test_recomputed_attention_output_is_planned_by_running_it():
+    """upipe.recompute_attention_output reaches the fake run: the fused block's saved attention output
+    (b x S/C x H x d, one bf16 hidden state for Llama3-8B) is gone from the layer's backward peak, and the
+    which-U report plans the methods it is given (the CLI's, flags applied)."""
+    setup = planner.TrainSetup()
+    seq = 2**20
+    saved, recomputed = (
+        planner.layer_peak(LLAMA, setup, planner.AttentionScheme("upipe", 8, recompute_attention_output=on), seq)
+        for on in (False, True)
+    )
+    hidden_state = seq // 8 * LLAMA.hidden_size * 2
+    assert saved.total - recomputed.total >= 0.9 * hidden_state, (saved.total, recomputed.total)
+    methods = [planner.AttentionScheme("ulysses"), planner.AttentionScheme("upipe", 8, recompute_attention_output=True)]
+    report = planner.which_head_chunk_report(LLAMA, setup, seq, methods)
+    assert "upipe+recompute U=8" in report and "ulysses (ALST)" in report, report
+
+
 def test_cli_plan_with_a_config_breakdown_and_json(tmp_path, capsys):
     model = tmp_path / "config.json"
     model.write_text(

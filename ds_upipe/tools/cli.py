@@ -218,7 +218,7 @@ def _plan(args: argparse.Namespace) -> int:
     print(planner.plan_table(dims, setup, seq_lens, methods))
     if args.tokens is not None and args.config is None:
         print()
-        print(planner.which_head_chunk_report(dims, setup, args.tokens, not args.unfused, args.overlap_comm))
+        print(planner.which_head_chunk_report(dims, setup, args.tokens, methods))
     if args.breakdown:
         for method in methods:
             at = args.tokens or planner.max_context(dims, setup, method)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -626,11 +626,12 @@ def which_head_chunk(
 
 
 def which_head_chunk_report(
-    dims: ModelDims, setup: TrainSetup, seq_len: int, fused: bool = True, overlap_comm: bool = False
+    dims: ModelDims, setup: TrainSetup, seq_len: int, methods: Sequence[AttentionScheme] | None = None
 ) -> str:
-    """Answer "which U do I need for N tokens": every method at N, then the recommendation (the
-    largest U that fits: fewest stages, closest to Ulysses' speed)."""
-    methods = methods_for(dims, setup.gpus, fused, overlap_comm, setup.ring_size)
+    """Answer "which U do I need for N tokens": every method at N (``methods``, as the plan table runs
+    them; default ``methods_for``), then the recommendation (the largest U that fits: fewest stages,
+    closest to Ulysses' speed)."""
+    methods = list(methods) if methods is not None else methods_for(dims, setup.gpus, ring_size=setup.ring_size)
     preds = [predict(dims, setup, m, seq_len) for m in methods]
     ring = f" (Ulysses {setup.ulysses_size} x ring {setup.ring_size})" if setup.ring_size > 1 else ""
     lines = [f"at {fmt_tokens(seq_len)} tokens on {setup.gpus} x {setup.gpu_memory_gib:g} GiB{ring}:"]
