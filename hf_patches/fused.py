@@ -38,6 +38,63 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(input_dtype)
 
 
+#: about 256 MiB per float32 copy of a q/k-norm token tile (as hf_patches.long_context.NORM_TILE_BYTES)
+QK_NORM_TILE_BYTES = 1 << 28
+
+
+def qk_norm_tile_tokens(chunk: Tensor) -> int:
+    """Tokens per tile of the per-head q/k RMSNorm of a [b, s, n, d] chunk.  The norm upcasts to float32
+    and its backward keeps several float32 copies: over a stage's whole local chunk they set the peak of
+    Qwen3's fused layer at long contexts (``ds-upipe plan --breakdown``), over a tile they do not.  The norm
+    is per token, so tiling the tokens changes nothing but the norm weight gradient's summation order."""
+    b, _, n, d = chunk.shape
+    return max(1, QK_NORM_TILE_BYTES // (4 * b * n * d))
+
+
+def rms_norm_tiled(x: Tensor, weight: Tensor, eps: float, tile_tokens: int) -> Tensor:
+    """``rms_norm`` of a [b, s, n, d] chunk without autograd, ``tile_tokens`` tokens (dim 1) at a time."""
+    s = x.shape[1]
+    if tile_tokens >= s:
+        return rms_norm(x, weight, eps)
+    out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+    for start in range(0, s, tile_tokens):
+        n = min(tile_tokens, s - start)
+        out.narrow(1, start, n).copy_(rms_norm(x.narrow(1, start, n), weight, eps))
+    return out
+
+
+def rms_norm_backward(
+    pre_norm: Tensor, weight: Tensor, eps: float, grad: Tensor, need_weight: bool, tile_tokens: int
+) -> tuple[Tensor, Tensor | None]:
+    """(d pre_norm, d weight or None) of ``rms_norm`` given the output gradient, by autograd over
+    ``tile_tokens`` tokens (dim 1) at a time: transformers' own norm math per tile, so its float32
+    temporaries are a tile's, not the chunk's.  The weight gradient is returned as the tiles' sum in
+    float32 (float64 for float64), for the caller's accumulator to round once."""
+    s = pre_norm.shape[1]
+    weight_leaf = weight.detach().requires_grad_(need_weight)
+    grad_input: Tensor | None = None
+    grad_weight: Tensor | None = None
+    for start in range(0, s, tile_tokens):
+        n = min(tile_tokens, s - start)
+        leaf = pre_norm.narrow(1, start, n).detach().requires_grad_(True)
+        with torch.enable_grad():
+            normed = rms_norm(leaf, weight_leaf, eps)
+        inputs = (leaf, weight_leaf) if need_weight else (leaf,)
+        grads = torch.autograd.grad(normed, inputs, grad.narrow(1, start, n).to(normed.dtype))
+        if n == s:  # one tile: the result as it is
+            grad_input = grads[0]
+        else:
+            if grad_input is None:
+                grad_input = torch.empty(pre_norm.shape, dtype=grads[0].dtype, device=pre_norm.device)
+            grad_input.narrow(1, start, n).copy_(grads[0])
+        if need_weight:
+            tile_sum = grads[1].to(torch.promote_types(grads[1].dtype, torch.float32))
+            grad_weight = tile_sum if grad_weight is None else grad_weight.add_(tile_sum)
+        del leaf, normed, grads
+    assert grad_input is not None  # s >= 1: at least one tile
+    return grad_input, grad_weight
+
+
 @dataclass
 class FusedProjections:
     """References to one attention module's projection modules.
@@ -214,7 +271,7 @@ class FusedProjectionSource:
                 pending.clear()  # a new round: the previous one's gradients are all in
             pending.append([y if norm is not None else None, heads, 0])
         if norm is not None:
-            y = rms_norm(y, self.weights[norm_idx], norm.variance_epsilon)
+            y = rms_norm_tiled(y, self.weights[norm_idx], norm.variance_epsilon, qk_norm_tile_tokens(y))
         return apply_rope(y, self.cos, self.sin)
 
     # -- StageSource -------------------------------------------------------------------------
@@ -282,15 +339,18 @@ class FusedProjectionSource:
         grad = rope_backward(grad, self.cos, self.sin)
         if pre_norm is None:
             return grad
-        norm_weight = self.weights[norm_idx].detach().requires_grad_(self.need_p[norm_idx])
-        leaf = pre_norm.detach().requires_grad_(True)
-        with torch.enable_grad():
-            normed = rms_norm(leaf, norm_weight, self._norm(norm_idx).variance_epsilon)
-        inputs = (leaf, norm_weight) if norm_weight.requires_grad else (leaf,)
-        grads = torch.autograd.grad(normed, inputs, grad.to(normed.dtype))
-        if len(grads) > 1:
-            self._accumulate(norm_idx, None, grads[1])
-        return grads[0]
+        grad_input, grad_weight = rms_norm_backward(
+            pre_norm,
+            self.weights[norm_idx],
+            self._norm(norm_idx).variance_epsilon,
+            grad,
+            self.need_p[norm_idx],
+            qk_norm_tile_tokens(pre_norm),
+        )
+        del grad
+        if grad_weight is not None:
+            self._accumulate(norm_idx, None, grad_weight)
+        return grad_input
 
     def _linear_backward(self, grad: Tensor, rows: Tensor, w_idx: int) -> None:
         g = grad.reshape(-1, rows.numel()).to(self.x.dtype)

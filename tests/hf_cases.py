@@ -359,6 +359,23 @@ def rope_cases(rank, world):
     return failures, count
 
 
+def qk_norm_tiles_case(world):
+    """Fused Qwen3 with its per-head q/k RMSNorm run over token tiles of 5 tokens (tests' shards are
+    otherwise one tile): forward and backward (KV < C, with and without the recompute) still equal the
+    single-process model."""
+    import hf_patches.fused as fused
+
+    tile_bytes, fused.QK_NORM_TILE_BYTES = fused.QK_NORM_TILE_BYTES, 0
+    try:
+        # 0 bytes: one token per tile; then a few tokens per tile (shards of 6 and 7 tokens: a short last tile)
+        one = parity_case("qwen3", True, torch.float64, world=world, num_key_value_heads=1)
+        fused.QK_NORM_TILE_BYTES = 5 * 4 * 2 * 2 * 16  # 5 tokens of batch 2, 2 heads, head_dim 16 in float32
+        few = parity_case("qwen3", True, torch.float64, seq=7 * world, world=world, recompute=True)
+    finally:
+        fused.QK_NORM_TILE_BYTES = tile_bytes
+    return {f"one_token_{k}": v for k, v in one.items()} | {f"five_tokens_{k}": v for k, v in few.items()}
+
+
 def misc_cases(rank, world):
     """Padding, base models, save/reload, gradient checkpointing (no DeepSpeed), PEFT fallback."""
     results = {}
@@ -376,6 +393,7 @@ def misc_cases(rank, world):
     results["checkpointing_reentrant=True_fused_recompute"] = checkpointing_case(
         "llama", True, True, world, recompute=True
     )
+    results["qwen3_fused_qk_norm_tiles"] = qk_norm_tiles_case(world)
     results["peft_lora"] = peft_case(world)
     results["right_padding_mask"] = right_padding_case(world)
     results["autocast_fallback"] = autocast_case(world)
