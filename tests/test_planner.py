@@ -133,34 +133,36 @@ def test_ring_layouts_are_planned_by_running_the_ring(capsys):
     assert "--seq [1000]: every length must be a positive multiple of 16 (--ring-size 2)" in capsys.readouterr().err
 
 
-def test_input_dtype_accumulation_is_planned_by_running_it():
-    """upipe.accumulate_dtype="input" reaches the fake run: the fused path's float32 dx accumulator
-    (b x S/C x hidden x 4 bytes) becomes bf16 (x 2), and the layer's peak drops by at least that."""
+@pytest.mark.parametrize(
+    "option, share",
+    [
+        # upipe.accumulate_dtype="input": the fused path's float32 dx accumulator (b x S/C x hidden x 4
+        # bytes) becomes bf16 (x 2): the peak drops by at least one bf16 hidden state
+        ("accumulate_in_input_dtype", 1.0),
+        # upipe.recompute_attention_output: the fused block's saved attention output (b x S/C x H x d, one
+        # bf16 hidden state for Llama3-8B) is gone from the layer's backward peak (o_proj's gradient buffer
+        # lives through the stages instead)
+        ("recompute_attention_output", 0.9),
+    ],
+)
+def test_memory_options_are_planned_by_running_them(option, share):
+    """Each UPipe memory option reaches the fake run and takes (about) one hidden state off the layer peak."""
     setup = planner.TrainSetup()
     seq = 2**20
-    fp32, bf16 = (
-        planner.layer_peak(LLAMA, setup, planner.AttentionScheme("upipe", 8, accumulate_in_input_dtype=on), seq)
-        for on in (False, True)
-    )
-    dx_saving = seq // 8 * LLAMA.hidden_size * 2
-    assert fp32.total - bf16.total >= dx_saving, (fp32.total, bf16.total)
-
-
-def test_recomputed_attention_output_is_planned_by_running_it():
-    """upipe.recompute_attention_output reaches the fake run: the fused block's saved attention output
-    (b x S/C x H x d, one bf16 hidden state for Llama3-8B) is gone from the layer's backward peak, and the
-    which-U report plans the methods it is given (the CLI's, flags applied)."""
-    setup = planner.TrainSetup()
-    seq = 2**20
-    saved, recomputed = (
-        planner.layer_peak(LLAMA, setup, planner.AttentionScheme("upipe", 8, recompute_attention_output=on), seq)
-        for on in (False, True)
+    off, on = (
+        planner.layer_peak(LLAMA, setup, planner.AttentionScheme("upipe", 8, **{option: flag}), seq)
+        for flag in (False, True)
     )
     hidden_state = seq // 8 * LLAMA.hidden_size * 2
-    assert saved.total - recomputed.total >= 0.9 * hidden_state, (saved.total, recomputed.total)
+    assert off.total - on.total >= share * hidden_state, (off.total, on.total)
+
+
+def test_which_head_chunk_report_plans_the_given_methods():
+    """``plan --tokens`` reports the methods the CLI built (its flags applied), not a rebuilt default set."""
     methods = [planner.AttentionScheme("ulysses"), planner.AttentionScheme("upipe", 8, recompute_attention_output=True)]
-    report = planner.which_head_chunk_report(LLAMA, setup, seq, methods)
+    report = planner.which_head_chunk_report(LLAMA, planner.TrainSetup(), 2**20, methods)
     assert "upipe+recompute U=8" in report and "ulysses (ALST)" in report, report
+    assert "upipe U=16" not in report, report
 
 
 def test_cli_plan_with_a_config_breakdown_and_json(tmp_path, capsys):
