@@ -2,54 +2,77 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 #: the small decoder layer of the calibration points: C=2, H=8, KV=2 (GQA 4:1), d=32, hidden 256
 CALIBRATION_SHAPE = {"heads": 8, "kv_heads": 2, "head_dim": 32, "hidden": 256, "intermediate": 512}
 CALIBRATION_WORLD = 2
 
-#: (kind, U, fused, global sequence length, dtype, tiled MLP, overlap_comm, recompute_attention_output):
+
+@dataclass(frozen=True)
+class CalibrationPoint:
+    """One decoder layer measured with MemTracker on CPU gloo ranks and planned by the fake run."""
+
+    kind: str  # "alst" or "upipe"
+    head_chunk_size: int | None
+    fused: bool | None
+    seq: int  # global tokens
+    dtype: str
+    tiled_mlp: bool
+    overlap_comm: bool = False
+    recompute_attention_output: bool = False
+    arch: str = "llama"  # "qwen3": the fused path's per-head q/k RMSNorms
+
+
 #: the peaks land in the MLP, the RMSNorm backward and the attention stage loop, for ALST and UPipe
-#: fused/unfused at U = C and U = H, synchronous and overlapped, and fused with the output recomputed.
+#: fused/unfused at U = C and U = H, synchronous and overlapped, fused with the output recomputed, and
+#: Qwen3 (q/k norms) fused and under ALST.
 CALIBRATION_POINTS = [
-    ("alst", None, None, 1024, "float32", True, False, False),
-    ("upipe", 2, True, 1024, "float32", True, False, False),
-    ("upipe", 8, True, 2048, "float32", True, True, False),
-    ("upipe", 4, False, 2048, "float32", True, True, False),
-    ("upipe", 4, False, 1024, "float32", False, False, False),
-    ("alst", None, None, 1024, "bfloat16", True, False, False),
-    ("upipe", 8, True, 1024, "bfloat16", True, False, False),
-    ("upipe", 2, True, 1024, "bfloat16", True, False, True),  # recompute_attention_output
+    CalibrationPoint("alst", None, None, 1024, "float32", True),
+    CalibrationPoint("upipe", 2, True, 1024, "float32", True),
+    CalibrationPoint("upipe", 8, True, 2048, "float32", True, overlap_comm=True),
+    CalibrationPoint("upipe", 4, False, 2048, "float32", True, overlap_comm=True),
+    CalibrationPoint("upipe", 4, False, 1024, "float32", False),
+    CalibrationPoint("alst", None, None, 1024, "bfloat16", True),
+    CalibrationPoint("upipe", 8, True, 1024, "bfloat16", True),
+    CalibrationPoint("upipe", 2, True, 1024, "bfloat16", True, recompute_attention_output=True),
+    CalibrationPoint("upipe", 2, True, 1024, "bfloat16", True, recompute_attention_output=True, arch="qwen3"),
+    CalibrationPoint("alst", None, None, 1024, "bfloat16", True, arch="qwen3"),
 ]
 
 
-def measure_layer_peaks(rank: int, world: int, points: list[tuple]) -> list[int]:
+def measure_layer_peaks(rank: int, world: int, points: list[CalibrationPoint]) -> list[int]:
     """Per-rank peak bytes of one decoder layer forward+backward (MemTracker), one per point."""
     from ds_upipe.tools.bench import layer_case
 
     peaks = []
     for point in points:
         layer, rotary, spec = calibration_layer(world, point)
-        peaks.append(layer_case(layer, rotary, spec, point[3], rank, torch.device("cpu"))["peak"])
+        peaks.append(layer_case(layer, rotary, spec, point.seq, rank, torch.device("cpu"))["peak"])
     return peaks
 
 
-def calibration_layer(world: int, point: tuple) -> tuple:
+def calibration_layer(world: int, point: CalibrationPoint) -> tuple:
     """(layer, rotary embedding, BenchSpec) of one calibration point, built by the bench on the CPU."""
     from ds_upipe.tools.bench import BenchSpec, Method, build_layer
 
-    kind, u, fused, seq, dtype, tiled, overlap, recompute = point
     spec = BenchSpec(
         world=world,
-        seq_lens=[seq],
+        seq_lens=[point.seq],
         levels=("layer",),
-        dtype=dtype,
-        tiled_mlp=tiled,
-        overlap_comm=overlap,
+        dtype=point.dtype,
+        tiled_mlp=point.tiled_mlp,
+        overlap_comm=point.overlap_comm,
         repeats=0,
+        arch=point.arch,
         **CALIBRATION_SHAPE,
     )
-    method = Method(kind, kind, u, fused, recompute_attention_output=recompute)
+    kind = point.kind
+    method = Method(
+        kind, kind, point.head_chunk_size, point.fused, recompute_attention_output=point.recompute_attention_output
+    )
     layer, rotary = build_layer(method, spec, torch.device("cpu"))
     return layer, rotary, spec
 
@@ -99,11 +122,11 @@ def calibration_group(rank: int, world: int, points: list[tuple], whole_step_arg
     return {"whole_step": steps, "layers": layers, "replay": replay}
 
 
-#: a checkpointed layer's replay in backward (kind, U, fused, sequence, dtype, tiled MLP, overlap, recompute)
-REPLAY_POINT = ("upipe", 2, True, 1024, "float32", True, False, False)
+#: a checkpointed layer's replay in backward
+REPLAY_POINT = CalibrationPoint("upipe", 2, True, 1024, "float32", True)
 
 
-def measure_replay_peak(rank: int, world: int, point: tuple) -> int:
+def measure_replay_peak(rank: int, world: int, point: CalibrationPoint) -> int:
     """Per-rank peak bytes of what the checkpoint's backward runs for one layer: the replay through
     ``integration.checkpointing.without_recomputed_outputs`` (its output a stand-in) and the backward
     from dy, with x and dy alive throughout (DeepSpeed's CheckpointFunction.backward holds them)."""
@@ -112,7 +135,7 @@ def measure_replay_peak(rank: int, world: int, point: tuple) -> int:
     from ds_upipe.integration.checkpointing import without_recomputed_outputs
     from ds_upipe.tools.memory import measure_peak
 
-    seq, dtype = point[3], point[4]
+    seq, dtype = point.seq, point.dtype
     layer, rotary, spec = calibration_layer(world, point)
     s, t = seq // world, getattr(torch, dtype)
     gen = torch.Generator().manual_seed(rank)

@@ -227,8 +227,8 @@ def calibration():
     )
 
 
-def calibration_dims() -> planner.ModelDims:
-    """The planner's dims of bench_cases' calibration model (one layer, vocabulary 128)."""
+def calibration_dims(arch: str = "llama") -> planner.ModelDims:
+    """The planner's dims of bench_cases' calibration model (one layer, vocabulary 128; Qwen3: q/k norms)."""
     shape = bench_cases.CALIBRATION_SHAPE
     return planner.ModelDims(
         "calibration",
@@ -239,6 +239,15 @@ def calibration_dims() -> planner.ModelDims:
         shape["intermediate"],
         1,
         128,
+        qk_norm=arch == "qwen3",
+        model_type=arch,
+    )
+
+
+def measured_scheme(point: bench_cases.CalibrationPoint) -> planner.AttentionScheme:
+    """The planner's scheme of a calibration point."""
+    return planner.measured_scheme(
+        point.kind, point.head_chunk_size, point.fused, point.overlap_comm, point.recompute_attention_output
     )
 
 
@@ -247,16 +256,15 @@ def test_layer_plan_matches_memtracker_on_cpu(calibration):
     gloo ranks (ALST and UPipe fused/unfused, fp32 and bf16, tiled MLP or not): within 5%."""
     points = bench_cases.CALIBRATION_POINTS
     measured = [r["layers"] for r in calibration]
-    dims = calibration_dims()
     report = []
-    for i, (kind, u, fused, seq, dtype, tiled, overlap, recompute) in enumerate(points):
-        method = planner.measured_scheme(kind, u, fused, overlap, recompute)
+    for i, point in enumerate(points):
+        method = measured_scheme(point)
         # the measured layer runs plain forward + backward (no replay)
-        setup = planner.measured_layer_setup(bench_cases.CALIBRATION_WORLD, dtype, tiled)
-        peak = planner.layer_peak(dims, setup, method, seq)
+        setup = planner.measured_layer_setup(bench_cases.CALIBRATION_WORLD, point.dtype, point.tiled_mlp)
+        peak = planner.layer_peak(calibration_dims(point.arch), setup, method, point.seq)
         worst = max(rank_peaks[i] for rank_peaks in measured)
-        report.append((method.label, seq, dtype, worst, peak.total, peak.total / worst - 1, peak.at))
-    bad = [r for r in report if abs(r[5]) > 0.05]
+        report.append((point.arch, method.label, point.seq, point.dtype, worst, peak.total, peak.total / worst - 1))
+    bad = [r for r in report if abs(r[-1]) > 0.05]
     assert not bad, "\n".join(map(str, report))
 
 
@@ -288,12 +296,14 @@ def test_checkpoint_replay_plan_matches_memtracker_on_cpu(calibration):
     """With checkpointing the planner runs the layer as the checkpoint's replay (output stand-in, x and
     dy alive): against the same replay measured with MemTracker (UPipe fused, U = C, tiled MLP), within
     5%, and below the plain layer's peak by about the layer output it no longer holds."""
-    kind, u, fused, seq, dtype, tiled, overlap, recompute = bench_cases.REPLAY_POINT
-    dims = calibration_dims()
-    setup = planner.measured_layer_setup(bench_cases.CALIBRATION_WORLD, dtype, tiled, checkpointing=True)
-    method = planner.measured_scheme(kind, u, fused, overlap, recompute)
-    peak = planner.layer_peak(dims, setup, method, seq)
-    plain = planner.layer_peak(dims, replace(setup, checkpointing=False), method, seq)
+    point = bench_cases.REPLAY_POINT
+    dims = calibration_dims(point.arch)
+    setup = planner.measured_layer_setup(
+        bench_cases.CALIBRATION_WORLD, point.dtype, point.tiled_mlp, checkpointing=True
+    )
+    method = measured_scheme(point)
+    peak = planner.layer_peak(dims, setup, method, point.seq)
+    plain = planner.layer_peak(dims, replace(setup, checkpointing=False), method, point.seq)
     worst = max(r["replay"] for r in calibration)
     assert abs(peak.total / worst - 1) <= 0.05, (worst, peak.total, peak.at)
     assert peak.total < plain.total

@@ -82,6 +82,8 @@ class BenchSpec:
     documents: int = 1
     #: layer level: also run fused UPipe with ``recompute_attention_output`` (rows upipe-fused-recompute[U=u])
     recompute_attention_output: bool = False
+    #: layer level: the decoder's architecture, "llama" or "qwen3" (per-head q/k RMSNorms)
+    arch: str = "llama"
 
     def __post_init__(self) -> None:
         from ..schedule import valid_head_chunk_sizes
@@ -98,6 +100,8 @@ class BenchSpec:
                 f"documents={self.documents} with ring_size={self.ring_size}: packed rows are not supported with a "
                 "ring (docs/core.md); bench them with ring_size 1"
             )
+        if self.arch not in ("llama", "qwen3"):
+            raise ValueError(f"arch={self.arch!r}: choose 'llama' or 'qwen3'")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(DTYPES)}")
         bad = [lvl for lvl in self.levels if lvl not in LEVELS]
@@ -387,11 +391,12 @@ def _tiled_mlp_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return TiledMLP.apply(mlp_forward, mlp, x, shards, params)
 
 
-def llama_config(spec: BenchSpec, layers: int = 1) -> Any:
-    """The tiny Llama config of the layer level (no download)."""
+def layer_config(spec: BenchSpec, layers: int = 1) -> Any:
+    """The tiny config of the layer level (``spec.arch``, no download)."""
     from .models import tiny_config
 
     return tiny_config(
+        spec.arch,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_attention_heads=spec.heads,
@@ -403,12 +408,12 @@ def llama_config(spec: BenchSpec, layers: int = 1) -> Any:
 
 
 def build_layer(method: Method, spec: BenchSpec, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(decoder layer, rotary embedding) of a one-layer Llama patched for ``method`` (same weights for
-    every method: same seed)."""
-    from transformers import LlamaForCausalLM
+    """(decoder layer, rotary embedding) of a one-layer model (``spec.arch``) patched for ``method``
+    (same weights for every method: same seed)."""
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(llama_config(spec)).to(device=device, dtype=DTYPES[spec.dtype])
+    model = AutoModelForCausalLM.from_config(layer_config(spec)).to(device=device, dtype=DTYPES[spec.dtype])
     if method.kind == "alst":
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tiled-mlp", action="store_true", help="layer level: DeepSpeed's TiledMLP")
     bench.add_argument("--overlap-comm", action="store_true", help="UPipe prefetches the next stage's all-to-alls")
     bench.add_argument(
+        "--arch", choices=("llama", "qwen3"), default="llama", help="layer level: the decoder (qwen3: q/k norms)"
+    )
+    bench.add_argument(
         "--recompute-attention-output",
         action="store_true",
         help="layer level: also fused UPipe with upipe.recompute_attention_output (upipe-fused-recompute rows)",
@@ -254,6 +257,7 @@ def _bench(args: argparse.Namespace) -> int:
         tiled_mlp=args.tiled_mlp,
         overlap_comm=args.overlap_comm,
         recompute_attention_output=args.recompute_attention_output,
+        arch=args.arch,
         batch=args.batch,
         documents=args.documents,
         dtype=dtype,
