@@ -30,41 +30,9 @@ from torch import Tensor
 
 from . import kernels
 from .kernels import AttentionKernel, CallableKernel, KernelAux, TorchSDPAKernel
+from .layout import SequenceLayout, sequence_layout  # also imported from here by callers
 
-# -- the two-level layout -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SequenceLayout:
-    """``ulysses_size`` (C_u) x ``ring_size`` (R) ranks of one sequence-parallel group."""
-
-    ulysses_size: int
-    ring_size: int
-
-    @property
-    def sp_size(self) -> int:
-        return self.ulysses_size * self.ring_size
-
-    def sp_rank(self, ring_index: int, ulysses_index: int) -> int:
-        return ring_index * self.ulysses_size + ulysses_index
-
-    def coordinates(self, sp_rank: int) -> tuple[int, int]:
-        """(ring_index, ulysses_index) of a sequence-parallel rank."""
-        return divmod(sp_rank, self.ulysses_size)
-
-
-def sequence_layout(sequence_parallel_size: int, ring_size: int) -> SequenceLayout:
-    """C_u = sequence_parallel_size / ring_size; ValueError naming both unless R divides the SP size."""
-    for name, value in (("sequence_parallel_size", sequence_parallel_size), ("ring_size", ring_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if sequence_parallel_size % ring_size:
-        raise ValueError(
-            f"ring_size={ring_size} does not divide sequence_parallel_size={sequence_parallel_size}: the "
-            "sequence-parallel group is Ulysses degree x ring size, so choose a ring_size that divides it "
-            f"({[r for r in range(1, sequence_parallel_size + 1) if sequence_parallel_size % r == 0]})"
-        )
-    return SequenceLayout(sequence_parallel_size // ring_size, ring_size)
+# -- the two-level layout (``ds_upipe.layout``; re-exported here) ---------------------------------------
 
 
 def sequence_group_ranks(
@@ -111,7 +79,7 @@ def zigzag_positions(seq_len: int, layout: SequenceLayout, sp_rank: int) -> Tens
     r, cu = layout.ring_size, layout.ulysses_size
     chunks = 2 * r if r > 1 else 1
     if seq_len % chunks or (seq_len // r) % cu:
-        multiple = r * math.lcm(2, cu) if r > 1 else cu
+        multiple = layout.sequence_multiple
         raise ValueError(
             f"sequence length {seq_len} cannot be sharded over Ulysses degree {cu} x ring size {r}: each ring "
             f"rank's block (S / {r} tokens) is split into two zigzag chunks and over {cu} Ulysses ranks; pad "

@@ -12,7 +12,6 @@ the group; or would compute a different function on each rank (causal, softmax_s
 
 from __future__ import annotations
 
-import math
 import struct
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .layout import SequenceLayout
 from .schedule import resolve_head_chunk_size
 
 #: every torch dtype in a fixed order, so a dtype travels as its index (same torch on every rank)
@@ -287,7 +287,7 @@ def check_ring_block(shard_len: int, ulysses_size: int, ring_size: int) -> None:
     into two equal chunks: ValueError unless that block is even."""
     block = shard_len * ulysses_size
     if block % 2:
-        multiple = ring_size * math.lcm(2, ulysses_size)
+        multiple = SequenceLayout(ulysses_size, ring_size).sequence_multiple
         raise ValueError(
             f"sequence shard length {shard_len} with Ulysses degree {ulysses_size} gives ring blocks of {block} "
             f"tokens: zigzag ring attention (ring_size={ring_size}) splits each ring block into two equal chunks, "

@@ -18,7 +18,6 @@ of R x lcm(2, C_u), and ``shift_labels`` are shifted in sequence order before sh
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -41,14 +40,6 @@ def _layout(group: dist.ProcessGroup | None, ring_size: int) -> tuple[int, Seque
     """(this rank's sequence-parallel rank, the C_u x R layout of ``group``)."""
     rank, size = _group_info(group)
     return rank, sequence_layout(size, ring_size)
-
-
-def sequence_multiple(layout: SequenceLayout) -> int:
-    """What a sequence length must be a multiple of: C without a ring; with one, R x lcm(2, C_u)
-    (2R equal zigzag chunks, each ring block split evenly over its C_u Ulysses ranks)."""
-    if layout.ring_size == 1:
-        return layout.ulysses_size
-    return layout.ring_size * math.lcm(2, layout.ulysses_size)
 
 
 def _sequence_tensors(batch: dict[str, Any], seq: int) -> list[str]:
@@ -111,7 +102,7 @@ def shard_batch(
     """
     rank, layout = _layout(group, ring_size)
     out = _with_shift_labels(dict(batch))
-    out = pad_batch(out, sequence_multiple(layout), pad_token_id=pad_token_id)
+    out = pad_batch(out, layout.sequence_multiple, pad_token_id=pad_token_id)
     seq = out["input_ids"].shape[1]
     positions = zigzag_positions(seq, layout, rank).to(out["input_ids"].device)
     for key in _sequence_tensors(out, seq):
@@ -170,7 +161,7 @@ class _CheckedLoader:
     ) -> None:
         self.loader, self.group, self.device, self.pad_token_id = loader, group, torch.device(device), pad_token_id
         self.layout = layout
-        self.multiple = sequence_multiple(layout)
+        self.multiple = layout.sequence_multiple
         #: its batches come in zigzag order already (an adapter around it must not reorder them again)
         self.zigzag_ordered = layout.ring_size > 1
 
@@ -321,7 +312,7 @@ class _ZigzagOrdered:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        multiple = sequence_multiple(self.layout)
+        multiple = self.layout.sequence_multiple
         for batch in self.loader:
             yield _in_zigzag_order(pad_batch(dict(batch), multiple, pad_token_id=self.pad_token_id), self.layout)
 

@@ -145,7 +145,7 @@ def _loaded_by_import(module: str) -> set[str]:
     return {name for name in rows if name and not name.startswith("imported package")}
 
 
-@pytest.mark.parametrize("module", ["ds_upipe.schedule", "ds_upipe.heads"])
+@pytest.mark.parametrize("module", ["ds_upipe.schedule", "ds_upipe.heads", "ds_upipe.layout"])
 def test_core_import_is_light(module):
     loaded = _loaded_by_import(module)
     assert module in loaded  # the output was parsed

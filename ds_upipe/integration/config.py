@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, model_validator
 
+from ..layout import SequenceLayout
 from ..schedule import (
     check_head_counts,
     resolve_head_chunk_size,
@@ -310,7 +310,7 @@ def attention_stage_bytes(
     # with a ring the real RingAttentionKernel runs too, over a fake ring group (rank 0 of C_u x R): a stage
     # attends over its ring block, with the K/V block in flight and the travelling dK/dV counted as allocated
     sp_size = group_size * ring_size
-    multiple = sp_size if ring_size == 1 else ring_size * math.lcm(2, group_size)
+    multiple = SequenceLayout(group_size, ring_size).sequence_multiple
     seq = max(multiple, seq_length - seq_length % multiple)
     peak = fake_run.isolated(
         "core_step",

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import math
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -398,7 +397,7 @@ class StepSpec:
         if self.seq_len < self.group_size or self.seq_len % self.group_size:
             raise ValueError(f"seq_len={self.seq_len} is not a positive multiple of the group size {self.group_size}")
         if self.ring_size != 1:
-            from ..ring import sequence_layout
+            from ..layout import sequence_layout
 
             if self.attention != "upipe":
                 raise ValueError(
@@ -406,7 +405,7 @@ class StepSpec:
                     "(head_chunk_size = num_heads is Ulysses x Ring)"
                 )
             layout = sequence_layout(self.group_size, self.ring_size)
-            multiple = self.ring_size * math.lcm(2, layout.ulysses_size)  # two zigzag chunks per ring rank
+            multiple = layout.sequence_multiple  # two zigzag chunks per ring rank
             if self.seq_len % multiple:
                 raise ValueError(
                     f"seq_len={self.seq_len}: with Ulysses degree {layout.ulysses_size} x ring size "

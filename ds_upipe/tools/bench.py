@@ -109,10 +109,10 @@ class BenchSpec:
             raise ValueError(f"levels={list(self.levels)}: choose from {list(LEVELS)}")
         if not self.seq_lens:
             raise ValueError("seq_lens is empty: give at least one sequence length")
-        from ..ring import sequence_layout
+        from ..layout import sequence_layout
 
         layout = sequence_layout(self.world, self.ring_size)  # ValueError unless ring_size divides world
-        multiple = self.world if self.ring_size == 1 else self.ring_size * math.lcm(2, layout.ulysses_size)
+        multiple = layout.sequence_multiple
         for seq in self.seq_lens:
             if seq < self.world or seq % multiple != 0:
                 what = f"the group size {self.world}" if self.ring_size == 1 else f"{multiple} (zigzag ring shards)"

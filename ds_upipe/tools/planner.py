@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ..heads import HeadLayout
+from ..layout import SequenceLayout
 from ..schedule import valid_head_chunk_sizes
 
 GiB = 2**30
@@ -278,7 +279,7 @@ class TrainSetup:
     def seq_multiple(self) -> int:
         """Sequence lengths must be multiples of this: the GPUs, and with a ring two zigzag chunks per ring
         rank, each split over the Ulysses ranks (``ds_upipe.ring.zigzag_positions``)."""
-        return self.gpus if self.ring_size == 1 else self.ring_size * math.lcm(2, self.ulysses_size)
+        return SequenceLayout(self.ulysses_size, self.ring_size).sequence_multiple
 
     @property
     def stack_label(self) -> str:
