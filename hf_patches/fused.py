@@ -27,6 +27,8 @@ from torch import Tensor, nn
 from ds_upipe.pipeline import PipelineContext, RecomputedOutput, pipeline_backward, pipeline_forward
 from ds_upipe.schedule import StagePlan
 
+from .tiling import NORM_TILE_BYTES
+
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -38,8 +40,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(input_dtype)
 
 
-#: about 256 MiB per float32 copy of a q/k-norm token tile (as hf_patches.long_context.NORM_TILE_BYTES)
-QK_NORM_TILE_BYTES = 1 << 28
+#: bytes per float32 copy of a q/k-norm token tile (the norm tiles' default; a module attribute, so a test
+#: can make the tiles small)
+QK_NORM_TILE_BYTES = NORM_TILE_BYTES
 
 
 def qk_norm_tile_tokens(chunk: Tensor) -> int:
@@ -405,7 +408,6 @@ class FusedUPipeAttention(torch.autograd.Function):
             y = F.linear(out.flatten(2), params[_WO], params[_BO])
         fctx.pctx, fctx.proj = pctx, proj
         if pctx.recompute_output:  # backward recomputes the stages' outputs (pipeline.RecomputedOutput)
-            fctx.out_shape = out.shape
             del out, lses
             fctx.save_for_backward(x, cos, sin)
         else:
@@ -429,7 +431,7 @@ class FusedUPipeAttention(torch.autograd.Function):
         dy = grad_y.reshape(-1, grad_y.shape[-1])
         w_o = fctx.proj.o_proj.weight
         recompute = fctx.pctx.recompute_output
-        b, s, num_heads, d = fctx.out_shape if recompute else saved[0].shape
+        (b, s, _), num_heads, d = x.shape, fctx.pctx.plan.num_heads, fctx.proj.head_dim  # the output's shape
 
         def grad_out(heads: Tensor) -> Tensor:
             """This stage's slice of d(attention output) = dy @ Wo[:, columns of the heads]."""

@@ -149,7 +149,7 @@ def _settings(state: UPipeState) -> dict[str, int]:
         # upipe.accumulate_dtype: with 16-bit inputs it decides whether dK/dV go back per stage or per round
         "accumulate_in_input_dtype": int(state.accumulate_in_input_dtype),
         # backward runs one more kernel forward per stage (with a ring: one more ring pass)
-        "recompute_attention_output": int(state.fused and state.recompute_attention_output),
+        "recompute_attention_output": int(state.recomputes_attention_output),
     }
 
 

@@ -31,10 +31,8 @@ from torch import nn
 from .data import IGNORE_INDEX
 from .loss import LOSS_TILE_BYTES, tiled_causal_lm_loss, tiled_sequence_parallel_loss
 from .patch import _find_architecture, _unwrap
-from .tiling import _forward_function, tiled_mlp, tiled_norm
+from .tiling import NORM_TILE_BYTES, _forward_function, tiled_mlp, tiled_norm
 
-#: default tokens per norm tile: about 256 MiB per float32 hidden-state-sized copy
-NORM_TILE_BYTES = 1 << 28
 ForwardLoss = Literal["local", "sequence_parallel"]
 _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 

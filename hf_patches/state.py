@@ -63,6 +63,12 @@ class UPipeState:
         return clone
 
     @property
+    def recomputes_attention_output(self) -> bool:
+        """Whether backward recomputes the attention output: asked for, and the model runs fused (unfused,
+        the model's o_proj keeps the output anyway)."""
+        return self.fused and self.recompute_attention_output
+
+    @property
     def head_chunk_size(self) -> int:
         return self.plan.head_chunk_size
 
@@ -91,5 +97,5 @@ class UPipeState:
             stage_counter=self.stage_runs,
             overlap_comm=self.overlap_comm,
             accumulate_in_input_dtype=self.accumulate_in_input_dtype,
-            recompute_output=self.fused and self.recompute_attention_output,
+            recompute_output=self.recomputes_attention_output,
         )

@@ -42,6 +42,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+#: default norm tile: about 256 MiB per float32 copy of the tile (the layer norms of the long-context
+#: stack, and fused Qwen3's per-head q/k norms)
+NORM_TILE_BYTES = 1 << 28
+
 
 def tiles_for(tokens: int, tile_tokens: int) -> int:
     """Number of tiles of at most ``tile_tokens`` tokens for ``tokens`` tokens (at least 1)."""
