@@ -19,10 +19,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _rank_main(rank: int, world: int, shape: dict[str, Any], repeats: int) -> list[dict[str, Any]]:
+def _rank_main(rank: int, world: int, shape: dict[str, Any], repeats: int) -> list[Any]:
     from ds_upipe.tools.hf_memory import measure_memory_table
 
-    return [row.as_dict() for row in measure_memory_table(repeats=repeats, **shape)]
+    return measure_memory_table(repeats=repeats, **shape)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="JSON output")
     args = parser.parse_args(argv)
 
-    from ds_upipe.tools.hf_memory import MemoryMeasurement, format_memory_table
+    from ds_upipe.tools.hf_memory import format_memory_table
     from ds_upipe.tools.ranks import run_ranks
 
     shape = dict(
@@ -44,19 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     per_rank = run_ranks(_rank_main, args.world, shape, args.repeats, use_deepspeed=True)
     # the ranks are symmetric; report the worst rank per case
-    worst = [max(rows, key=lambda r: r["peak_total"]) for rows in zip(*per_rank)]
-    print(
-        format_memory_table(
-            [MemoryMeasurement(**{k: r[k] for k in MemoryMeasurement.__dataclass_fields__}) for r in worst]
-        )
-    )
+    worst = [max(rows, key=lambda r: r.peak_total) for rows in zip(*per_rank)]
+    print(format_memory_table(worst))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         payload = {
             "command": "python benchmarks/block_memory.py " + " ".join(argv or sys.argv[1:]),
             "world": args.world,
         }
-        payload.update(shape=shape, rows=worst)
+        payload.update(shape=shape, rows=[r.as_dict() for r in worst])
         args.out.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0

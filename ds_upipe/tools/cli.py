@@ -170,7 +170,6 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
         setup, scheme, _ = planner.from_ds_config(load_config(args.config), base)
         methods = [scheme]
     else:
-        setup = base
         setup = replace(base, ring_size=args.ring_size or 1)
         methods = planner.methods_for(dims, setup.gpus, not args.unfused, args.overlap_comm, setup.ring_size)
     changes = {
