@@ -135,15 +135,15 @@ def main() -> None:
         with_kwargs=True,
     )
 
-    # with --packing: how many documents UPipe attended per row (its state, set from the global position_ids)
+    # with --packing: how many documents UPipe attended per row (its report of the last attention call)
     documents_per_row: set[int] = set()
 
     def count_documents(module, args, kwargs, output) -> None:  # noqa: ANN001
         from hf_patches import upipe_state
 
         state = upipe_state(model)
-        if state is not None and state.documents is not None:
-            documents_per_row.update(len(row) - 1 for row in state.documents.rows)
+        if state is not None and state.last_documents_per_row is not None:
+            documents_per_row.update(state.last_documents_per_row)
 
     model.model.register_forward_hook(count_documents, with_kwargs=True)
 

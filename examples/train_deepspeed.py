@@ -315,8 +315,8 @@ def train(opts: argparse.Namespace) -> dict[str, Any]:
         upipe_ring_size=state.ring_size if state is not None else 1,
         # packed rows: documents per row UPipe attended in the last forward (None: one per row, or no UPipe)
         upipe_documents=None
-        if state is None or state.documents is None
-        else [len(r) - 1 for r in state.documents.rows],
+        if state is None or state.last_documents_per_row is None
+        else list(state.last_documents_per_row),
         long_context=long_context_record(model),
         checkpointing=engine.upipe_checkpointing,
         init_s=init_s,

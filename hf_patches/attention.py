@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from ds_upipe.pipeline import UPipeAttentionFunction
 
 from .fused import FusedProjections, FusedUPipeAttention
-from .state import UPipeState
+from .state import DOCUMENTS_KWARG, UPipeState
 
 ATTN_IMPLEMENTATION = "upipe"
 logger = logging.getLogger("hf_patches")
@@ -76,7 +76,8 @@ def fused_attention_forward(
         raise ValueError(f"{type(self).__name__}: position_embeddings (cos, sin) are required")
     cos, sin = position_embeddings
     proj = FusedProjections.of(self)
-    out = FusedUPipeAttention.apply(hidden_states, cos, sin, state.context(hidden_states.device), proj, *proj.params())
+    ctx = state.context(hidden_states.device, kwargs.get(DOCUMENTS_KWARG))
+    out = FusedUPipeAttention.apply(hidden_states, cos, sin, ctx, proj, *proj.params())
     return out, None
 
 
@@ -104,7 +105,7 @@ def upipe_attention_function(
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else query.dtype
     # [b, h, s, d] -> [b, s, h, d] views: the layout UPipeAttentionFunction takes (batch_dim_idx=0)
     q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))
-    out = UPipeAttentionFunction.apply(q, k, v, state.context(q.device))
+    out = UPipeAttentionFunction.apply(q, k, v, state.context(q.device, kwargs.get(DOCUMENTS_KWARG)))
     return out, None
 
 

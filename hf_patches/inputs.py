@@ -13,8 +13,9 @@ attention_mask None or a 2-D right-padding mask (ones, then zeros: with causal a
 never see the padding, so their outputs are exact; the padding's outputs are unspecified and must
 carry ignored labels).  Packed sequences: where the global positions are not consecutive (a
 restart), a new document begins (transformers' ``find_packed_sequence_indices`` rule), and every
-attention layer of the forward attends within documents only (``UPipeState.documents``,
-``ds_upipe.packing``); not with a ring group.  Anything else (left padding, 4-D masks, a KV cache)
+attention layer of the forward attends within documents only (the boundaries travel with the
+forward's keyword arguments, ``hf_patches.state.DOCUMENTS_KWARG``; ``ds_upipe.packing``); not with
+a ring group.  Anything else (left padding, 4-D masks, a KV cache)
 is refused.
 """
 
@@ -32,7 +33,7 @@ from ds_upipe.packing import DocumentBoundaries, documents_from_positions
 from ds_upipe.ring import zigzag_unshard
 
 from .rope import set_last_position
-from .state import UPipeState
+from .state import DOCUMENTS_KWARG, UPipeState
 
 _MASK_NONE, _MASK_2D, _MASK_OTHER = 0, 1, 2
 logger = logging.getLogger("hf_patches")
@@ -124,15 +125,16 @@ def check_and_prepare(model: nn.Module, args: tuple, kwargs: dict, state: UPipeS
     keep = torch.ones((batch, seq), dtype=torch.long, device=device) if mask is None else (mask != 0).long()
     full = global_sequence(torch.stack([pos, keep.to(device)]), state)  # [2, b, S] in sequence order
     _check_positions_and_mask(full[0], full[1], state.ring_size)
-    state.documents = documents_from_positions(full[0], full[1])
-    if state.documents is not None:
-        _warn_if_local_positions(state.documents, seq, state.layout.sp_size)
+    documents = documents_from_positions(full[0], full[1])
+    if documents is not None:
+        _warn_if_local_positions(documents, seq, state.layout.sp_size)
     set_last_position(model, full[0].max())  # RoPE scaling decided by the whole sequence, as unsharded
 
     for key in _FLASH_PACKING_KWARGS:
         call.pop(key, None)
     call["attention_mask"] = None  # honoured: right padding needs no mask under causal attention
     call["use_cache"] = False
+    call[DOCUMENTS_KWARG] = documents  # this forward's, to its attention modules (and their replays)
     return (), call
 
 

@@ -15,6 +15,13 @@ from ds_upipe.pipeline import PipelineContext, plan_indices
 from ds_upipe.ring import RingAttentionKernel, SequenceLayout
 from ds_upipe.schedule import StagePlan
 
+#: The keyword argument that carries one forward's packed-sequence boundaries (``DocumentBoundaries``,
+#: or None) from the model-level input check to every attention module of that forward.  It travels
+#: with the forward as transformers threads its own ``cu_seq_lens_*`` kwargs (base model -> decoder
+#: layers -> attention), so a checkpointed layer's replay in backward gets the boundaries of the
+#: forward it replays, whatever forwards ran in between (never read back from shared state).
+DOCUMENTS_KWARG = "upipe_documents"
+
 
 @dataclass
 class UPipeState:
@@ -47,9 +54,9 @@ class UPipeState:
     #: fused mode: keep no attention output from forward to backward; backward recomputes each stage's
     #: attention forward (``apply_upipe(recompute_attention_output=...)``; settable after apply_upipe)
     recompute_attention_output: bool = False
-    #: packed sequences: the document boundaries of the current forward's global sequence, set by the
-    #: model-level input check from the global position_ids (None: one document per row)
-    documents: DocumentBoundaries | None = None
+    #: documents per batch row of the last attention call (None: one per row): a report for examples
+    #: and tests only; the computation takes each call's boundaries from its forward (DOCUMENTS_KWARG)
+    last_documents_per_row: tuple[int, ...] | None = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> UPipeState:
         """A copy of a patched model (reference model, EMA) joins the same sequence-parallel group:
@@ -76,24 +83,27 @@ class UPipeState:
     def layout(self) -> SequenceLayout:
         return SequenceLayout(self.group_size, self.ring_size)
 
-    def attention(self) -> AttentionKernel:
+    def attention(self, documents: DocumentBoundaries | None = None) -> AttentionKernel:
         """What each stage runs: the kernel, or ring attention around it over the ring group (a new one
         per call, so it follows ``overlap_comm`` as set now; forward and backward share the call's).
-        With packed sequences, the kernel runs per document (``DocumentKernel``: one flash-attn varlen
-        call per stage around ``flash_attn``, one call per document otherwise; the input check refuses
-        packing with a ring)."""
-        if self.documents is not None:
-            return DocumentKernel(self.kernel, self.documents)
+        With packed sequences (``documents``: this forward's boundaries, ``DOCUMENTS_KWARG``), the kernel
+        runs per document (``DocumentKernel``: one flash-attn varlen call per stage around
+        ``flash_attn``, one call per document otherwise; the input check refuses packing with a ring)."""
+        if documents is not None:
+            return DocumentKernel(self.kernel, documents)
         if self.ring_size == 1:
             return self.kernel
         return RingAttentionKernel(self.kernel, self.ring_group, overlap=self.overlap_comm)
 
-    def context(self, device: torch.device) -> PipelineContext:
+    def context(self, device: torch.device, documents: DocumentBoundaries | None = None) -> PipelineContext:
+        """One attention call's pipeline context; ``documents`` are that call's packed-sequence
+        boundaries (the autograd node keeps the context, so its backward sees the same ones)."""
+        self.last_documents_per_row = None if documents is None else tuple(len(r) - 1 for r in documents.rows)
         return PipelineContext(
             plan=self.plan,
             indices=plan_indices(self.plan, device),
             group=self.group,
-            attention=self.attention(),
+            attention=self.attention(documents),
             stage_counter=self.stage_runs,
             overlap_comm=self.overlap_comm,
             accumulate_in_input_dtype=self.accumulate_in_input_dtype,

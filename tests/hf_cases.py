@@ -208,12 +208,17 @@ def packed_case(arch, fused, u, overlap, world, rows=1, seq=None, seed=0, recomp
     model = build_model(arch, torch.float64, seed=seed)
     ref_model = copy.deepcopy(model)
     state = patch_model(model, group, u, fused, overlap, recompute)
+    seen = []  # the boundaries the first attention module is handed with its forward's kwargs
+    model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs.get(hf_patches.state.DOCUMENTS_KWARG)), with_kwargs=True
+    )
     errors = compare(per_document_reference(ref_model, batch, cus), sharded_step(model, batch, group), seq)
     want = tuple(tuple(cu) for cu in cus)
     padded = -seq % world
     if padded:  # the right padding joins the last document
         want = tuple((*cu[:-1], seq + padded) for cu in want)
-    errors["documents_ok"] = float(state.documents is None or state.documents.rows != want)
+    errors["documents_ok"] = float(len(seen) != 1 or seen[0] is None or seen[0].rows != want)
+    errors["documents_report_ok"] = float(state.last_documents_per_row != tuple(len(cu) - 1 for cu in cus))
     return errors
 
 
@@ -393,6 +398,15 @@ def misc_cases(rank, world):
     results["checkpointing_reentrant=True_fused_recompute"] = checkpointing_case(
         "llama", True, True, world, recompute=True
     )
+    # per-forward data (packed boundaries) with the forward: other forwards between forward and backward
+    for arch, fused, kind in (
+        ("llama", True, "reentrant"),
+        ("llama", False, "non_reentrant"),
+        ("qwen3", True, "deepspeed"),
+    ):
+        results[f"interleaved_forwards_{arch}_fused={fused}_{kind}"] = interleaved_forwards_case(
+            arch, fused, kind, world
+        )
     results["qwen3_fused_qk_norm_tiles"] = qk_norm_tiles_case(world)
     results["peft_lora"] = peft_case(world)
     results["right_padding_mask"] = right_padding_case(world)
@@ -479,6 +493,63 @@ def checkpointing_case(arch, fused, reentrant, world, recompute=False):
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     return compare(reference_step(ref_model, data), sharded_step(model, data, group), 6 * world)
+
+
+def _checkpointing(model, kind: str) -> None:
+    """HF gradient checkpointing, reentrant or not, or DeepSpeed's reentrant checkpoint with the
+    replayed output released, as ds_upipe installs it for a ds_config's activation checkpointing."""
+    model.train()
+    if kind == "deepspeed":
+        from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+
+        from ds_upipe.integration.checkpointing import releasing
+
+        model._set_gradient_checkpointing(
+            enable=True, gradient_checkpointing_func=releasing(ds_checkpointing.checkpoint)
+        )
+        model.enable_input_require_grads()
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": kind == "reentrant"})
+
+
+def _sharded_loss(model, batch, group):
+    shard = hf_patches.shard_batch(batch, group)
+    out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+    return hf_patches.sequence_parallel_loss(out.logits, shard["shift_labels"], group, grad_reduction="sum")
+
+
+#: (arch, fused, checkpointing) of the interleaved-forwards cases
+INTERLEAVED_CASES = (("llama", True, "reentrant"), ("llama", False, "non_reentrant"), ("qwen3", True, "deepspeed"))
+
+
+def interleaved_forwards_case(arch, fused, checkpointing, world):
+    """Per-forward data travels with the forward: a checkpointed forward on packed rows A, a training
+    forward on other packed rows B of another length, an eval forward on unpacked rows, then A's
+    backward and B's backward: each equals its own float64 per-document reference (the replay of A's
+    layers in backward must attend within A's documents, not the last forward's)."""
+    group = dist.group.WORLD
+    batch_a, cus_a = packed_batch(0, 6 * world, world)
+    batch_b, cus_b = packed_batch(5, 8 * world, world)
+    model = build_model(arch, torch.float64)
+    ref_model = copy.deepcopy(model)
+    refs = [per_document_reference(ref_model, b, c)[1:] for b, c in ((batch_a, cus_a), (batch_b, cus_b))]
+    hf_patches.apply_upipe(model, group, fused_projections=fused)
+    _checkpointing(model, checkpointing)
+    model.zero_grad(set_to_none=True)
+    losses = [_sharded_loss(model, b, group) for b in (batch_a, batch_b)]
+    model.eval()
+    with torch.no_grad():
+        shard = hf_patches.shard_batch(make_batch(3, 2, 4 * world), group)
+        model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+    model.train()
+    errors = {}
+    for name, loss, (ref_loss, ref_grads) in zip("ab", losses, refs):
+        loss.backward()
+        grads = summed_grads(model, group)
+        model.zero_grad(set_to_none=True)
+        errors[f"loss_{name}"] = relative_error(loss.detach(), ref_loss)
+        errors[f"grads_{name}"] = max(relative_error(grads[n], ref_grads[n]) for n in ref_grads)
+    return errors
 
 
 def peft_case(world):

@@ -372,6 +372,7 @@ def _upipe_core_attention(
 ) -> Callable[..., Any]:
     """The function registered under ``core``: what ALST's ``uattn_wrapper`` is to ALST, with UPipe."""
     from hf_patches.attention import upipe_attention_function
+    from hf_patches.state import DOCUMENTS_KWARG
 
     def attention(
         module: torch.nn.Module,
@@ -386,11 +387,13 @@ def _upipe_core_attention(
             # ALST's bypass: the core function on the local (full) sequence, without the 4-D mask
             # ALST drops (flex_attention's BlockMask is kept)
             return core_function(module, query, key, value, _alst_mask(core, attention_mask), *args, **kwargs)
-        _check_global_positions(module, kwargs.get("position_ids"), state)
+        documents = _check_global_positions(module, kwargs.get("position_ids"), state)
         if getattr(module, "_upipe_state", None) is None:
             module._upipe_state = state  # upipe_attention_function reads the plan, group and kernel here
         # HF built the mask for the local shard; UPipe's kernel is causal over the gathered sequence
-        return upipe_attention_function(module, query, key, value, None, *args, **kwargs)
+        return upipe_attention_function(
+            module, query, key, value, None, *args, **{**kwargs, DOCUMENTS_KWARG: documents}
+        )
 
     return attention
 
@@ -404,10 +407,11 @@ def _alst_mask(core: str, attention_mask: Any) -> Any:
     return None
 
 
-def _check_global_positions(module: torch.nn.Module, position_ids: torch.Tensor | None, state: Any) -> None:
+def _check_global_positions(module: torch.nn.Module, position_ids: torch.Tensor | None, state: Any) -> Any:
     """UPipe's kernel needs the global sequence's positions: gather them (as ALST does in every
-    attention call), refuse shuffled ones under a ring, and set the packed documents (positions that
-    restart, ``ds_upipe.packing``) for this call; the same data gives the same result on every rank."""
+    attention call), refuse shuffled ones under a ring, and return this call's packed documents
+    (positions that restart, ``ds_upipe.packing``; None without); the same data gives the same result
+    on every rank.  A checkpoint replay recomputes them from the position_ids it replays with."""
     if position_ids is None:
         raise ValueError(
             f"{type(module).__name__}: position_ids are required under sequence parallelism: pass the global "
@@ -423,7 +427,7 @@ def _check_global_positions(module: torch.nn.Module, position_ids: torch.Tensor 
             f"{type(module).__name__}: position_ids are not consecutive over the whole sequence (in the ring's zigzag "
             "order); packed sequences (positions that restart) are not supported with a ring group"
         )
-    state.documents = documents_from_positions(full)
+    return documents_from_positions(full)
 
 
 def _sequence_parallel_in_training_only(model: torch.nn.Module, core: str) -> None:
