@@ -197,10 +197,21 @@ def loader_error(dataset: list[dict[str, Any]], config_changes: dict[str, Any]) 
         engine.destroy()
 
 
+#: name -> config changes on rank 1 only (rank 0 runs BASE): each used to hang or abort a collective
+RANK_MISMATCH_CASES: dict[str, dict[str, Any]] = {
+    "sequence_parallel_size": {"sequence_parallel_size": 1},
+    "enabled": {"upipe": {"enabled": False}},
+    "tiled_loss": {"upipe": {"tiled_loss": True}},
+    "offload_checkpoints": {"upipe": {"offload_checkpoints": True}},
+    "ring_size": {"upipe": {"ring_size": 2}},
+    "invalid_on_one_rank": {"upipe": {"chunk": 2}},
+}
+
+
 def config_errors(rank: int, world: int) -> dict[str, Any]:
     """Each error case through ds_upipe.initialize on this rank: the ValueError text (None if none),
-    each loader error case (key "loader:NAME"), then one valid initialize, to show that no rank was
-    left inside a collective."""
+    each case of configs that differ across ranks (key "ranks:NAME"), each loader error case (key
+    "loader:NAME"), then one valid initialize, to show that no rank was left inside a collective."""
     import ds_upipe
 
     out: dict[str, Any] = {}
@@ -211,6 +222,15 @@ def config_errors(rank: int, world: int) -> dict[str, Any]:
             out[name] = None
         except ValueError as err:
             out[name] = str(err)
+    for name, changes in RANK_MISMATCH_CASES.items():
+        model = tiny_llama()
+        try:
+            ds_upipe.initialize(
+                model=model, model_parameters=model.parameters(), config={**BASE, **(changes if rank == 1 else {})}
+            )
+            out[f"ranks:{name}"] = None
+        except ValueError as err:
+            out[f"ranks:{name}"] = str(err)
     for name, (dataset, config_changes) in LOADER_CASES.items():
         out[f"loader:{name}"] = loader_error(dataset, config_changes)
     model = tiny_llama()

@@ -36,6 +36,14 @@ EXPECTED = {  # case -> pieces every rank's message must contain
     ],
     "tiled_mlp_bad_tile": ["upipe.tiled_mlp: got {'tile_tokens': 0}; allowed: true, false, or"],
 }
+RANKS_EXPECTED = {  # rank 1's config differs from rank 0's: the same error on both, naming per-rank values
+    "sequence_parallel_size": ["ds_config settings differ across ranks: sequence_parallel_size per rank [2, 1]"],
+    "enabled": ["upipe.enabled per rank [True, False]"],
+    "tiled_loss": ["upipe.tiled_loss per rank [False, True]"],
+    "offload_checkpoints": ["upipe.offload_checkpoints per rank [False, True]"],
+    "ring_size": ["upipe.ring_size per rank [1, 2]"],
+    "invalid_on_one_rank": ["invalid ds_config: upipe.chunk: unknown key", "(raised on rank 1; the ranks' ds_configs"],
+}
 PAD_HOW = ["Pad every sample to one length L", "DataCollatorForSeq2Seq", "hf_patches.pad_batch(default_collate"]
 LOADER_EXPECTED = {
     # the loader gives rank 0 and rank 1 different samples (8, 10, 12 or 14 tokens; shuffled, seed 0)
@@ -61,6 +69,7 @@ LOADER_EXPECTED = {
 def results():
     assert set(EXPECTED) == set(engine_cases.ERROR_CASES)
     assert set(LOADER_EXPECTED) == set(engine_cases.LOADER_CASES)
+    assert set(RANKS_EXPECTED) == set(engine_cases.RANK_MISMATCH_CASES)
     return run_ranks(engine_cases.config_errors, 2, use_deepspeed=True, timeout=300)
 
 
@@ -79,6 +88,13 @@ def test_config_errors_raised_on_every_rank(results):
         assert out["valid_head_chunk_size"] == 2  # null -> U = C, after all the refused configs
     assert results[0] == results[1]  # the same error, word for word, on both ranks
     assert all(re.match(r"invalid ds_config|sequence_parallel_size > 1 needs", results[0][c]) for c in EXPECTED)
+
+
+def test_configs_that_differ_across_ranks_raise_on_every_rank(results):
+    """Used to hang in new_group, a ZeRO-3 fetch or the input check, or abort gloo ("collective mismatch")."""
+    _check(results, RANKS_EXPECTED, prefix="ranks:")
+    for case in RANKS_EXPECTED:
+        assert results[0][f"ranks:{case}"] == results[1][f"ranks:{case}"], case
 
 
 def test_training_data_errors_raised_on_every_rank(results):

@@ -3,7 +3,10 @@
 What it adds to DeepSpeed's own initialize, in order:
 
 1. reads the ds_config (path, dict, or ``args.deepspeed_config``) and validates our part of it
-   (ds_upipe.integration.config) before any collective, so a bad config raises the same ValueError on every rank;
+   (ds_upipe.integration.config); then, before any collective that depends on the config, all ranks
+   exchange their validation errors and the settings that must agree
+   (ds_upipe.integration.agreement), so a bad config, or configs that differ across ranks, raise
+   the same ValueError on every rank;
 2. creates the sequence-parallel groups with DeepSpeed's ``parallel_state_sp`` (contiguous ranks form
    a group; ZeRO shards and reduces over all ranks, its "sequence data parallel" group) and passes
    that module as the engine's mpu, as ALST does; with ``"upipe": {"ring_size": R}`` that group stays
@@ -32,6 +35,7 @@ shard losses, weighted by token counts).
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +46,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from .agreement import agreed_settings, check_ranks_agree
 from .config import check_heads, check_world, load_config, micro_batch_size, parse_config
 from .process_exit import release_shm_at_exit
 from .sp_setup import (
@@ -82,20 +87,28 @@ def initialize(
     if model is None:
         raise ValueError("ds_upipe.initialize requires a model")
     ds_config, args = _resolve_config(args, config if config is not None else config_params)
-    settings = parse_config(ds_config)
-    sp = settings.sequence_parallel_size
-    if sp > 1 and (mpu is not None or mesh_param is not None):
-        raise ValueError(
-            f"sequence_parallel_size={sp}: ds_upipe builds the sequence-parallel groups itself; "
-            "pass mpu=None and mesh_param=None"
-        )
-    check_long_context(model, settings.upipe)  # the model's structure only: before any collective
+    settings, error = None, None
+    try:  # the config and the model's structure alone; raised below on every rank, after the exchange
+        settings = parse_config(ds_config)
+        if settings.sequence_parallel_size > 1 and (mpu is not None or mesh_param is not None):
+            raise ValueError(
+                f"sequence_parallel_size={settings.sequence_parallel_size}: ds_upipe builds the sequence-parallel "
+                "groups itself; pass mpu=None and mesh_param=None"
+            )
+        check_long_context(model, settings.upipe)
+    except ValueError as err:
+        error = str(err)
 
     deepspeed.init_distributed(
         dist_backend=get_accelerator().communication_backend_name(),
         distributed_port=distributed_port,
         dist_init_required=dist_init_required,
     )
+    _use_local_device()
+    # before any collective that depends on the config: the same error on every rank, never a hang
+    check_ranks_agree(error, agreed_settings(ds_config, settings.upipe if settings is not None else None))
+    assert settings is not None  # no rank had an error
+    sp = settings.sequence_parallel_size
     dp = check_world(sp, dist.get_world_size())
     _undo_earlier_initialize()
 
@@ -211,6 +224,14 @@ def _resolve_config(args: Any, config: str | dict[str, Any] | None) -> tuple[dic
     if config is None:
         raise ValueError("no ds_config: pass config= (a path or a dict) or args.deepspeed_config")
     return load_config(config), args
+
+
+def _use_local_device() -> None:
+    """Select this process's device (LOCAL_RANK) as DeepSpeed's engine will, already now: NCCL's
+    ``all_gather_object`` in the settings exchange runs on the current device."""
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def _check_data_parallel_size(ds_config: dict[str, Any], dp: int) -> None:
