@@ -6,9 +6,9 @@ Under the ``deepspeed`` launcher (which sets ``LOCAL_SIZE``) on a CPU accelerato
 full, so it holds host memory), and DeepSpeed never removes it (deepspeed/ops/csrc/cpu/comm/shm.cpp:
 ``shared_close`` is never called).  Every launch leaves its segments behind; they pile up in RAM, and
 a later launch on the same port maps a stale peer's segment.  ``ds_upipe.initialize`` therefore
-unlinks this rank's segment at exit.  Unlinking is safe once every rank has finished its own
-``init_distributed``: peers keep their mapping, only the name goes (they open peers' segments once,
-at init).  That holds after any collective on the world group has completed, so the release is
+unlinks the job's segments at exit (also on the launcher's SIGTERM, and those of killed peers).
+Unlinking is safe once every rank has finished its own ``init_distributed``: peers keep their
+mapping, only the name goes (they open peers' segments once, at init).  That holds after any collective on the world group has completed, so the release is
 registered only after ``deepspeed.initialize`` returned.
 """
 
@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
+import threading
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 SHM_DIR = Path("/dev/shm")
 _REGISTERED: list[bool] = []
@@ -36,19 +38,43 @@ def shm_allreduce_segment(rank: int | None = None) -> Path | None:
 
 
 def release_shm_allreduce_segment() -> None:
-    """Remove this rank's segment name (no-op when there is none)."""
-    path = shm_allreduce_segment()
-    if path is not None:
-        path.unlink(missing_ok=True)
+    """Remove the segment names of every rank of this job (no-op where DeepSpeed creates none).
+
+    Every rank's, not only this one's: a rank that was killed cannot remove its own, and once all
+    ranks are past ``init_distributed`` no rank opens a name again (see the module docstring), so
+    whichever rank exits first may remove them all; the others' ``missing_ok`` unlinks are no-ops."""
+    if shm_allreduce_segment() is None:
+        return
+    for rank in range(int(os.environ["WORLD_SIZE"])):
+        path = shm_allreduce_segment(rank)
+        if path is not None:
+            path.unlink(missing_ok=True)
 
 
 def release_shm_at_exit() -> None:
-    """Register ``release_shm_allreduce_segment`` at interpreter exit, once per process.
+    """Release the segments at interpreter exit and on SIGTERM, once per process.
 
-    Call only after a collective over all ranks has completed (see the module docstring)."""
-    if not _REGISTERED:
-        atexit.register(release_shm_allreduce_segment)
-        _REGISTERED.append(True)
+    SIGTERM is how the ``deepspeed`` launcher stops the surviving ranks when one rank fails
+    (launcher/launch.py, ``sigkill_handler``); Python's default action for it runs no atexit
+    handler, so the segments are released in a handler that then hands the signal on to the one
+    installed before (or to the default action).  Call only after a collective over all ranks has
+    completed (see the module docstring)."""
+    if _REGISTERED:
+        return
+    atexit.register(release_shm_allreduce_segment)
+    if threading.current_thread() is threading.main_thread():  # signal handlers: main thread only
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def release_then_terminate(signum: int, frame: Any) -> None:
+            release_shm_allreduce_segment()
+            if callable(previous):
+                previous(signum, frame)
+                return
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, release_then_terminate)
+    _REGISTERED.append(True)
 
 
 def exit_process(code: int = 0) -> NoReturn:
@@ -75,8 +101,8 @@ def exit_process(code: int = 0) -> NoReturn:
         try:  # every rank is here, so past init_distributed: the shm segment can go (see above)
             dist.barrier()
             release_shm_allreduce_segment()
-        except RuntimeError:  # a peer is gone (its error is the job's result); keep the segment
-            pass
+        except RuntimeError:  # a peer is gone (its error is the job's result): its segment can go too
+            release_shm_allreduce_segment()
         dist.destroy_process_group()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
