@@ -8,8 +8,9 @@ full, so it holds host memory), and DeepSpeed never removes it (deepspeed/ops/cs
 a later launch on the same port maps a stale peer's segment.  ``ds_upipe.initialize`` therefore
 unlinks the job's segments at exit (also on the launcher's SIGTERM, and those of killed peers).
 Unlinking is safe once every rank has finished its own ``init_distributed``: peers keep their
-mapping, only the name goes (they open peers' segments once, at init).  That holds after any collective on the world group has completed, so the release is
-registered only after ``deepspeed.initialize`` returned.
+mapping, only the name goes (they open peers' segments once, at init).  That holds after any
+collective on the world group has completed, so the release is registered only after
+``deepspeed.initialize`` returned.
 """
 
 from __future__ import annotations
