@@ -9,6 +9,7 @@ import torch.distributed as dist
 from deepspeed.sequence.layer import DistributedAttention, apply_rotary_pos_emb
 from torch import Tensor
 
+from .cuda_env import warn_if_record_streams
 from .kernels import AttentionKernel, CallableKernel
 from .packing import DocumentBoundaries, DocumentKernel
 from .pipeline import PipelineContext, UPipeAttentionFunction, plan_indices
@@ -83,6 +84,8 @@ class UPipeDistributedAttention(DistributedAttention):
         self.accumulate_in_input_dtype = bool(accumulate_in_input_dtype)
         self.validate_inputs = validate_inputs
         self.checked_inputs = CheckedInputs()
+        if dist.is_initialized() and sequence_process_group is not None:
+            warn_if_record_streams(dist.get_backend(sequence_process_group))  # torch < 2.8 + NCCL
         del sp_stream  # accepted for DistributedAttention's signature; UPipe's async collectives need no stream
         self.ring_group = ring_group
         self.ring_overlap = overlap_comm if ring_overlap is None else ring_overlap
