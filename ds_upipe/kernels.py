@@ -190,6 +190,9 @@ class SDPAPath:
     backward: SDPABackward
     #: whether it materializes S x S scores (only the float64 reference does)
     quadratic_memory: bool = False
+    #: the forward returns the lse padded to a multiple of this many rows (torch's memory-efficient op: 32),
+    #: and the backward reads it so
+    lse_block: int = 1
 
 
 def _cpu_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, KernelAux]:
@@ -275,14 +278,18 @@ def _cuda_efficient_backward(
     qf, kf, vf = _fold_kv_groups(q, k, v)
     lse_f = lse.reshape(qf.shape[0], qf.shape[1], -1)
     # grad_input_mask: q, k, v need gradients, there is no attn_bias (what autograd passes here)
+    # the op reads out through its head stride but takes its token stride to be num_heads * head_dim
+    # (kernel_backward.h, o_strideM): out must be token-major ([b, S, h, d] memory), as its own forward
+    # returns it; the pipeline's gathered stage output is head-major, so it is copied (once, here)
+    out_f = out.reshape(qf.shape).transpose(1, 2).contiguous().transpose(1, 2)
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
         dout.reshape(qf.shape),
         qf,
         kf,
         vf,
         None,
-        out.reshape(qf.shape),
-        lse_f,
+        out_f,
+        lse_f.contiguous(),
         philox_seed,
         philox_offset,
         0.0,
@@ -303,20 +310,68 @@ def _math_backward(
     return MathKernel(causal, scale, compute_dtype=q.dtype).backward(dout, q, k, v, out, lse, aux)
 
 
+#: torch's CUDA flash op (``mha_fwd``/``mha_bwd``) takes head sizes that are multiples of 8 up to 256
+FLASH_HEAD_DIM_MULTIPLE, FLASH_MAX_HEAD_DIM = 8, 256
+
+
+def _pad_head_dim(t: Tensor, multiple: int = FLASH_HEAD_DIM_MULTIPLE) -> Tensor:
+    pad = -t.shape[-1] % multiple
+    return torch.nn.functional.pad(t, (0, pad)) if pad else t
+
+
+def _padded(path: SDPAPath) -> SDPAPath:
+    """``path`` on head_dim zero-padded to a multiple of 8, as ``F.scaled_dot_product_attention`` pads
+    for the flash op (attention.cpp, ``pad_last_dim<8>``): the caller's scale is of the true head_dim,
+    zero columns change neither the scores nor the lse, out and the gradients are sliced back."""
+
+    def forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, KernelAux]:
+        out, lse, aux = path.forward(*(_pad_head_dim(t) for t in (q, k, v)), causal, scale)
+        return out[..., : v.shape[-1]], lse, aux
+
+    def backward(
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        aux: KernelAux,
+        causal: bool,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        padded = (_pad_head_dim(t) for t in (dout, q, k, v, out))
+        grads = path.backward(*padded, lse, aux, causal, scale)
+        return tuple(g[..., : t.shape[-1]] for g, t in zip(grads, (q, k, v)))
+
+    return SDPAPath(f"{path.name}_padded", forward, backward, path.quadratic_memory, path.lse_block)
+
+
 CPU_FLASH = SDPAPath("cpu_flash", _cpu_flash_forward, _cpu_flash_backward)
 CUDA_FLASH = SDPAPath("cuda_flash", _cuda_flash_forward, _cuda_flash_backward)
-CUDA_EFFICIENT = SDPAPath("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward)
+CUDA_FLASH_PADDED = _padded(CUDA_FLASH)
+CUDA_EFFICIENT = SDPAPath("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward, lse_block=32)
+CUDA_EFFICIENT_PADDED = _padded(CUDA_EFFICIENT)
 MATH = SDPAPath("math", _math_forward, _math_backward, quadratic_memory=True)
 
 
-def sdpa_path(device_type: str, dtype: torch.dtype) -> SDPAPath:
-    """The aten backend ``TorchSDPAKernel`` runs for tensors of this device type and dtype."""
+def sdpa_path(device_type: str, dtype: torch.dtype, head_dim: int | None = None) -> SDPAPath:
+    """The aten backend ``TorchSDPAKernel`` runs for tensors of this device type, dtype and head_dim
+    (None: any the flash op takes).
+
+    CUDA fp16/bf16: the flash op, on head_dim padded to a multiple of 8 when it is not one (the op
+    raises "head_size must be a multiple of 8, this is ensured by padding"); above 256, which flash
+    has no kernel for, the memory-efficient op (padded the same way, for its aligned kernels)."""
     if device_type == "cpu":
         return CPU_FLASH
     if device_type != "cuda":
         raise ValueError(f"kernel 'sdpa' runs on cpu or cuda tensors, got device type {device_type!r}")
     if dtype in (torch.float16, torch.bfloat16):
-        return CUDA_FLASH
+        if head_dim is None:
+            return CUDA_FLASH
+        aligned = head_dim % FLASH_HEAD_DIM_MULTIPLE == 0
+        if head_dim + (-head_dim % FLASH_HEAD_DIM_MULTIPLE) <= FLASH_MAX_HEAD_DIM:
+            return CUDA_FLASH if aligned else CUDA_FLASH_PADDED
+        return CUDA_EFFICIENT if aligned else CUDA_EFFICIENT_PADDED
     if dtype == torch.float32:
         return CUDA_EFFICIENT  # flash has no float32 kernel; memory-efficient attention is O(S) with an lse
     return MATH  # float64 has no fused CUDA kernel: the S x S reference, for tests
@@ -324,7 +379,8 @@ def sdpa_path(device_type: str, dtype: torch.dtype) -> SDPAPath:
 
 class TorchSDPAKernel(AttentionKernel):
     """torch's fused attention ops with an explicit lse: CPU flash (any float dtype), CUDA flash
-    (fp16/bf16), CUDA memory-efficient attention (fp32); CUDA float64 falls back to the math reference.
+    (fp16/bf16; head_dim padded to a multiple of 8 as torch's SDPA pads it, the memory-efficient op
+    above 256), CUDA memory-efficient attention (fp32); CUDA float64 falls back to the math reference.
 
     Uses the aten ops behind ``scaled_dot_product_attention`` directly because the public function
     does not return the lse, which is what lets backward skip the recompute."""
@@ -332,13 +388,13 @@ class TorchSDPAKernel(AttentionKernel):
     name = "sdpa"
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, KernelAux]:
-        path = sdpa_path(q.device.type, q.dtype)
+        path = sdpa_path(q.device.type, q.dtype, q.shape[-1])
         return path.forward(q, k, v, self.causal, self.scale_for(q.shape[-1]))
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: KernelAux
     ) -> tuple[Tensor, Tensor, Tensor]:
-        path = sdpa_path(q.device.type, q.dtype)
+        path = sdpa_path(q.device.type, q.dtype, q.shape[-1])
         return path.backward(dout, q, k, v, out, lse, aux, self.causal, self.scale_for(q.shape[-1]))
 
 

@@ -9,12 +9,13 @@ import torch.distributed as dist
 from deepspeed.sequence.layer import DistributedAttention, apply_rotary_pos_emb
 from torch import Tensor
 
+from .cuda_env import warn_if_record_streams
 from .kernels import AttentionKernel, CallableKernel
 from .packing import DocumentBoundaries, DocumentKernel
 from .pipeline import PipelineContext, UPipeAttentionFunction, plan_indices
 from .ring import RingAttentionKernel, SequenceLayout, zigzag_positions
 from .schedule import StagePlan, build_plan
-from .validation import LayerSettings, check_inputs, check_packing_supported, gather_inputs
+from .validation import CheckedInputs, LayerSettings, check_packing_supported
 
 
 class UPipeDistributedAttention(DistributedAttention):
@@ -82,6 +83,9 @@ class UPipeDistributedAttention(DistributedAttention):
         #: bf16/fp16 dK/dV summed over a round's stages in their own dtype (sent per stage) instead of float32
         self.accumulate_in_input_dtype = bool(accumulate_in_input_dtype)
         self.validate_inputs = validate_inputs
+        self.checked_inputs = CheckedInputs()
+        if dist.is_initialized() and sequence_process_group is not None:
+            warn_if_record_streams(dist.get_backend(sequence_process_group))  # torch < 2.8 + NCCL
         del sp_stream  # accepted for DistributedAttention's signature; UPipe's async collectives need no stream
         self.ring_group = ring_group
         self.ring_overlap = overlap_comm if ring_overlap is None else ring_overlap
@@ -148,7 +152,8 @@ class UPipeDistributedAttention(DistributedAttention):
     ) -> Tensor:
         documents = None if cu_seqlens is None else DocumentBoundaries.of(cu_seqlens)
         if self.validate_inputs:
-            rows = gather_inputs(
+            # one host read per new layout per module, not per call (validation.CheckedInputs)
+            num_heads, num_kv_heads, _ = self.checked_inputs(
                 query,
                 key,
                 value,
@@ -157,8 +162,8 @@ class UPipeDistributedAttention(DistributedAttention):
                 self.spg,
                 ring_group=self.ring_group,
                 documents=None if documents is None else documents.fingerprint(),
+                ulysses_size=self.group_size,
             )
-            num_heads, num_kv_heads, _ = check_inputs(rows, ulysses_size=self.group_size)
         else:
             num_heads, num_kv_heads = query.shape[2], key.shape[2]
         attention = self.attention_kernel(batch_dim_idx, args, kwargs)

@@ -179,7 +179,10 @@ class DocumentKernel(AttentionKernel):
         for i, (r, s, e) in enumerate(segments):
             pieces = (t[r : r + 1, :, s:e] for t in (dout, q, k, v, out))
             seg_aux = tuple(inner_aux[i * per_segment : (i + 1) * per_segment])
-            g_q, g_k, g_v = self.inner.backward(*pieces, lses[i], seg_aux)
+            # the split is a strided view ([1, h, n] of the [1, h, sum] lse): torch's CUDA flash backward
+            # (mha_bwd) reads its lse by raw pointer as (b * h + head) * seqlen, so with h >= 2 heads a
+            # view would hand heads >= 1 another head's rows; contiguous, every op reads it right
+            g_q, g_k, g_v = self.inner.backward(*pieces, lses[i].contiguous(), seg_aux)
             dq[r : r + 1, :, s:e] = g_q
             dk[r : r + 1, :, s:e] = g_k
             dv[r : r + 1, :, s:e] = g_v

@@ -347,7 +347,10 @@ def _lse_for(kernel: AttentionKernel, q: Tensor, lse: Tensor) -> Tensor:
     """The merged lse of these query rows in the layout the kernel's backward reads: contiguous (the
     fused backward ops read it by raw strides), padded to 32 rows for torch's memory-efficient op,
     whose forward returns it so."""
-    if isinstance(kernel, TorchSDPAKernel) and kernels.sdpa_path(q.device.type, q.dtype) is kernels.CUDA_EFFICIENT:
-        padded = math.ceil(q.shape[2] / 32) * 32
+    block = (
+        kernels.sdpa_path(q.device.type, q.dtype, q.shape[-1]).lse_block if isinstance(kernel, TorchSDPAKernel) else 1
+    )
+    if block > 1:
+        padded = math.ceil(q.shape[2] / block) * block
         return F.pad(lse, (0, padded - q.shape[2]))
     return lse.contiguous()

@@ -132,16 +132,74 @@ def gather_inputs(
     (in sequence-parallel rank order, ring index major): a bad shard on one node fails every node.
 
     ``documents`` is the fingerprint of packed-sequence boundaries (``ds_upipe.packing``), None without."""
-    doc_fields = [0, 0, 0, 0] if documents is None else [1, *documents]
     mine = torch.tensor(
-        [batch_dim_idx, *_describe(query), *_describe(key), *_describe(value), *settings.encode(), *doc_fields],
-        dtype=torch.long,
-        device=query.device,
+        _row(query, key, value, batch_dim_idx, settings, documents), dtype=torch.long, device=query.device
     )
-    rows = _all_gather_rows(mine.unsqueeze(0), group)
-    if ring_group is not None:
-        rows = _all_gather_rows(rows, ring_group)
+    rows = _gather(mine.unsqueeze(0), group, ring_group)
     return [_decode(row) for row in rows.tolist()]
+
+
+class CheckedInputs:
+    """The input exchange of one layer module without a host sync once a layout has been checked.
+
+    ``gather_inputs`` + ``check_inputs`` read the gathered rows on the host (``.tolist()``): a device
+    sync per layer on CUDA, which stalls the host's kernel launches every layer.  Here each rank
+    still all_gathers its row every call (a tiny collective, so every rank issues the same
+    collectives whatever it has cached), but a row (this rank's own: shapes, dtypes, settings,
+    document fingerprint) that passed before with every rank's row equal to it skips the host read:
+    the gathered rows are compared with it on the device (``torch._assert_async``, no sync; no
+    tensor is kept between calls).  A rank whose row is new checks on the host and raises the usual
+    ValueError; if another rank's row changed while this one's did not, the device comparison fails
+    (an error, not a hang).  Bounded: the last ``max_layouts`` layouts are kept (packed batches,
+    whose boundaries change per batch, always check)."""
+
+    def __init__(self, max_layouts: int = 8) -> None:
+        self.max_layouts = max_layouts
+        self._passed: dict[tuple[int, ...], tuple[int, int, int]] = {}
+        #: how many calls read the rows on the host (for tests)
+        self.host_checks = 0
+
+    def __call__(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        batch_dim_idx: int,
+        settings: LayerSettings,
+        group: dist.ProcessGroup | None,
+        ring_group: dist.ProcessGroup | None = None,
+        documents: list[int] | None = None,
+        ulysses_size: int | None = None,
+    ) -> tuple[int, int, int]:
+        """``check_inputs``'s (num_heads, num_kv_heads, head_chunk_size) of every rank's inputs."""
+        row = _row(query, key, value, batch_dim_idx, settings, documents)
+        mine = torch.tensor(row, dtype=torch.long, device=query.device).unsqueeze(0)
+        rows = _gather(mine, group, ring_group)
+        layout = tuple(row)
+        if layout in self._passed:
+            # no sync on CUDA (a device-side assert); on CPU a RuntimeError at once
+            torch._assert_async((rows == mine).all())
+            return self._passed[layout]
+        self.host_checks += 1
+        values = rows.tolist()
+        result = check_inputs([_decode(r) for r in values], ulysses_size=ulysses_size)
+        if all(r == row for r in values):  # only a layout every rank shares is checked on the device later
+            if len(self._passed) >= self.max_layouts:
+                self._passed.pop(next(iter(self._passed)))
+            self._passed[layout] = result
+        return result
+
+
+def _row(
+    query: Tensor, key: Tensor, value: Tensor, batch_dim_idx: int, settings: LayerSettings, documents: list[int] | None
+) -> list[int]:
+    doc_fields = [0, 0, 0, 0] if documents is None else [1, *documents]
+    return [batch_dim_idx, *_describe(query), *_describe(key), *_describe(value), *settings.encode(), *doc_fields]
+
+
+def _gather(mine: Tensor, group: dist.ProcessGroup | None, ring_group: dist.ProcessGroup | None) -> Tensor:
+    rows = _all_gather_rows(mine, group)
+    return rows if ring_group is None else _all_gather_rows(rows, ring_group)
 
 
 def _all_gather_rows(rows: Tensor, group: dist.ProcessGroup | None) -> Tensor:

@@ -323,11 +323,29 @@ def zigzag_ordered(loader: Iterable[dict[str, Any]], sp_size: int, ring_size: in
     return _ZigzagOrdered(loader, sequence_layout(sp_size, ring_size), pad_token_id)
 
 
+def collective_device(backend: str, device: torch.device | str | None = None) -> torch.device:
+    """The device the loader's batches go to and are all_gathered on, for a group of this backend
+    (``dist.get_backend``: "nccl", "gloo", or "cpu:gloo,cuda:nccl" for a group with both): None
+    picks the current CUDA device for an NCCL-only group and the CPU otherwise.  An NCCL-only group
+    cannot all_gather CPU tensors (nor a gloo-only one CUDA tensors): ValueError naming both."""
+    parts = {p.split(":")[-1] for p in backend.split(",")}
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if parts == {"nccl"} else torch.device("cpu")
+    device = torch.device(device)
+    needs = {"cpu": "gloo", "cuda": "nccl"}.get(device.type)
+    if needs is not None and needs not in parts:
+        raise ValueError(
+            f"device={str(device)!r}: the sequence-parallel group's backend {backend!r} cannot all_gather "
+            f"{device.type} tensors (that needs {needs}); pass device=None for the group's own device"
+        )
+    return device
+
+
 def sequence_parallel_dataloader(
     loader: Iterable[dict[str, Any]],
     group: dist.ProcessGroup,
     *,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
     pad_token_id: int = 0,
     ring_size: int = 1,
 ) -> Any:
@@ -340,9 +358,13 @@ def sequence_parallel_dataloader(
 
     Batches must be dicts with input_ids and labels ([batch, seq]).  A batch that cannot be built,
     lacks those keys, differs in batch size from the other ranks', or (on gloo, which cannot gather
-    tensors of different sizes) in length, raises the same ValueError on every rank."""
+    tensors of different sizes) in length, raises the same ValueError on every rank.
+
+    ``device``: where the batches go and are gathered; None (the default) is the group's own device
+    (``collective_device``: the current CUDA device on NCCL, the CPU on gloo)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
 
+    device = collective_device(dist.get_backend(group) if dist.is_initialized() else "gloo", device)
     rank, layout = _layout(group, ring_size)
     checked = _CheckedLoader(loader, group, device, pad_token_id, layout)
     adapter = UlyssesSPDataLoaderAdapter(checked, rank, group, layout.sp_size, device)

@@ -240,6 +240,8 @@ class FusedProjectionSource:
         #: gradients may arrive as consecutive pieces of a stage's (a round's) heads, dK/dV per stage
         self.accepts_partial_grads = proj.k_norm is None
         self.grad_x: Tensor | None = None
+        #: dx terms (g, W rows) of the chunk whose gradient is coming in, summed by _flush_grad_x
+        self._dx_pending: list[tuple[Tensor, Tensor]] = []
         self.grad_p: list[Tensor | None] = [None] * NUM_PARAMS
         # per chunk fetched in backward: [pre-norm chunk or None, heads, heads already given gradients].
         # Queries: FIFO (with overlapped communication the next stage is fetched before this one's
@@ -286,11 +288,13 @@ class FusedProjectionSource:
         return k, self._linear(self.rows(heads), _WV)
 
     def add_query_grad(self, heads: Tensor, grad: Tensor) -> None:
-        pre_norm = self._take(self._pending_q, heads, pop=True)
+        pre_norm, complete = self._take(self._pending_q, heads, pop=True)
         self._linear_backward(self._chunk_backward(grad, pre_norm, _QN), self.rows(heads), _WQ)
+        if complete:
+            self._flush_grad_x()
 
     def add_key_value_grad(self, heads: Tensor, grad_key: Tensor, grad_value: Tensor) -> None:
-        pre_norm = self._take(self._pending_kv, heads, pop=False)
+        pre_norm, complete = self._take(self._pending_kv, heads, pop=False)
         rows = self.rows(heads)
         # with partial gradients (no k norm) add is called per piece and the replicas' terms simply add up in
         # the weight gradient; otherwise once per round, with the whole round's replicas
@@ -307,22 +311,25 @@ class FusedProjectionSource:
             rows = self.rows(unique)
         self._linear_backward(self._chunk_backward(grad_key, pre_norm, _KN), rows, _WK)
         self._linear_backward(grad_value, rows, _WV)
+        if complete or replicas is not None:
+            self._flush_grad_x()
 
     @staticmethod
-    def _take(pending: deque[list], heads: Tensor, *, pop: bool) -> Tensor | None:
+    def _take(pending: deque[list], heads: Tensor, *, pop: bool) -> tuple[Tensor | None, bool]:
         """The pre-norm chunk of the next ``heads.numel()`` heads of the oldest pending chunk (None
-        without a q/k norm); a query chunk is dropped once all its heads have their gradient, a round's
-        key/value chunk starts over (its next stage's gradient)."""
+        without a q/k norm), and whether these were its last heads; a query chunk is dropped once all
+        its heads have their gradient, a round's key/value chunk starts over (its next stage's gradient)."""
         entry = pending[0]
         pre_norm, chunk_heads, start = entry
         n = heads.numel()
         part = None if pre_norm is None else pre_norm.narrow(2, start, n)
         entry[2] = start + n
-        if entry[2] == chunk_heads.numel():
+        complete = entry[2] == chunk_heads.numel()
+        if complete:
             entry[2] = 0
             if pop:
                 pending.popleft()
-        return part
+        return part, complete
 
     # -- backward helpers --------------------------------------------------------------------
     def _next_kv_replicas(self) -> KeyValueReplicas | None:
@@ -358,15 +365,34 @@ class FusedProjectionSource:
     def _linear_backward(self, grad: Tensor, rows: Tensor, w_idx: int) -> None:
         g = grad.reshape(-1, rows.numel()).to(self.x.dtype)
         if self.need_x:
-            if self.grad_x is None:
-                acc_dtype = self._acc_dtype(self.x.dtype)
-                self.grad_x = torch.zeros(self.x2d.shape, dtype=acc_dtype, device=self.x.device)
-            w_rows = self.weights[w_idx].index_select(0, rows)
-            self.grad_x.addmm_(g.to(self.grad_x.dtype), w_rows.to(self.grad_x.dtype))
+            # dx's term waits for the rest of its chunk (the other source ranks' heads, V beside K):
+            # _flush_grad_x makes one GEMM of them
+            self._dx_pending.append((g, self.weights[w_idx].index_select(0, rows)))
         if self.need_p[w_idx]:
             self._accumulate(w_idx, rows, g.t() @ self.x2d)
         if self.weights[w_idx + 1] is not None and self.need_p[w_idx + 1]:
             self._accumulate(w_idx + 1, rows, g.sum(0))
+
+    def _flush_grad_x(self) -> None:
+        """dx += [g_1 ... g_n] @ [W_1; ...; W_n] over the pending pieces of a chunk: one GEMM per
+        stage (per round's K/V) instead of one per piece and source rank, each of which read and
+        wrote the whole x-sized accumulator.  The GEMM runs in the input dtype (16-bit tensor cores
+        with float32 accumulation inside, as the model's own q/k/v_proj backward computes dx) and
+        its product is added to the accumulator, float32 unless ``accumulate_in_input_dtype``; an
+        fp32 GEMM here would run without TF32 at a tenth of the rate."""
+        if not self._dx_pending:
+            return
+        gs, ws = zip(*self._dx_pending)
+        self._dx_pending.clear()
+        g, w = (gs[0], ws[0]) if len(gs) == 1 else (torch.cat(gs, dim=1), torch.cat(ws, dim=0))
+        if self.grad_x is None:
+            acc_dtype = self._acc_dtype(self.x.dtype)
+            self.grad_x = torch.zeros(self.x2d.shape, dtype=acc_dtype, device=self.x.device)
+        w = w.to(g.dtype)
+        if self.grad_x.dtype == g.dtype:
+            self.grad_x.addmm_(g, w)
+        else:
+            self.grad_x.add_(torch.mm(g, w))
 
     def _acc_dtype(self, dtype: torch.dtype) -> torch.dtype:
         if dtype in _LOW_PRECISION and not self.accumulate_in_input_dtype:
@@ -386,6 +412,7 @@ class FusedProjectionSource:
 
     def results(self) -> tuple[Tensor | None, list[Tensor | None]]:
         """(dx, gradients of the params) in the inputs' dtypes."""
+        self._flush_grad_x()
         grad_x = None if self.grad_x is None else self.grad_x.view(self.x.shape).to(self.x.dtype)
         grads = [None if g is None else g.to(self.weights[i].dtype) for i, g in enumerate(self.grad_p)]
         return grad_x, grads

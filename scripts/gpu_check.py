@@ -1,39 +1,40 @@
-"""GPU acceptance: kernel parity with torch SDPA, then one Llama3-8B decoder layer as rank 0 of C = 8.
+"""GPU acceptance on one GPU: kernel parity, multi-rank parity over gloo, and one Llama3-8B layer.
 
-1. Kernel parity.  Each attention kernel (``sdpa`` in bf16, fp16 and fp32 -- torch's CUDA flash
-   and memory-efficient ops --, ``flash_attn`` in bf16 and fp16 when flash-attn is installed) runs
-   forward and backward at small shapes, GQA and MHA, causal, and its output and q/k/v gradients
-   are compared with ``F.scaled_dot_product_attention(..., enable_gqa=True)`` under autograd: both
-   against the float64 result, the kernel may be off by at most twice what torch's own SDPA in the
-   same dtype is off, plus a small floor.  The same again through the UPipe pipeline (several
-   stages, one rank), which threads each stage's lse and RNG state from forward to backward.
-2. The layer table.  One GPU cannot host eight NCCL ranks, so this process plays rank 0 of eight
-   over torch's *fake* process group:
+1. Kernel parity against float64.  ``sdpa`` (torch's CUDA flash op in bf16/fp16, its
+   memory-efficient op in fp32; ``flash_attn`` too when installed) forward + backward over
+   MHA / GQA / MQA x S not a multiple of 32 or 128 x head_dim 64 / 128 (and 20, padded to 24 for the
+   flash op) x causal / full, packed documents (two rows, several documents each, 8 query heads),
+   and through the UPipe stage loop (4 stages on one rank): out, dq, dk, dv against float64 may be off
+   by at most twice what torch's own ``F.scaled_dot_product_attention`` in the same dtype is off,
+   plus a small floor.
+2. Multi-rank parity.  NCCL refuses two ranks on one GPU, so C = 2 and C = 4 processes share the
+   one GPU over gloo (one spawn of 4; C = 2 is a subgroup): the stage loop
+   (``UPipeDistributedAttention``) against single-process float64 attention, and the fused HF
+   path (``apply_upipe(fused_projections=True)``, a tiny Llama) against the single-process model.
+3. The layer table.  One Llama3-8B decoder layer at 128K, 256K, 512K, 1M tokens as rank 0 of 8 over
+   torch's *fake* process group (collectives are no-ops that keep shapes: every tensor this rank
+   allocates and every kernel it runs are those of an eight-GPU run, nothing moves):
+   ``max_memory_allocated`` and ``max_memory_reserved`` beside the planner's prediction, with the
+   default allocator and with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (each in a fresh
+   process); forward + backward time of UPipe fused, fused + recompute and ALST at 256K.
 
-       dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
+Every check prints one line, ``PASS name``, ``FAIL name: detail`` or ``SKIP name: why``; a summary
+and the table come last; everything is written as JSON to ``--out`` (default ``$OUT``, else
+runs/gpu_check); the exit status is 1 if any check failed.
 
-   Its collectives are no-ops that keep shapes, so every tensor this rank allocates and every
-   kernel it runs are those of a real eight-GPU run, but the all-to-alls move nothing: the times
-   below are one rank's compute (and memory traffic), not communication.  Attention runs on torch's
-   SDPA flash kernels in bf16 (transformers' "sdpa" under ALST; ``ds_upipe.TorchSDPAKernel`` under
-   UPipe), the MLP is DeepSpeed's TiledMLP (the paper's setting).  Memory is the CUDA allocator's
-   peak over one forward+backward (weights, input, dy and everything the step allocates), next to
-   the planner's prediction for the same layer.
-
-Every check prints one line, ``PASS name`` or ``FAIL name: detail`` (``SKIP name: why`` for what
-cannot run here); the table comes last; the exit status is 1 if any check failed.
-
-    python scripts/gpu_check.py                 # parity, then 128K..1M tokens (no new length after --budget-s)
-    python scripts/gpu_check.py --only kernels  # parity checks only (seconds)
-    python scripts/gpu_check.py --cpu-smoke     # tiny shapes on CPU (the same code paths, MemTracker)
+    python scripts/gpu_check.py                 # the whole acceptance (about 4 minutes on an H200)
+    python scripts/gpu_check.py --only kernels  # one part: kernels, ranks or layer
+    python scripts/gpu_check.py --cpu-smoke     # the CPU dry run: tiny shapes, CUDA rows SKIP
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -48,9 +49,14 @@ LLAMA3_8B = {"heads": 32, "kv_heads": 8, "head_dim": 128, "hidden": 4096, "inter
 TINY = {"heads": 32, "kv_heads": 8, "head_dim": 16, "hidden": 256, "intermediate": 512}
 
 #: (name, query heads, KV heads) of the parity shapes
-HEADS = (("gqa", 8, 2), ("mha", 4, 4))
+HEADS = (("mha", 8, 8), ("gqa", 8, 2), ("mqa", 8, 1))
 #: error allowed on top of twice torch SDPA's own, relative to the largest reference value
 FLOOR = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+#: per batch row, the cumulative document lengths of the packed-documents parity case (two rows)
+DOCUMENTS = {200: ((0, 1, 70, 71, 200), (0, 128, 199, 200)), 40: ((0, 1, 7, 40), (0, 33, 34, 40))}
+#: the layer table's planner check: allocated within this fraction of the prediction
+PLANNER_TOLERANCE = 0.15
+TIMED_SEQ = 2**18  # 256K: the timed row of the layer table
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,12 +64,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=parse_token_list, default=None, help="global lengths (default 128K,256K,512K,1M)")
-    p.add_argument("--methods", default="alst,upipe-fused-8,upipe-recompute-8,upipe-fused-16,upipe-unfused-8")
-    p.add_argument("--repeats", type=int, default=1, help="timed steps after one warm-up step (0: memory only)")
-    p.add_argument("--budget-s", type=float, default=240.0, help="start no new length after this many seconds")
-    p.add_argument("--only", choices=("kernels", "layer"), default=None, help="run one of the two parts")
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, to check the script end to end")
-    p.add_argument("--json", type=Path, default=None, help="also write the layer results here")
+    p.add_argument("--methods", default="alst,upipe-fused-8,upipe-recompute-8")
+    p.add_argument("--repeats", type=int, default=2, help="timed steps at 256K after one warm-up step (0: none)")
+    p.add_argument("--budget-s", type=float, default=420.0, help="start no new layer length after this many seconds")
+    p.add_argument("--only", choices=("kernels", "ranks", "layer"), default=None, help="run one part")
+    p.add_argument("--cpu-smoke", action="store_true", help="the CPU dry run: tiny shapes, CUDA rows SKIP")
+    p.add_argument("--out", type=Path, default=None, help="folder for gpu_check.json (default $OUT or runs/gpu_check)")
+    p.add_argument("--alloc-conf", default="", help=argparse.SUPPRESS)  # the layer child's allocator setting
+    p.add_argument("--layer-child", type=Path, default=None, help=argparse.SUPPRESS)  # where a child writes its rows
     return p.parse_args(argv)
 
 
@@ -71,6 +79,10 @@ def report(name: str, failure: str | None) -> bool:
     """Print the check's one line; True when it passed."""
     print(f"PASS {name}" if failure is None else f"FAIL {name}: {failure}", flush=True)
     return failure is None
+
+
+def skip(name: str, why: str) -> None:
+    print(f"SKIP {name}: {why}", flush=True)
 
 
 # -- 1. kernel parity ----------------------------------------------------------------------------
@@ -85,7 +97,8 @@ def kernel_cases(device: str) -> list[tuple[str, Callable[[], object] | str, str
         return [
             ("sdpa", TorchSDPAKernel, "float32"),
             ("sdpa", TorchSDPAKernel, "bfloat16"),
-            ("flash_attn", no_cuda, ""),
+            ("sdpa cuda", no_cuda, "bfloat16/float16/float32"),
+            ("flash_attn", no_cuda, "bfloat16/float16"),
         ]
     flash = FlashAttnKernel if flash_attn_available() else "flash-attn is not installed"
     return [("sdpa", TorchSDPAKernel, dt) for dt in ("bfloat16", "float16", "float32")] + [
@@ -99,8 +112,24 @@ def _sdpa_autograd(q, k, v, dout, causal: bool):
     import torch.nn.functional as F
 
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
     return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def _per_document(run: Callable, documents) -> Callable:
+    """``run`` on every document of every row alone, stitched back: the packed rows' reference."""
+    import torch
+
+    def stitched(q, k, v, dout, causal: bool):
+        outs = [torch.empty_like(t) for t in (q, q, k, v)]
+        for r, cu in enumerate(documents):
+            for s, e in zip(cu, cu[1:]):
+                pieces = run(*(t[r : r + 1, :, s:e] for t in (q, k, v, dout)), causal)
+                for o, piece in zip(outs, pieces):
+                    o[r : r + 1, :, s:e] = piece
+        return tuple(outs)
+
+    return stitched
 
 
 def _upipe_attention(kernel, q, k, v, dout, head_chunk_size: int):
@@ -125,9 +154,18 @@ def _kernel_attention(kernel, q, k, v, dout):
 
 
 def parity(
-    run: Callable, dtype_name: str, hq: int, hkv: int, device: str, seq: int, head_dim: int, causal: bool = True
+    run: Callable,
+    dtype_name: str,
+    hq: int,
+    hkv: int,
+    device: str,
+    seq: int,
+    head_dim: int,
+    causal: bool = True,
+    reference: Callable = _sdpa_autograd,
 ) -> str | None:
-    """None when ``run(q, k, v, dout) -> (out, dq, dk, dv)`` agrees with torch SDPA; else what differs."""
+    """None when ``run(q, k, v, dout) -> (out, dq, dk, dv)`` agrees with ``reference`` (torch SDPA) in
+    float64 within twice the reference's own error in this dtype plus a floor; else what differs."""
     import torch
 
     dtype = getattr(torch, dtype_name)
@@ -138,8 +176,8 @@ def parity(
 
     q64, k64, v64, dout64 = rand(hq), rand(hkv), rand(hkv), rand(hq)
     q, k, v, dout = (t.to(dtype) for t in (q64, k64, v64, dout64))
-    exact = _sdpa_autograd(*(t.double() for t in (q, k, v, dout)), causal)  # the same inputs, in float64
-    torch_same = _sdpa_autograd(q, k, v, dout, causal)
+    exact = reference(*(t.double() for t in (q, k, v, dout)), causal)  # the same inputs, in float64
+    torch_same = reference(q, k, v, dout, causal)
     got = run(q, k, v, dout)
     for name, g, t, e in zip(("out", "dq", "dk", "dv"), got, torch_same, exact):
         if g.shape != e.shape or g.dtype != dtype:
@@ -152,40 +190,154 @@ def parity(
     return None
 
 
-def run_kernel_checks(device: str, smoke: bool) -> list[bool]:
-    """Parity of every kernel with torch SDPA, alone and inside the pipeline; one line per check."""
-    seq, head_dim = (64, 16) if smoke else (256, 64)
-    results = []
+def run_kernel_checks(device: str, smoke: bool) -> list[dict]:
+    """Parity of every kernel with torch SDPA, alone, on packed documents and inside the pipeline."""
+    from ds_upipe.packing import DocumentBoundaries, DocumentKernel
+
+    seqs, dims = ((40,), (16,)) if smoke else ((200, 333), (64, 128))
+    rows = []
     for kernel_name, factory, dtype_name in kernel_cases(device):
         if isinstance(factory, str):
-            print(f"SKIP {kernel_name} {dtype_name}".rstrip() + f": {factory}", flush=True)
+            skip(f"kernel {kernel_name} {dtype_name}", factory)
+            rows.append({"check": f"kernel {kernel_name} {dtype_name}", "status": "SKIP", "detail": factory})
             continue
+        half = dtype_name != "float32"
+        # head_dim 20: not a multiple of 8, padded to 24 for the fp16/bf16 flash op (sdpa only)
+        odd = (20,) if half and kernel_name == "sdpa" and not smoke else ()
+        for (heads, hq, hkv), seq, d, causal in (
+            (h, s, d, c) for h in HEADS for s in seqs for d in dims + odd for c in (True, False)
+        ):
+            name = f"kernel {kernel_name} {dtype_name} {heads} (H={hq}, KV={hkv}) S={seq} d={d} {_mask(causal)}"
+            run = _run_kernel(factory, causal)
+            rows.append(_check(name, run, dtype_name, hq, hkv, device, seq, d, causal))
+        seq = 40 if smoke else 200
+        documents = DOCUMENTS[seq]
         for heads, hq, hkv in HEADS:
-            name = f"kernel {kernel_name} {dtype_name} {heads} (H={hq}, KV={hkv}) causal"
-            results.append(_check(name, _run_kernel(factory), dtype_name, hq, hkv, device, seq, head_dim))
-        name = f"pipeline {kernel_name} {dtype_name} gqa (H=8, KV=2, U=2: 4 stages) causal"
-        results.append(_check(name, _run_upipe(factory), dtype_name, 8, 2, device, seq, head_dim))
-    return results
+            name = f"documents {kernel_name} {dtype_name} {heads} (H={hq}, KV={hkv}) rows {documents} causal"
+
+            def run(q, k, v, dout, factory=factory, documents=documents):
+                kernel = DocumentKernel(factory(causal=True), DocumentBoundaries(documents))
+                return _kernel_attention(kernel, q, k, v, dout)
+
+            reference = _per_document(_sdpa_autograd, documents)
+            rows.append(_check(name, run, dtype_name, hq, hkv, device, seq, dims[0], True, reference))
+        name = f"pipeline {kernel_name} {dtype_name} gqa (H=8, KV=2, U=2: 4 stages) S={seqs[0]} causal"
+        rows.append(_check(name, _run_upipe(factory), dtype_name, 8, 2, device, seqs[0], dims[0]))
+    return rows
 
 
-def _run_kernel(factory: Callable) -> Callable:
-    return lambda q, k, v, dout: _kernel_attention(factory(causal=True), q, k, v, dout)
+def _mask(causal: bool) -> str:
+    return "causal" if causal else "full"
+
+
+def _run_kernel(factory: Callable, causal: bool = True) -> Callable:
+    return lambda q, k, v, dout: _kernel_attention(factory(causal=causal), q, k, v, dout)
 
 
 def _run_upipe(factory: Callable) -> Callable:
     return lambda q, k, v, dout: _upipe_attention(factory(causal=True), q, k, v, dout, head_chunk_size=2)
 
 
-def _check(name: str, run: Callable, *parity_args) -> bool:
+def _check(name: str, run: Callable, *parity_args) -> dict:
     """``parity(run, *parity_args)`` reported as one line; a crash is this check's failure."""
     try:
         failure = parity(run, *parity_args)
     except Exception as err:  # noqa: BLE001 - the other checks still run
         failure = f"{type(err).__name__}: {err}"
-    return report(name, failure)
+    report(name, failure)
+    return {"check": name, "status": "PASS" if failure is None else "FAIL", "detail": failure}
 
 
-# -- 2. the layer table ----------------------------------------------------------------------------
+# -- 2. multi-rank parity over gloo, every rank on the one device ----------------------------------
+
+
+def rank_checks(rank: int, world: int, device_name: str, smoke: bool) -> dict[str, str | None]:
+    """On each of 4 ranks (C = 4, and C = 2 on ranks 0 and 1): the stage loop and the fused HF path
+    against single-process float64; returns {check: failure or None} (rank 0's is reported)."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device(device_name, 0) if device_name == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    groups = {2: dist.new_group([0, 1]), 4: dist.group.WORLD}
+    results: dict[str, str | None] = {}
+    for c, group in groups.items():
+        if rank >= c:
+            continue
+        for dtype_name, tol in (("float32", 1e-4), ("bfloat16", 3e-2)):
+            name = f"ranks stage loop C={c} sdpa {dtype_name} gqa (H=8, KV=2, U=C: {8 // c} stages)"
+            results[name] = _guard(_stage_loop_case, rank, c, group, device, dtype_name, tol)
+        name = f"ranks fused HF Llama C={c} float32 (U=C) vs the single-process model"
+        results[name] = _guard(_fused_hf_case, group, device, c)
+    return results
+
+
+def _guard(case: Callable[..., str | None], *args) -> str | None:
+    try:
+        return case(*args)
+    except Exception as err:  # noqa: BLE001 - the other checks still run
+        return f"{type(err).__name__}: {err}"
+
+
+def _stage_loop_case(rank, world, group, device, dtype_name: str, tol: float) -> str | None:
+    import torch
+
+    from ds_upipe import UPipeDistributedAttention
+    from ds_upipe.kernels import TorchSDPAKernel
+    from tests.core_cases import local_shard, make_inputs, reference_attention, relative_error
+
+    dtype = getattr(torch, dtype_name)
+    q, k, v, dout = make_inputs(0, 2, 50 * world, 8, 2, 64, dtype)  # 50 tokens a rank: not a multiple of 32
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = reference_attention(*full, True)
+    ref.backward(dout)
+    mine = [local_shard(t, rank, world, 0).to(device, dtype).requires_grad_(True) for t in (q, k, v)]
+    attn = UPipeDistributedAttention(TorchSDPAKernel(causal=True), group, head_chunk_size=world)
+    out = attn(*mine, 0)
+    out.backward(local_shard(dout, rank, world, 0).to(device, dtype))
+    errors = {"out": relative_error(out.cpu(), local_shard(ref.detach(), rank, world, 0))}
+    for n, t, r in zip("qkv", mine, full):
+        errors[f"d{n}"] = relative_error(t.grad.cpu(), local_shard(r.grad, rank, world, 0))
+    bad = {n: e for n, e in errors.items() if not e <= tol}
+    return None if not bad else f"relative errors above {tol:g}: {bad}"
+
+
+def _fused_hf_case(group, device, world: int) -> str | None:
+    import torch
+
+    from tests import hf_cases
+
+    seq = 12 * world
+    data = {n: t.to(device) for n, t in hf_cases.make_batch(0, 2, seq).items()}
+    model = hf_cases.build_model("llama", torch.float64).to(device)
+    ref = hf_cases.reference_step(model, data)  # float64, one process, the whole sequence
+    model = model.float()
+    hf_cases.patch_model(model, group, None, True, False, False)
+    got = hf_cases.sharded_step(model, data, group)
+    errors = hf_cases.compare(ref, got, seq)
+    bad = {n: e for n, e in errors.items() if not e <= 1e-4}
+    return None if not bad else f"relative errors above 1e-4 (float32 vs float64): {bad}"
+
+
+def run_rank_checks(device_name: str, smoke: bool) -> list[dict]:
+    from ds_upipe.tools.ranks import run_ranks
+
+    try:
+        per_rank = run_ranks(rank_checks, 4, device_name, smoke, backend="gloo", threads=1 if smoke else 2, timeout=240)
+    except Exception as err:  # noqa: BLE001 - reported as the part's failure
+        report("ranks (4 processes over gloo)", f"{type(err).__name__}: {str(err)[-2000:]}")
+        return [{"check": "ranks", "status": "FAIL", "detail": str(err)[-4000:]}]
+    rows = []
+    for name, failure in per_rank[0].items():
+        others = [r.get(name) for r in per_rank[1:] if name in r]
+        failure = failure or next((f for f in others if f), None)  # any rank's failure fails the check
+        report(name, failure)
+        rows.append({"check": name, "status": "PASS" if failure is None else "FAIL", "detail": failure})
+    return rows
+
+
+# -- 3. the layer table ----------------------------------------------------------------------------
 
 
 def _method(name: str):
@@ -214,15 +366,16 @@ def _init_fake_group(device: str) -> None:
     deepspeed.init_distributed(dist_backend="fake", verbose=False)
 
 
-def run_layer_checks(args: argparse.Namespace, device_name: str) -> tuple[list[bool], str]:
-    """The layer table's rows, one line per (method, length); returns the results and the table."""
+def layer_rows(args: argparse.Namespace, device_name: str, alloc: str) -> list[dict]:
+    """This process's layer rows (one allocator setting): memory at every length, time at 256K."""
     import torch
 
     from ds_upipe.tools import planner
     from ds_upipe.tools.bench import BenchSpec, build_layer, layer_case
 
     smoke = args.cpu_smoke
-    seqs = args.seq or ([1024, 2048] if smoke else [2**17, 2**18, 2**19, 2**20])
+    seqs = args.seq or ([1024] if smoke else [2**17, 2**18, 2**19, 2**20])
+    timed_seq = seqs[0] if smoke else TIMED_SEQ
     shapes = TINY if smoke else LLAMA3_8B
     spec = BenchSpec(
         world=WORLD,
@@ -230,11 +383,12 @@ def run_layer_checks(args: argparse.Namespace, device_name: str) -> tuple[list[b
         levels=("layer",),
         tiled_mlp=True,
         dtype="float32" if smoke else "bfloat16",
-        repeats=args.repeats,
-        warmup=1 if args.repeats else 0,
+        repeats=0,
+        warmup=0,
         device=device_name,
         **shapes,
     )
+    timed = dataclasses.replace(spec, repeats=args.repeats, warmup=1)
     methods = [_method(m.strip()) for m in args.methods.split(",") if m.strip()]
     dims = planner.ModelDims(
         "check", spec.heads, spec.kv_heads, spec.head_dim, spec.hidden_size, spec.intermediate_size, 1, 128
@@ -260,59 +414,76 @@ def run_layer_checks(args: argparse.Namespace, device_name: str) -> tuple[list[b
     }
     _init_fake_group(device_name)
     device = torch.device(device_name, 0) if device_name == "cuda" else torch.device("cpu")
-    gpu = torch.cuda.get_device_name(0) if device_name == "cuda" else "cpu"
-    print(
-        f"layer table on {gpu}: one rank of C={WORLD} over a FAKE process group "
-        "(collectives are no-ops: memory and compute are one rank's, no communication is timed)",
-        flush=True,
-    )
     start = time.monotonic()
     rows: list[dict] = []
-    results: list[bool] = []
     layers: dict = {}
     for seq in seqs:
         if time.monotonic() - start > args.budget_s:
-            print(
-                f"SKIP layer {planner.fmt_tokens(seq)} and longer: --budget-s {args.budget_s:.0f} reached", flush=True
-            )
+            skip(f"layer {planner.fmt_tokens(seq)} and longer [{alloc}]", f"--budget-s {args.budget_s:.0f} reached")
             break
         for m in methods:
-            row = {"method": m.name, "seq_len": seq}
+            row = {"method": m.name, "seq_len": seq, "alloc": alloc}
             try:
                 if m.name not in layers:
                     layers[m.name] = build_layer(m, spec, device)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(device)
                 res = layer_case(*layers[m.name], spec, seq, 0, device)
                 pred = predicted[(m.name, seq)]
-                row.update(
-                    peak_gib=res["peak"] / 2**30,
-                    activation_gib=res["intermediate"] / 2**30,
-                    time_s=res["time"],
-                    planner_gib=pred / 2**30,
-                )
+                row.update(allocated_gib=res["peak"] / 2**30, activation_gib=res["intermediate"] / 2**30)
+                row["planner_gib"] = pred / 2**30
+                if device.type == "cuda":
+                    row["max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                    row["max_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
                 del res
+                if seq == timed_seq and args.repeats and not alloc:
+                    row["time_s"] = layer_case(*layers[m.name], timed, seq, 0, device)["time"]
+                off = row["allocated_gib"] / row["planner_gib"] - 1
+                if abs(off) > PLANNER_TOLERANCE:
+                    row["error"] = f"allocated {row['allocated_gib']:.3f} GiB is {off:+.0%} off the planner's"
             except Exception as err:  # noqa: BLE001 - reported in the table, the other cases still run
                 row["error"] = f"{type(err).__name__}: {err}"
                 traceback.print_exc()
-            if device_name == "cuda":
+            if device.type == "cuda":
                 torch.cuda.empty_cache()
             rows.append(row)
-            name = f"layer {m.name} {planner.fmt_tokens(seq)} ({time.monotonic() - start:.0f}s)"
-            results.append(report(name, row.get("error")))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps(
-                {
-                    "device": gpu,
-                    "world": WORLD,
-                    "fake_process_group": True,
-                    "spec": {k: v for k, v in vars(spec).items()},
-                    "rows": rows,
-                },
-                indent=2,
-            )
-        )
-    return results, _table(rows, gpu)
+            label = f"layer {m.name} {planner.fmt_tokens(seq)} [{alloc or 'default allocator'}]"
+            report(f"{label} ({time.monotonic() - start:.0f}s)", row.get("error"))
+    return rows
+
+
+def run_layer_checks(args: argparse.Namespace, device_name: str, deadline: float) -> list[dict]:
+    """The layer rows with the default allocator and with expandable segments, each in a fresh process
+    on CUDA (the allocator setting is read at CUDA's start); on CPU the default in this process."""
+    if device_name == "cpu":
+        rows = layer_rows(args, device_name, "")
+        skip("layer [expandable_segments:True]", "needs a CUDA device")
+        return rows
+    rows: list[dict] = []
+    for alloc in ("", "expandable_segments:True"):
+        left = deadline - time.monotonic()
+        if left < 30:
+            skip(f"layer [{alloc or 'default allocator'}]", "the acceptance's time is spent")
+            continue
+        out = _out_dir(args) / f"layer{'-expandable' if alloc else ''}.json"
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": alloc} if alloc else dict(os.environ)
+        cmd = [sys.executable, __file__, "--only", "layer", "--layer-child", str(out), "--methods", args.methods]
+        cmd += ["--repeats", str(args.repeats), "--budget-s", str(min(args.budget_s, left * 0.45))]
+        cmd += ["--alloc-conf", alloc] + (["--seq", ",".join(map(str, args.seq))] if args.seq else [])
+        try:
+            subprocess.run(cmd, env=env, timeout=max(left - 10, 1), check=False)
+            rows += json.loads(out.read_text())
+        except Exception as err:  # noqa: BLE001 - a crashed or timed-out child fails its rows
+            report(f"layer [{alloc or 'default allocator'}]", f"{type(err).__name__}: {err}")
+            rows.append({"method": "-", "seq_len": 0, "alloc": alloc, "error": f"{type(err).__name__}: {err}"})
+    return rows
+
+
+def _out_dir(args: argparse.Namespace) -> Path:
+    out = args.out or Path(os.environ.get("OUT") or REPO / "runs" / "gpu_check")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,19 +491,39 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not args.cpu_smoke and not torch.cuda.is_available():
-        print("no CUDA device: run with --cpu-smoke for the CPU path", file=sys.stderr)
+        print("no CUDA device: run with --cpu-smoke for the CPU dry run", file=sys.stderr)
         return 2
     device_name = "cpu" if args.cpu_smoke else "cuda"
-    print(f"ds-upipe GPU acceptance on {torch.cuda.get_device_name(0) if device_name == 'cuda' else 'cpu'}", flush=True)
-    results: list[bool] = []
-    table = None
+    if args.layer_child is not None:  # one allocator setting's layer rows, for the parent
+        args.layer_child.write_text(json.dumps(layer_rows(args, device_name, args.alloc_conf)))
+        return 0
+    deadline = time.monotonic() + 450  # 7.5 minutes: inside one 8-minute device call
+    gpu = torch.cuda.get_device_name(0) if device_name == "cuda" else "cpu"
+    print(f"ds-upipe GPU acceptance on {gpu}: torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
+    checks: list[dict] = []
+    layer: list[dict] = []
     if args.only in (None, "kernels"):
-        results += run_kernel_checks(device_name, args.cpu_smoke)
+        checks += run_kernel_checks(device_name, args.cpu_smoke)
+    if args.only in (None, "ranks"):
+        checks += run_rank_checks(device_name, args.cpu_smoke)
     if args.only in (None, "layer"):
-        layer_results, table = run_layer_checks(args, device_name)
-        results += layer_results
-    failed = results.count(False)
-    print(f"{len(results) - failed} passed, {failed} failed", flush=True)
+        layer = run_layer_checks(args, device_name, deadline)
+        checks += [
+            {
+                "check": f"layer {r['method']} {r['seq_len']} [{r['alloc']}]",
+                "status": "FAIL" if "error" in r else "PASS",
+            }
+            for r in layer
+        ]
+    failed = sum(c["status"] == "FAIL" for c in checks)
+    passed = sum(c["status"] == "PASS" for c in checks)
+    skipped = sum(c["status"] == "SKIP" for c in checks)
+    out = _out_dir(args) / "gpu_check.json"
+    versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": gpu}
+    out.write_text(json.dumps({**versions, "checks": checks, "layer": layer}, indent=2))
+    print(f"wrote {out}", flush=True)
+    table = _table(layer, gpu) if layer else None
+    print(f"{passed} passed, {failed} failed, {skipped} skipped", flush=True)
     if table is not None:
         print(table)  # last, so it is what a reader sees
     return 1 if failed else 0
@@ -341,24 +532,27 @@ def main(argv: list[str] | None = None) -> int:
 def _table(rows: list[dict], gpu: str) -> str:
     from ds_upipe.tools.planner import fmt_tokens
 
-    base = {r["seq_len"]: r for r in rows if r["method"] == "alst" and "error" not in r}
-    ok = [r for r in rows if "error" not in r]
-    unit, div = ("GiB", 1.0) if ok and max(r["peak_gib"] for r in ok) >= 1 else ("MiB", 1 / 1024)
+    ok = [r for r in rows if "error" not in r or "allocated_gib" in r]
+    unit, div = ("GiB", 1.0) if ok and max(r["allocated_gib"] for r in ok) >= 1 else ("MiB", 1 / 1024)
+    base = {r["seq_len"]: r for r in ok if r["method"] == "alst" and not r["alloc"] and "time_s" in r}
     lines = [
         f"one Llama3-8B-shaped decoder layer, rank 0 of C={WORLD} (FAKE process group), {gpu}; memory in {unit}",
-        f"{'method':<20}{'seq':>7}{'peak':>10}{'activ.':>10}{'x ALST':>8}{'fwd+bwd s':>11}{'x ALST':>8}{'planner':>10}",
+        f"{'method':<19}{'seq':>6} {'allocator':<11}{'allocated':>10}{'reserved':>10}{'planner':>9}{'x plan':>8}"
+        f"{'fwd+bwd s':>11}{'x ALST':>8}",
     ]
     for r in rows:
-        if "error" in r:
-            lines.append(f"{r['method']:<20}{fmt_tokens(r['seq_len']):>7}  error: {r['error'][:70]}")
+        alloc = "expandable" if r["alloc"] else "default"
+        if "allocated_gib" not in r:
+            lines.append(f"{r['method']:<19}{fmt_tokens(r['seq_len']):>6} {alloc:<11} error: {r['error'][:70]}")
             continue
+        reserved = r.get("max_reserved_gib", math.nan) / div
         b = base.get(r["seq_len"])
-        mem_x = r["activation_gib"] / b["activation_gib"] if b else math.nan
-        t_x = r["time_s"] / b["time_s"] if b and b["time_s"] == b["time_s"] else math.nan
+        t = r.get("time_s", math.nan)
+        t_x = t / b["time_s"] if b and "time_s" in r else math.nan
         lines.append(
-            f"{r['method']:<20}{fmt_tokens(r['seq_len']):>7}{r['peak_gib'] / div:>10.2f}"
-            f"{r['activation_gib'] / div:>10.2f}{mem_x:>8.2f}{r['time_s']:>11.3f}{t_x:>8.2f}"
-            f"{r['planner_gib'] / div:>10.2f}"
+            f"{r['method']:<19}{fmt_tokens(r['seq_len']):>6} {alloc:<11}{r['allocated_gib'] / div:>10.2f}"
+            f"{reserved:>10.2f}{r['planner_gib'] / div:>9.2f}{r['allocated_gib'] / r['planner_gib']:>8.2f}"
+            f"{t:>11.3f}{t_x:>8.2f}" + ("  FAIL" if "error" in r else "")
         )
     return "\n".join(lines)
 

@@ -159,7 +159,7 @@ def cuda_adapter_parity(rank, world):
     lib.impl("_scaled_dot_product_efficient_attention", contracts._efficient_forward(rec), "CPU")
     lib.impl("_scaled_dot_product_efficient_attention_backward", contracts._efficient_backward(rec), "CPU")
     original = kernels.sdpa_path
-    kernels.sdpa_path = lambda device_type, dtype: original("cuda", dtype)
+    kernels.sdpa_path = lambda device_type, dtype, head_dim=None: original("cuda", dtype, head_dim)
     try:
         groups = Groups(2, 2)
         errors = {}

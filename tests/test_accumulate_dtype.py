@@ -50,3 +50,40 @@ def test_fused_dx_and_weight_accumulators_dtype(on, want):
 def test_float64_is_unchanged():
     assert _context(True).accumulate_dtype(torch.float64) == torch.float64
     assert _context(True).accumulate_dtype(torch.float32) == torch.float32
+
+
+class _DxGemms(torch.utils._python_dispatch.TorchDispatchMode):
+    """The dtype of every matrix product whose output has dx's [tokens, hidden] shape."""
+
+    def __init__(self, shape: tuple[int, int]) -> None:
+        super().__init__()
+        self.shape, self.dtypes = shape, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        res = func(*args, **(kwargs or {}))
+        if func.__name__.split(".")[0] in ("mm", "addmm", "addmm_") and tuple(res.shape) == self.shape:
+            self.dtypes.append(res.dtype if func.__name__.startswith("mm") else args[1].dtype)
+        return res
+
+
+def test_fused_dx_is_one_input_dtype_gemm_per_stage():
+    """A stage's query gradient arriving as one piece per source rank (here 2) makes one dx GEMM, in
+    bf16 (tensor cores), added to the float32 accumulator; dx equals the float64 product."""
+    model = build_model("llama", torch.bfloat16)
+    proj = FusedProjections.of(model.model.layers[0].self_attn)
+    x = torch.randn(1, 6, model.config.hidden_size, dtype=torch.bfloat16)
+    cos = sin = torch.ones(1, 6, proj.head_dim, dtype=torch.bfloat16)
+    needs = (True,) * (1 + len(proj.params()))
+    source = FusedProjectionSource(x, cos, sin, proj, backward=True, needs_grad=needs)
+    heads = torch.tensor([0, 1])
+    with torch.no_grad(), _DxGemms((6, model.config.hidden_size)) as gemms:
+        grad = source.query(heads).float()
+        for h in (0, 1):  # one piece per source rank
+            source.add_query_grad(heads[h : h + 1], grad[:, :, h : h + 1])
+    assert gemms.dtypes == [torch.bfloat16] and source.grad_x.dtype == torch.float32
+    w = proj.params()[0].index_select(0, source.rows(heads)).double()
+    # cos = sin = 1: RoPE's backward of g is rotate-half's transpose applied to g, as the source computes it
+    from hf_patches.fused import rope_backward
+
+    g = rope_backward(grad, source.cos, source.sin).reshape(6, -1).to(torch.bfloat16).double()
+    torch.testing.assert_close(source.results()[0].reshape(6, -1).double(), g @ w, rtol=2e-2, atol=2e-2)

@@ -79,3 +79,31 @@ def test_document_boundaries_without_processes():
         DocumentBoundaries.of([0, 3, 3, 8]).check(1, 8)
     with pytest.raises(ValueError, match="cu_seqlens has 2 rows for a batch of 3"):
         DocumentBoundaries.of([[0, 8], [0, 2, 8]]).check(3, 8)
+
+
+def test_input_check_reads_the_host_once_per_layout():
+    """The input exchange runs every call, but the host read (``.tolist()``, a device sync per layer on
+    CUDA) only for a layout the module has not checked: the second call of a shape does not read it,
+    a new shape does; gathered rows that differ from the passed ones fail the device comparison."""
+    import torch
+
+    from ds_upipe import UPipeDistributedAttention
+    from ds_upipe.kernels import TorchSDPAKernel
+
+    layer = UPipeDistributedAttention(TorchSDPAKernel(causal=True), None, head_chunk_size=2)
+    q, k, v = (torch.randn(1, 8, 4, 8, dtype=torch.float64) for _ in range(3))
+    for _ in range(3):
+        layer(q, k, v, 0)
+    assert layer.checked_inputs.host_checks == 1
+    layer(q[:, :4], k[:, :4], v[:, :4], 0)
+    assert layer.checked_inputs.host_checks == 2
+    # another rank's row changed while this one's did not: the device comparison refuses it
+    from ds_upipe import validation
+
+    gather = validation._gather
+    try:
+        validation._gather = lambda mine, group, ring_group: torch.cat([mine, mine + 1])
+        with pytest.raises(RuntimeError):
+            layer(q, k, v, 0)
+    finally:
+        validation._gather = gather

@@ -71,12 +71,35 @@ def _check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
         assert t.stride(-1) == 1, "CUDA attention kernels need a contiguous last dimension"
 
 
+def _token_major(t: torch.Tensor) -> torch.Tensor:
+    """[b, h, S, d] with [b, S, h, d] memory, as torch's CUDA forward ops allocate their output."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _check_flash_inputs(*tensors: torch.Tensor) -> None:
+    """What mha_fwd / mha_bwd (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp) check."""
+    dtype, head_dim = tensors[0].dtype, tensors[0].shape[-1]
+    assert dtype in (torch.float16, torch.bfloat16), "FlashAttention only supports fp16 and bf16"
+    assert all(t.dtype == dtype for t in tensors), "query, key, value (and out, dout) must have the same dtype"
+    assert head_dim % 8 == 0, "head_size must be a multiple of 8, this is ensured by padding!"
+    assert head_dim <= 256, "FlashAttention forward only supports head dimension at most 256"
+    _check_last_dim_contiguous(*tensors)
+
+
+def _check_raw_lse(lse: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """mha_bwd checks only the lse's device and reads it by raw pointer as (b * h + head) * seqlen: it
+    must be float32, of exactly [b, h, S] and contiguous, or heads >= 1 read another head's rows."""
+    assert lse.dtype == torch.float32, f"softmax_lse must be float32, got {lse.dtype}"
+    assert tuple(lse.shape) == shape, f"softmax_lse must be {shape} (read by raw pointer), got {tuple(lse.shape)}"
+    assert lse.is_contiguous(), f"softmax_lse is read by raw pointer: it must be contiguous, got strides {lse.stride()}"
+
+
 def _flash_forward(rec: Recorder):
     def impl(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
-        assert query.dtype in (torch.float16, torch.bfloat16), "FlashAttention only supports fp16 and bf16"
+        _check_flash_inputs(query, key, value)
         assert query.shape[1] % key.shape[1] == 0, "key/value heads must divide query heads"
-        _check_last_dim_contiguous(query, key, value)
         out, lse, _ = _reference(is_causal, scale).forward(query, key, value)
+        out = _token_major(out)  # mha_fwd's out is [b, S, h, d], handed back transposed
         seq_q, seq_k = query.shape[2], key.shape[2]
         rng_state = torch.tensor([1234, 0], dtype=torch.int64)  # distinct tensors, so their identity is traceable
         unused = torch.tensor(0, dtype=torch.int64)
@@ -95,6 +118,8 @@ def _flash_backward(rec: Recorder):
         rec.calls.append(("flash_backward", args, {"scale": scale}, None))
         if cum_seq_q is not None:
             raise RuntimeError("a defined cum_seq_q selects flash's varlen backward (mha_varlen_bwd)")
+        _check_flash_inputs(query, key, value, out, grad_out)
+        _check_raw_lse(logsumexp, tuple(query.shape[:3]))
         return _reference(is_causal, scale).backward(grad_out, query, key, value, out, logsumexp, ())
 
     return impl
@@ -107,9 +132,11 @@ def _padded_lse_len(seq: int) -> int:
 def _efficient_forward(rec: Recorder):
     def impl(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
         assert query.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        assert key.dtype == value.dtype == query.dtype, "query, key and value must have the same dtype"
         assert query.shape[1] == key.shape[1] == value.shape[1], "efficient attention needs equal head counts"
         _check_last_dim_contiguous(query, key, value)
         out, lse, _ = _reference(is_causal, scale).forward(query, key, value)
+        out = _token_major(out)  # allocated [B, M, num_heads, K] and handed back transposed
         b, h, seq = lse.shape
         lse_padded = torch.full((b, h, _padded_lse_len(seq) if compute_log_sumexp else 0), float("nan"))
         lse_padded[..., :seq] = lse
@@ -128,7 +155,15 @@ def _efficient_backward(rec: Recorder):
                 list(grad_input_mask), is_causal)  # fmt: skip
         rec.calls.append(("efficient_backward", args, {"scale": scale}, None))
         assert query.shape[1] == key.shape[1] == value.shape[1], "efficient attention needs equal head counts"
-        assert logsumexp.shape[-1] == _padded_lse_len(query.shape[2])
+        assert all(t.dtype == query.dtype for t in (key, value, out, grad_out_)), "one dtype for all inputs"
+        _check_last_dim_contiguous(query, key, value, out, grad_out_, logsumexp)
+        # kernel_backward.h reads out through its head stride but takes its token stride to be
+        # num_heads * head_dim (o_strideM): only token-major out, as the forward returns it, is read right
+        b, h, seq, d = out.shape
+        token_major = out.stride(2) == h * d and (h == 1 or out.stride(1) == d)  # one head: its stride is moot
+        assert token_major and out.stride(3) == 1, f"out must be token-major [b, S, h, d] memory, got {out.stride()}"
+        want = (b, h, _padded_lse_len(seq))
+        assert tuple(logsumexp.shape) == want, f"logsumexp must be {want} (padded to 32), got {tuple(logsumexp.shape)}"
         lse = logsumexp[..., : query.shape[2]]
         dq, dk, dv = _reference(is_causal, scale).backward(grad_out_, query, key, value, out, lse, ())
         # dense gradients of the inputs' shapes, as at::empty(key.sizes()) allocates them
@@ -153,7 +188,9 @@ def cuda_ops() -> Recorder:
 @pytest.fixture
 def as_cuda(cuda_ops: Recorder, monkeypatch) -> Recorder:
     """TorchSDPAKernel takes its CUDA decisions for these CPU tensors."""
-    monkeypatch.setattr(kernels, "sdpa_path", lambda device_type, dtype: sdpa_path("cuda", dtype))
+    monkeypatch.setattr(
+        kernels, "sdpa_path", lambda device_type, dtype, head_dim=None: sdpa_path("cuda", dtype, head_dim)
+    )
     cuda_ops.clear()
     return cuda_ops
 
@@ -225,6 +262,39 @@ def test_sdpa_path_selection():
     assert sdpa_path("cuda", torch.float64).quadratic_memory  # the reference: no fused float64 CUDA kernel
     with pytest.raises(ValueError, match="kernel 'sdpa' runs on cpu or cuda tensors, got device type 'xpu'"):
         sdpa_path("xpu", torch.float32)
+
+
+def test_sdpa_path_by_head_dim():
+    """fp16/bf16 on CUDA: the flash op takes head_dim % 8 == 0 up to 256; others are padded to a multiple
+    of 8 (as F.scaled_dot_product_attention pads), and above 256 the memory-efficient op runs."""
+    for dtype in (torch.float16, torch.bfloat16):
+        assert sdpa_path("cuda", dtype, 64).name == sdpa_path("cuda", dtype, 256).name == "cuda_flash"
+        assert sdpa_path("cuda", dtype, 12).name == sdpa_path("cuda", dtype, 250).name == "cuda_flash_padded"
+        assert sdpa_path("cuda", dtype, 264).name == "cuda_efficient"
+        assert sdpa_path("cuda", dtype, 260).name == "cuda_efficient_padded"
+    assert sdpa_path("cuda", torch.float32, 12).name == "cuda_efficient"
+    assert sdpa_path("cuda", torch.float32, 12).lse_block == 32 and sdpa_path("cuda", torch.bfloat16, 12).lse_block == 1
+
+
+@pytest.mark.parametrize("dtype, d, op", [(torch.bfloat16, 12, "flash"), (torch.float16, 20, "flash"),
+                                          (torch.bfloat16, 260, "efficient")])  # fmt: skip
+def test_head_dim_the_flash_op_refuses_is_padded(as_cuda, dtype, d, op):
+    """head_dim 12 or 20 reach the flash op padded to 16 / 24 with the scale of the true head_dim (the
+    default 1/sqrt(d)), 260 the efficient op padded to 264; out and gradients of the true head_dim
+    equal the float64 reference, through a GQA stage with packed documents too."""
+    q, k, v, dout = _inputs(4, 2, dtype, d=d)
+    kernel = TorchSDPAKernel(causal=True)
+    out, lse, aux = kernel.forward(q, k, v)
+    grads = kernel.backward(dout, q, k, v, out, lse, aux)
+    (fwd_args, fwd_kw, _), (bwd_args, _, _) = as_cuda.of(op)[0], as_cuda.of(f"{op}_backward")[0]
+    padded = d + (-d % 8)
+    assert fwd_args[0].shape[-1] == padded and bwd_args[1].shape[-1] == padded
+    assert fwd_kw["scale"] == 1 / math.sqrt(d)
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    _assert_matches_reference((q, k, v, dout), (out, *grads), None, tol=tol)
+    if op == "flash":
+        ref_kernel = TorchSDPAKernel(causal=True, softmax_scale=SCALE)
+        _check_documents(ref_kernel, q, k, v, dout, tol)
 
 
 # -- torch flash (fp16/bf16) ------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from ..cuda_env import avoid_record_streams
 from .agreement import agreed_settings, check_ranks_agree
 from .config import check_heads, check_world, load_config, micro_batch_size, parse_config
 from .process_exit import release_shm_at_exit
@@ -99,8 +100,10 @@ def initialize(
     except ValueError as err:
         error = str(err)
 
+    backend = get_accelerator().communication_backend_name()
+    avoid_record_streams(backend)  # torch < 2.8 + NCCL: before the group exists (ds_upipe.cuda_env)
     deepspeed.init_distributed(
-        dist_backend=get_accelerator().communication_backend_name(),
+        dist_backend=backend,
         distributed_port=distributed_port,
         dist_init_required=dist_init_required,
     )

@@ -72,6 +72,9 @@ def _worker(rank: int, world_size: int, port: int, use_deepspeed: bool, backend:
     torch.set_num_threads(threads)
     try:
         if backend == "nccl":
+            from ds_upipe.cuda_env import avoid_record_streams
+
+            avoid_record_streams(backend)  # torch < 2.8: before the group exists
             torch.cuda.set_device(rank)
         if use_deepspeed:
             import deepspeed
