@@ -32,6 +32,10 @@ from .tiling import NORM_TILE_BYTES
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
+#: the largest dx product tile (bytes) the fused backward adds to a float32 accumulator at once
+DX_TILE_BYTES = 1 << 25
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Qwen3RMSNorm.forward as a function of its weight (so backward can differentiate a leaf)."""
     input_dtype = x.dtype
@@ -376,23 +380,27 @@ class FusedProjectionSource:
     def _flush_grad_x(self) -> None:
         """dx += [g_1 ... g_n] @ [W_1; ...; W_n] over the pending pieces of a chunk: one GEMM per
         stage (per round's K/V) instead of one per piece and source rank, each of which read and
-        wrote the whole x-sized accumulator.  The GEMM runs in the input dtype (16-bit tensor cores
-        with float32 accumulation inside, as the model's own q/k/v_proj backward computes dx) and
-        its product is added to the accumulator, float32 unless ``accumulate_in_input_dtype``; an
-        fp32 GEMM here would run without TF32 at a tenth of the rate."""
+        wrote the whole x-sized accumulator.  With the accumulator in the input dtype it is one
+        in-place addmm.  With a float32 accumulator for 16-bit inputs the GEMM runs in the input dtype
+        (tensor cores, float32 accumulation inside, as the model's own q/k/v_proj backward computes
+        dx) over tiles of ``DX_TILE_BYTES`` of product, each added to the float32 accumulator: an fp32
+        GEMM would run without TF32 at a tenth of the rate, and an untiled product would be an
+        x-sized temporary at the layer's peak."""
         if not self._dx_pending:
             return
         gs, ws = zip(*self._dx_pending)
         self._dx_pending.clear()
-        g, w = (gs[0], ws[0]) if len(gs) == 1 else (torch.cat(gs, dim=1), torch.cat(ws, dim=0))
         if self.grad_x is None:
             acc_dtype = self._acc_dtype(self.x.dtype)
             self.grad_x = torch.zeros(self.x2d.shape, dtype=acc_dtype, device=self.x.device)
-        w = w.to(g.dtype)
-        if self.grad_x.dtype == g.dtype:
-            self.grad_x.addmm_(g, w)
-        else:
-            self.grad_x.add_(torch.mm(g, w))
+        w = (ws[0] if len(ws) == 1 else torch.cat(ws, dim=0)).to(gs[0].dtype)
+        if self.grad_x.dtype == gs[0].dtype:
+            self.grad_x.addmm_(gs[0] if len(gs) == 1 else torch.cat(gs, dim=1), w)
+            return
+        tokens = max(1, DX_TILE_BYTES // (w.shape[1] * w.element_size()))
+        for start in range(0, self.grad_x.shape[0], tokens):
+            tile = [g[start : start + tokens] for g in gs]
+            self.grad_x[start : start + tokens].add_(torch.mm(tile[0] if len(tile) == 1 else torch.cat(tile, 1), w))
 
     def _acc_dtype(self, dtype: torch.dtype) -> torch.dtype:
         if dtype in _LOW_PRECISION and not self.accumulate_in_input_dtype:

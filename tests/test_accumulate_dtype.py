@@ -66,21 +66,27 @@ class _DxGemms(torch.utils._python_dispatch.TorchDispatchMode):
         return res
 
 
-def test_fused_dx_is_one_input_dtype_gemm_per_stage():
+@pytest.mark.parametrize("tiles", [1, 3])
+def test_fused_dx_is_one_input_dtype_gemm_per_stage(monkeypatch, tiles):
     """A stage's query gradient arriving as one piece per source rank (here 2) makes one dx GEMM, in
-    bf16 (tensor cores), added to the float32 accumulator; dx equals the float64 product."""
+    bf16 (tensor cores), added to the float32 accumulator (per tile of DX_TILE_BYTES of product, so no
+    x-sized temporary); dx equals the float64 product."""
+    from hf_patches import fused
+
     model = build_model("llama", torch.bfloat16)
+    if tiles > 1:  # 2 tokens of product a tile: 3 tiles of the 6 tokens
+        monkeypatch.setattr(fused, "DX_TILE_BYTES", 2 * model.config.hidden_size * 2)
     proj = FusedProjections.of(model.model.layers[0].self_attn)
     x = torch.randn(1, 6, model.config.hidden_size, dtype=torch.bfloat16)
     cos = sin = torch.ones(1, 6, proj.head_dim, dtype=torch.bfloat16)
     needs = (True,) * (1 + len(proj.params()))
     source = FusedProjectionSource(x, cos, sin, proj, backward=True, needs_grad=needs)
     heads = torch.tensor([0, 1])
-    with torch.no_grad(), _DxGemms((6, model.config.hidden_size)) as gemms:
+    with torch.no_grad(), _DxGemms((6 // tiles, model.config.hidden_size)) as gemms:
         grad = source.query(heads).float()
         for h in (0, 1):  # one piece per source rank
             source.add_query_grad(heads[h : h + 1], grad[:, :, h : h + 1])
-    assert gemms.dtypes == [torch.bfloat16] and source.grad_x.dtype == torch.float32
+    assert gemms.dtypes == [torch.bfloat16] * tiles and source.grad_x.dtype == torch.float32
     w = proj.params()[0].index_select(0, source.rows(heads)).double()
     # cos = sin = 1: RoPE's backward of g is rotate-half's transpose applied to g, as the source computes it
     from hf_patches.fused import rope_backward

@@ -295,6 +295,16 @@ def test_head_dim_the_flash_op_refuses_is_padded(as_cuda, dtype, d, op):
     if op == "flash":
         ref_kernel = TorchSDPAKernel(causal=True, softmax_scale=SCALE)
         _check_documents(ref_kernel, q, k, v, dout, tol)
+        # the stage loop takes the padded path's sliced (strided) out and gradients as they come
+        plan = build_plan(4, 2, 1, 2)
+        pctx = PipelineContext(plan=plan, indices=PlanIndices.build(plan, torch.device("cpu")), group=None,
+                               attention=TorchSDPAKernel(causal=True))  # fmt: skip
+        qs, ks, vs = (t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+        UPipeAttentionFunction.apply(qs, ks, vs, pctx).backward(dout.transpose(1, 2))
+        got = tuple(
+            t.transpose(1, 2) for t in (UPipeAttentionFunction.apply(qs, ks, vs, pctx), qs.grad, ks.grad, vs.grad)
+        )
+        _assert_matches_reference((q, k, v, dout), got, None, tol=tol)
 
 
 # -- torch flash (fp16/bf16) ------------------------------------------------------------------------
