@@ -50,6 +50,9 @@ def test_components_and_models():
         assert mem["loss_full"] >= mem["logits_fp32"] * 2, mem
         assert mem["loss_tiled"] * 8 <= mem["loss_full"], mem
         assert mem["loss_tiled"] <= mem["logits_fp32"] / 4, mem
+        # the tiled loss's input hidden state is released before the layers' backward (the old
+        # SequenceTiledCompute kept it on its ctx: 131,080 bytes here, the whole hidden state)
+        assert mem["act_in_layers_backward"] < mem["hidden_fp32_loss"] / 4, mem
         # norm in bfloat16: beyond the bfloat16 input, output and input gradient, the tiled norm
         # holds less than a quarter of one float32 copy of the hidden state; transformers' holds more
         inherent = 3 * mem["hidden_bf16"]
