@@ -15,7 +15,8 @@ DeepSpeed's autograd Functions do the work (deepspeed.runtime.sequence_parallel.
   really makes that many tiles (it makes fewer for some lengths, e.g. 6 tokens in 4 chunks gives 3,
   and then TiledMLP never marks the weights' gradients ready for ZeRO: they would be lost).
 - loss: ``TiledLossSum``, DeepSpeed's ``SequenceTiledCompute`` for a scalar output per tile, summed,
-  with its inputs saved by ``save_for_backward`` as in TiledNorm (released before the layers' backward).  Not DeepSpeed's
+  with its inputs saved by ``save_for_backward`` as in TiledNorm (released before the layers'
+  backward).  Not DeepSpeed's
   ``TiledFusedLogitsLoss``: it runs the backward inside the forward with an assumed upstream
   gradient of 1.0 and only rescales the hidden-state gradient by the real one, so the lm_head weight
   gradient ignores every later scale (DeepSpeed's 1/gradient_accumulation_steps in
