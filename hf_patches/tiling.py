@@ -44,9 +44,39 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-#: default norm tile: about 256 MiB per float32 copy of the tile (the layer norms of the long-context
-#: stack, and fused Qwen3's per-head q/k norms)
+#: default norm tile bound: about 256 MiB per float32 copy of the tile (the layer norms of the
+#: long-context stack, and fused Qwen3's per-head q/k norms)
 NORM_TILE_BYTES = 1 << 28
+#: default loss tile bound: about 1 GiB of float32 logits (ArcticTraining's choice)
+LOSS_TILE_BYTES = 1 << 30
+#: default tiles per shard: a part left at its default tile size is cut into at least this many
+#: tiles of the rank's tokens (only at large shards does the byte bound make the tiles smaller).
+#: With byte bounds alone a CPU- or main-job-sized shard (2,048 tokens) was one tile and the stack
+#: did nothing: the loss tile bound is 8,388 tokens at vocab 32K.
+MIN_TILES = 8
+
+
+def default_tile_tokens(tokens: int, bound_tokens: int) -> int:
+    """The one rule for a tile size left unset (every entry point: ``apply_long_context_stack``,
+    the ds_config's ``true`` / ``{"tile_tokens": null}``, the planner, the benchmarks): at least
+    ``MIN_TILES`` tiles of ``tokens`` (the longest rank's tokens where the ranks must agree), and at
+    most ``bound_tokens`` tokens per tile (the part's byte bound)."""
+    return max(1, min(bound_tokens, math.ceil(tokens / MIN_TILES)))
+
+
+def loss_tile_bound(vocab: int) -> int:
+    """Tokens of about ``LOSS_TILE_BYTES`` of float32 logits."""
+    return max(1, LOSS_TILE_BYTES // (4 * vocab))
+
+
+def norm_tile_bound(hidden: int) -> int:
+    """Tokens of about ``NORM_TILE_BYTES`` per float32 copy of the hidden state."""
+    return max(1, NORM_TILE_BYTES // (4 * hidden))
+
+
+def mlp_tile_bound(hidden: int) -> int:
+    """hidden_size tokens per MLP tile (ALST's choice)."""
+    return max(1, hidden)
 
 
 def tiles_for(tokens: int, tile_tokens: int) -> int:
@@ -175,14 +205,16 @@ class TiledNorm(torch.autograd.Function):
         return None, grad_x, None, None
 
 
-def tiled_norm(module: nn.Module, forward: Callable, hidden_states: Tensor, tile_tokens: int) -> Tensor:
+def tiled_norm(module: nn.Module, forward: Callable, hidden_states: Tensor, tile_tokens: int | None) -> Tensor:
     """``forward(module, hidden_states)`` of a per-token module (RMSNorm) on sequence tiles of
     [batch, seq, hidden] input, recomputed per tile in backward (``TiledNorm``).  No collective runs
     inside (the module is not called through ``__call__``; ZeRO-3 has gathered its weight around the
-    whole call), so the tile count is this rank's own."""
+    whole call), so the tile count is this rank's own.  ``tile_tokens`` None: ``default_tile_tokens``."""
     if hidden_states.dim() != 3:
         return forward(module, hidden_states)
     batch, seq = hidden_states.shape[:2]
+    if tile_tokens is None:
+        tile_tokens = default_tile_tokens(batch * seq, norm_tile_bound(hidden_states.shape[-1]))
     tiles = min(seq, tiles_for(batch * seq, tile_tokens))
     if tiles <= 1:
         return forward(module, hidden_states)
@@ -191,14 +223,18 @@ def tiled_norm(module: nn.Module, forward: Callable, hidden_states: Tensor, tile
     return TiledNorm.apply(functools.partial(forward, module), hidden_states, tiles, params)
 
 
-def tiled_mlp(module: nn.Module, forward: Callable, x: Tensor, tile_tokens: int) -> Tensor:
+def tiled_mlp(module: nn.Module, forward: Callable, x: Tensor, tile_tokens: int | None) -> Tensor:
     """``forward(module, x)`` of an MLP on token tiles through DeepSpeed's ``TiledMLP``: x is
-    flattened to [tokens, hidden] so the forward and backward tile the same token axis."""
+    flattened to [tokens, hidden] so the forward and backward tile the same token axis.
+    ``tile_tokens`` None: ``default_tile_tokens`` of the longest rank (ZeRO-3 ranks agree)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
     params = [p for p in module.parameters() if p.requires_grad]
     flat = x.reshape(-1, x.shape[-1])
-    tiles = exact_chunk_tiles(token_counts(flat.shape[0], list(module.parameters()), x.device), tile_tokens)
+    counts = token_counts(flat.shape[0], list(module.parameters()), x.device)
+    if tile_tokens is None:
+        tile_tokens = default_tile_tokens(max(counts), mlp_tile_bound(x.shape[-1]))
+    tiles = exact_chunk_tiles(counts, tile_tokens)
     if tiles <= 1:
         return forward(module, x)
     out = TiledMLP.apply(_no_grad_detached(forward), module, _grad_input(flat, params), tiles, params)
@@ -279,7 +315,7 @@ def tiled_loss_sum(
     hidden: Tensor,
     labels: Tensor,
     *,
-    tile_tokens: int,
+    tile_tokens: int | None,
     ignore_index: int,
     shared_params: Sequence[nn.Parameter] = (),
 ) -> Tensor:
@@ -288,11 +324,15 @@ def tiled_loss_sum(
     Like ``sequence_parallel_loss``, 16-bit logits are upcast to float32 (per tile here).  Only
     one tile's logits exist at a time, in forward and in backward (which recomputes them).
     ``shared_params``: lm_head parameters used elsewhere in the model (a tied embedding), whose
-    ZeRO gradient reduction must wait for the other use's gradient.
+    ZeRO gradient reduction must wait for the other use's gradient.  ``tile_tokens`` None:
+    ``default_tile_tokens`` of the longest rank of the lm_head's ZeRO-3 group.
     """
     batch, seq = labels.shape
     params = list(lm_head.parameters())
     counts = token_counts(batch * seq, params, hidden.device)
+    if tile_tokens is None:
+        vocab = getattr(lm_head, "out_features", None) or lm_head.weight.shape[0]
+        tile_tokens = default_tile_tokens(max(counts), loss_tile_bound(vocab))
     # SequenceTiledCompute always runs `tiles` calls (empty trailing tiles allowed), as ZeRO-3 needs
     tiles = max(tiles_for(n, tile_tokens) for n in counts)
     # the other use (the embedding) adds its gradient later only if the gradient flows down through hidden
