@@ -52,7 +52,7 @@ def main() -> int:
     for r in rows:
         m = planner.measured_scheme(r.kind, r.head_chunk_size, r.fused, args.overlap_comm)
         # the measured layer runs plain forward + backward (no replay)
-        setup = planner.measured_layer_setup(args.world, args.dtype, tiled)
+        setup = planner.measured_layer_setup(args.world, args.dtype, tiled, hidden_size=hidden)
         peak = planner.layer_peak(dims, setup, m, r.seq_len)
         pred, where = peak.total, peak.at
         err = pred / r.peak_bytes - 1

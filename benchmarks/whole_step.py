@@ -12,6 +12,10 @@ proportions scaled down (GQA 4:1, intermediate 3.5 x hidden, vocabulary 32K), in
   "sequence_parallel"), tiled RMSNorms and DeepSpeed's TiledMLP; without it the loss is
   ``sequence_parallel_loss`` on the full logits (what ships without the stack).
 
+Tile sizes: the shipped ones by default, read from ``--config`` (ds_configs/upipe_long_context.json:
+``true`` for each part, i.e. ``hf_patches.tiling.default_tile_tokens`` of the shard, the rule every
+entry point uses); ``--loss-tile`` / ``--norm-tile`` / ``--mlp-tile`` override them.
+
     python benchmarks/whole_step.py                      # C=4, 16K tokens, 4 layers, vocab 32768
     python benchmarks/whole_step.py --out benchmarks/results/whole_step_cpu_c4.json
 """
@@ -202,6 +206,15 @@ def summarize(rows: list[dict[str, Any]], args: dict[str, Any]) -> dict[str, Any
     }
 
 
+def config_tiles(path: Path) -> dict[str, int | None]:
+    """The tile size of each long-context part as the ds_config ships it (None: the default rule,
+    ``hf_patches.tiling.default_tile_tokens``, which ``true`` and ``{"tile_tokens": null}`` mean)."""
+    from ds_upipe.integration.config import parse_upipe_block, tiled
+
+    block = parse_upipe_block(json.loads(path.read_text()).get("upipe") or {})
+    return {part: tiled(getattr(block, f"tiled_{part}"))[1] for part in ("loss", "norm", "mlp")}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=4)
@@ -213,12 +226,22 @@ def main() -> int:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--loss-tile", type=int, default=128, help="tokens per loss tile")
-    p.add_argument("--norm-tile", type=int, default=256, help="tokens per RMSNorm tile")
-    p.add_argument("--mlp-tile", type=int, default=256, help="tokens per MLP tile")
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=Path(__file__).resolve().parents[1] / "ds_configs" / "upipe_long_context.json",
+        help="ds_config whose upipe.tiled_* tile sizes the stack cases use (default: the shipped long-context one)",
+    )
+    p.add_argument("--loss-tile", type=int, default=None, help="tokens per loss tile (default: --config's)")
+    p.add_argument("--norm-tile", type=int, default=None, help="tokens per RMSNorm tile (default: --config's)")
+    p.add_argument("--mlp-tile", type=int, default=None, help="tokens per MLP tile (default: --config's)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    shipped = config_tiles(args.config)
+    for part in ("loss", "norm", "mlp"):
+        if getattr(args, f"{part}_tile") is None:
+            setattr(args, f"{part}_tile", shipped[part])
     start = time.perf_counter()
     rows = run(args)
     summary = summarize(rows, vars(args))

@@ -24,6 +24,8 @@ within each document only.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import gc
 import json
 import math
@@ -117,6 +119,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--hf_gradient_checkpointing",
         action="store_true",
         help="enable the model's own (torch) activation checkpointing; ds_config activation_checkpointing overrides it",
+    )
+    p.add_argument(
+        "--measure_activations",
+        action="store_true",
+        help="measure the first micro-step's forward + backward: its peak memory above the pre-step level (CUDA: "
+        "allocated; CPU: resident set, VmHWM - VmRSS), as activation_peak_bytes in the metrics",
     )
     p.add_argument("--metrics_out", default=None, help="write per-step metrics of every run as JSON (rank 0)")
     p.add_argument("--runs", default=None, help="JSON file with a list of runs (objects of these options + name)")
@@ -217,6 +225,54 @@ def batches_forever(loader: Any):
         yield from loader
 
 
+def _proc_status_kib(key: str) -> int:
+    with open("/proc/self/status", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise ValueError(f"/proc/self/status has no {key}")
+
+
+def measure_cpu_allocations() -> None:
+    """glibc: every allocation of 128 KiB or more is an mmap returned to the OS when freed (the
+    default threshold grows with use, after which freed tensors stay resident and hide the step's
+    peak from VmHWM)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    m_mmap_threshold = -3
+    libc.mallopt(m_mmap_threshold, 128 * 1024)
+
+
+def forward_backward(engine: Any, batch: dict[str, torch.Tensor], sp: int, measure: bool) -> tuple[Any, int | None]:
+    """(loss, the peak growth of memory during this forward + backward, or None unmeasured):
+    what the step holds at its peak above what was held before it (activations, temporaries,
+    ZeRO-3's gathered weights and gradient buffers; not the parameters or optimizer states).
+    CUDA: the allocator's peak above the pre-step allocation.  CPU (Linux): the resident set's
+    peak (VmHWM, reset through /proc/self/clear_refs before the step) above the pre-step VmRSS, with
+    glibc's mmap threshold fixed at 128 KiB (``measure_cpu_allocations``) and the free heap trimmed
+    first, so that every tensor above 128 KiB is its own mapping, resident while alive."""
+    if not measure:
+        loss = compute_loss(engine, batch, sp)
+        engine.backward(loss)
+        return loss, None
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+        base = torch.cuda.memory_allocated(engine.device)
+        torch.cuda.reset_peak_memory_stats(engine.device)
+        loss = compute_loss(engine, batch, sp)
+        engine.backward(loss)
+        torch.cuda.synchronize(engine.device)
+        return loss, int(torch.cuda.max_memory_allocated(engine.device) - base)
+    gc.collect()
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc_trim(0)  # hand freed heap back, so the step's allocations show in the resident set
+    with open("/proc/self/clear_refs", "w", encoding="utf-8") as f:
+        f.write("5")  # resets VmHWM to the current VmRSS (Linux >= 4.0)
+    base = _proc_status_kib("VmRSS")
+    loss = compute_loss(engine, batch, sp)
+    engine.backward(loss)
+    return loss, (_proc_status_kib("VmHWM") - base) * 1024
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -233,6 +289,8 @@ def train(opts: argparse.Namespace) -> dict[str, Any]:
     from hf_patches import upipe_state
 
     t_init = time.perf_counter()
+    if getattr(opts, "measure_activations", False) and not torch.cuda.is_available():
+        measure_cpu_allocations()
     ds_config = build_ds_config(opts)
     model, tokens = build_model_and_tokens(opts, opts.num_samples * opts.seq_len + 1)
     # the dataset depends on the text only, never on the parallel layout: runs with different
@@ -267,12 +325,14 @@ def train(opts: argparse.Namespace) -> dict[str, Any]:
     record["tokens_per_s"] = []
     bar = tqdm(range(start, opts.steps), disable=rank != 0 or opts.no_progress, desc=record["name"], file=sys.stdout)
     t_run = time.perf_counter()
+    activation_peak = None
     for step in bar:
         t0 = time.perf_counter()
         micro_losses = []
         for _ in range(engine.gradient_accumulation_steps()):
-            loss = compute_loss(engine, next(data), sp)
-            engine.backward(loss)
+            measure = bool(getattr(opts, "measure_activations", False)) and activation_peak is None
+            loss, measured = forward_backward(engine, next(data), sp, measure)
+            activation_peak = measured if measured is not None else activation_peak
             engine.step()
             micro_losses.append(loss.detach().float())
         step_loss = torch.stack(micro_losses).mean().to(device)
@@ -311,6 +371,11 @@ def train(opts: argparse.Namespace) -> dict[str, Any]:
         attention_function=getattr(ALL_ATTENTION_FUNCTIONS.get(impl), "__qualname__", str(impl)),
         peak_memory_bytes=int(peaks.item()),
         peak_memory_kind="cuda_max_allocated" if device.type == "cuda" else "max_rss",
+        # --measure_activations: the first micro-step's forward + backward, the bytes it allocated
+        activation_peak_bytes=activation_peak,
+        activation_peak_kind=None
+        if activation_peak is None
+        else ("cuda_allocated_above_pre_step" if device.type == "cuda" else "cpu_peak_rss_above_pre_step"),
         upipe_fused=state.fused if state is not None else None,
         upipe_ring_size=state.ring_size if state is not None else 1,
         # packed rows: documents per row UPipe attended in the last forward (None: one per row, or no UPipe)

@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .data import IGNORE_INDEX
-from .loss import LOSS_TILE_BYTES, tiled_causal_lm_loss, tiled_sequence_parallel_loss
+from .loss import tiled_causal_lm_loss, tiled_sequence_parallel_loss
 from .patch import _find_architecture, _unwrap
-from .tiling import NORM_TILE_BYTES, _forward_function, tiled_mlp, tiled_norm
+from .tiling import _forward_function, tiled_mlp, tiled_norm
 
 ForwardLoss = Literal["local", "sequence_parallel"]
 _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -44,7 +44,9 @@ class LongContextStack:
     tiled_loss: bool
     tiled_norm: bool
     tiled_mlp: bool
-    #: tokens (batch rows x positions) per tile; None where the component is off
+    #: tokens (batch rows x positions) per tile; None where the component is off or where the size is
+    #: derived from each call's shard (``hf_patches.tiling.default_tile_tokens``: >= 8 tiles per shard,
+    #: bounded in bytes)
     loss_tile_tokens: int | None
     norm_tile_tokens: int | None
     mlp_tile_tokens: int | None
@@ -72,9 +74,9 @@ def long_context_stack(model: nn.Module) -> LongContextStack | None:
     return getattr(_unwrap(model), "_long_context_stack", None)
 
 
-def _positive(name: str, value: int | None, default: int) -> int:
+def _positive(name: str, value: int | None) -> int | None:
     if value is None:
-        return default
+        return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int (tokens per tile) or None, got {value!r}")
     return value
@@ -103,11 +105,6 @@ def _check_options(
             raise ValueError(f"tiled_loss does not apply final_logit_softcapping={softcap}; it must be None")
 
 
-def _vocab_size(hf_model: nn.Module) -> int:
-    head = hf_model.get_output_embeddings()
-    return getattr(head, "out_features", None) or head.weight.shape[0]
-
-
 def _layer_modules(base: nn.Module, name: str) -> list[tuple[str, nn.Module]]:
     """(qualified name, module) of attribute ``name`` of every decoder layer."""
     found = []
@@ -127,7 +124,7 @@ def _mlp_forward(self: nn.Module, x: Any) -> Any:
     return tiled_mlp(self, self._long_context_forward, x, self._long_context_tile_tokens)
 
 
-def _replace_forward(module: nn.Module, forward: Any, tile_tokens: int) -> None:
+def _replace_forward(module: nn.Module, forward: Any, tile_tokens: int | None) -> None:
     module._long_context_forward = _forward_function(module)  # checked before anything is replaced
     module._long_context_tile_tokens = tile_tokens
     module.forward = types.MethodType(forward, module)
@@ -192,18 +189,16 @@ def _plan(
     loss_group: dist.ProcessGroup | None = None,
     grad_reduction: Literal["mean", "sum"] = "mean",
     ignore_index: int = IGNORE_INDEX,
-) -> tuple[nn.Module, LongContextStack, list[tuple[str, nn.Module, Any, int]]]:
+) -> tuple[nn.Module, LongContextStack, list[tuple[str, nn.Module, Any, int | None]]]:
     """(the HF model, its LongContextStack, the modules to patch): all checks, no change."""
     hf_model = _unwrap(model)
     _, base, _ = _find_architecture(hf_model, caller="apply_long_context_stack")
     if getattr(hf_model, "_long_context_stack", None) is not None:
         raise ValueError(f"{type(hf_model).__name__} already has the long-context stack")
     _check_options(hf_model, tiled_loss, forward_loss, grad_reduction, ignore_index)
-    hidden_size = hf_model.config.hidden_size
-    loss_default = max(1, LOSS_TILE_BYTES // (4 * _vocab_size(hf_model))) if tiled_loss else 1
-    loss_tiles = _positive("loss_tile_tokens", loss_tile_tokens, loss_default)
-    norm_tiles = _positive("norm_tile_tokens", norm_tile_tokens, max(1, NORM_TILE_BYTES // (4 * hidden_size)))
-    mlp_tiles = _positive("mlp_tile_tokens", mlp_tile_tokens, hidden_size)
+    loss_tiles = _positive("loss_tile_tokens", loss_tile_tokens)
+    norm_tiles = _positive("norm_tile_tokens", norm_tile_tokens)
+    mlp_tiles = _positive("mlp_tile_tokens", mlp_tile_tokens)
     stack = LongContextStack(
         tiled_loss=bool(tiled_loss),
         tiled_norm=bool(tiled_norm),
@@ -216,7 +211,7 @@ def _plan(
         grad_reduction=grad_reduction,
         ignore_index=ignore_index,
     )
-    targets: list[tuple[str, nn.Module, Any, int]] = []
+    targets: list[tuple[str, nn.Module, Any, int | None]] = []
     if tiled_norm:
         norms = [m for name in _LAYER_NORMS for m in _layer_modules(base, name)] + [("norm", base.norm)]
         targets += [(name, m, _norm_forward, stack.norm_tile_tokens) for name, m in norms]
@@ -252,9 +247,10 @@ def apply_long_context_stack(
             (needs a ``*ForCausalLM``); training loops can also call ``tiled_sequence_parallel_loss``.
         tiled_norm: the decoder layers' input / post-attention RMSNorms and the final norm in tiles.
         tiled_mlp: the decoder layers' MLPs through DeepSpeed's TiledMLP.
-        loss_tile_tokens: tokens per loss tile (None: about 1 GiB of float32 logits).
-        norm_tile_tokens: tokens per norm tile (None: about 256 MiB per float32 copy).
-        mlp_tile_tokens: tokens per MLP tile (None: hidden_size, ALST's choice).
+        loss_tile_tokens: tokens per loss tile (None: derived from each call's shard by
+            ``tiling.default_tile_tokens``: at least 8 tiles, at most about 1 GiB of float32 logits).
+        norm_tile_tokens: tokens per norm tile (None: the same rule, at most 256 MiB per float32 copy).
+        mlp_tile_tokens: tokens per MLP tile (None: the same rule, at most hidden_size, ALST's choice).
         forward_loss: what the forward's loss is: "local" (this rank's mean, transformers'
             ForCausalLMLoss: the HF Trainer / accelerate sequence-parallel path combines it over the
             ranks) or "sequence_parallel" (``tiled_sequence_parallel_loss`` over ``loss_group`` with

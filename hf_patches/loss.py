@@ -30,9 +30,6 @@ from .data import IGNORE_INDEX
 from .patch import _unwrap
 from .tiling import tiled_loss_sum
 
-#: default tokens per loss tile: about 1 GiB of float32 logits (ArcticTraining's choice)
-LOSS_TILE_BYTES = 1 << 30
-
 
 def _check_grad_reduction(grad_reduction: str) -> None:
     if grad_reduction not in ("mean", "sum"):
@@ -103,14 +100,14 @@ def _lm_head_and_shared(model: nn.Module) -> tuple[nn.Module, tuple[nn.Parameter
     return lm_head, tuple(p for p in lm_head.parameters() if id(p) in embed_ids)
 
 
-def _tile_tokens(model: nn.Module, lm_head: nn.Module, tile_tokens: int | None) -> int:
-    """Explicit tile size, else the model's long-context stack setting, else about 1 GiB of float32 logits."""
+def _tile_tokens(model: nn.Module, tile_tokens: int | None) -> int | None:
+    """Explicit tile size, else the model's long-context stack setting, else None: the shared
+    default rule (``tiling.default_tile_tokens``), applied to the shard in ``tiled_loss_sum``."""
     if tile_tokens is None:
         stack = getattr(_unwrap(model), "_long_context_stack", None)
         tile_tokens = stack.loss_tile_tokens if stack is not None else None
     if tile_tokens is None:
-        vocab = getattr(lm_head, "out_features", None) or lm_head.weight.shape[0]
-        tile_tokens = max(1, LOSS_TILE_BYTES // (4 * vocab))
+        return None
     if not isinstance(tile_tokens, int) or isinstance(tile_tokens, bool) or tile_tokens < 1:
         raise ValueError(f"loss tile_tokens must be a positive int, got {tile_tokens!r}")
     return tile_tokens
@@ -125,7 +122,7 @@ def _local_tiled_sum(
             f"shift_labels {tuple(shift_labels.shape)}"
         )
     lm_head, shared = _lm_head_and_shared(model)
-    tokens = _tile_tokens(model, lm_head, tile_tokens)
+    tokens = _tile_tokens(model, tile_tokens)
     return tiled_loss_sum(
         lm_head, hidden, shift_labels, tile_tokens=tokens, ignore_index=ignore_index, shared_params=shared
     )
@@ -149,7 +146,8 @@ def tiled_sequence_parallel_loss(
         hidden: this rank's [batch, local_seq, hidden] last hidden state (after the final norm).
         shift_labels, group, grad_reduction, ignore_index: as ``sequence_parallel_loss``.
         tile_tokens: tokens per tile (batch rows x sequence positions); None: the model's
-            ``apply_long_context_stack`` setting, else about 1 GiB of float32 logits per tile.
+            ``apply_long_context_stack`` setting, else ``tiling.default_tile_tokens`` of the shard
+            (at least 8 tiles, at most about 1 GiB of float32 logits per tile).
     Every rank of ``group`` must call it (one all_reduce of two numbers, plus under ZeRO-3 one
     all_gather of the token counts).  Same value and gradients as ``sequence_parallel_loss``.
     """

@@ -14,7 +14,9 @@ DeepSpeed's autograd Functions do the work (deepspeed.runtime.sequence_parallel.
 - MLP: ``TiledMLP``, as ALST users apply it, with the tile count chosen so that ``torch.chunk``
   really makes that many tiles (it makes fewer for some lengths, e.g. 6 tokens in 4 chunks gives 3,
   and then TiledMLP never marks the weights' gradients ready for ZeRO: they would be lost).
-- loss: ``sequence_tiled_compute`` with a scalar output per tile, summed.  Not DeepSpeed's
+- loss: ``TiledLossSum``, DeepSpeed's ``SequenceTiledCompute`` for a scalar output per tile, summed,
+  with its inputs saved by ``save_for_backward`` as in TiledNorm (released before the layers'
+  backward).  Not DeepSpeed's
   ``TiledFusedLogitsLoss``: it runs the backward inside the forward with an assumed upstream
   gradient of 1.0 and only rescales the hidden-state gradient by the real one, so the lm_head weight
   gradient ignores every later scale (DeepSpeed's 1/gradient_accumulation_steps in
@@ -42,9 +44,39 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-#: default norm tile: about 256 MiB per float32 copy of the tile (the layer norms of the long-context
-#: stack, and fused Qwen3's per-head q/k norms)
+#: default norm tile bound: about 256 MiB per float32 copy of the tile (the layer norms of the
+#: long-context stack, and fused Qwen3's per-head q/k norms)
 NORM_TILE_BYTES = 1 << 28
+#: default loss tile bound: about 1 GiB of float32 logits (ArcticTraining's choice)
+LOSS_TILE_BYTES = 1 << 30
+#: default tiles per shard: a part left at its default tile size is cut into at least this many
+#: tiles of the rank's tokens (only at large shards does the byte bound make the tiles smaller).
+#: With byte bounds alone a CPU- or main-job-sized shard (2,048 tokens) was one tile and the stack
+#: did nothing: the loss tile bound is 8,388 tokens at vocab 32K.
+MIN_TILES = 8
+
+
+def default_tile_tokens(tokens: int, bound_tokens: int) -> int:
+    """The one rule for a tile size left unset (every entry point: ``apply_long_context_stack``,
+    the ds_config's ``true`` / ``{"tile_tokens": null}``, the planner, the benchmarks): at least
+    ``MIN_TILES`` tiles of ``tokens`` (the longest rank's tokens where the ranks must agree), and at
+    most ``bound_tokens`` tokens per tile (the part's byte bound)."""
+    return max(1, min(bound_tokens, math.ceil(tokens / MIN_TILES)))
+
+
+def loss_tile_bound(vocab: int) -> int:
+    """Tokens of about ``LOSS_TILE_BYTES`` of float32 logits."""
+    return max(1, LOSS_TILE_BYTES // (4 * vocab))
+
+
+def norm_tile_bound(hidden: int) -> int:
+    """Tokens of about ``NORM_TILE_BYTES`` per float32 copy of the hidden state."""
+    return max(1, NORM_TILE_BYTES // (4 * hidden))
+
+
+def mlp_tile_bound(hidden: int) -> int:
+    """hidden_size tokens per MLP tile (ALST's choice)."""
+    return max(1, hidden)
 
 
 def tiles_for(tokens: int, tile_tokens: int) -> int:
@@ -173,14 +205,16 @@ class TiledNorm(torch.autograd.Function):
         return None, grad_x, None, None
 
 
-def tiled_norm(module: nn.Module, forward: Callable, hidden_states: Tensor, tile_tokens: int) -> Tensor:
+def tiled_norm(module: nn.Module, forward: Callable, hidden_states: Tensor, tile_tokens: int | None) -> Tensor:
     """``forward(module, hidden_states)`` of a per-token module (RMSNorm) on sequence tiles of
     [batch, seq, hidden] input, recomputed per tile in backward (``TiledNorm``).  No collective runs
     inside (the module is not called through ``__call__``; ZeRO-3 has gathered its weight around the
-    whole call), so the tile count is this rank's own."""
+    whole call), so the tile count is this rank's own.  ``tile_tokens`` None: ``default_tile_tokens``."""
     if hidden_states.dim() != 3:
         return forward(module, hidden_states)
     batch, seq = hidden_states.shape[:2]
+    if tile_tokens is None:
+        tile_tokens = default_tile_tokens(batch * seq, norm_tile_bound(hidden_states.shape[-1]))
     tiles = min(seq, tiles_for(batch * seq, tile_tokens))
     if tiles <= 1:
         return forward(module, hidden_states)
@@ -189,14 +223,18 @@ def tiled_norm(module: nn.Module, forward: Callable, hidden_states: Tensor, tile
     return TiledNorm.apply(functools.partial(forward, module), hidden_states, tiles, params)
 
 
-def tiled_mlp(module: nn.Module, forward: Callable, x: Tensor, tile_tokens: int) -> Tensor:
+def tiled_mlp(module: nn.Module, forward: Callable, x: Tensor, tile_tokens: int | None) -> Tensor:
     """``forward(module, x)`` of an MLP on token tiles through DeepSpeed's ``TiledMLP``: x is
-    flattened to [tokens, hidden] so the forward and backward tile the same token axis."""
+    flattened to [tokens, hidden] so the forward and backward tile the same token axis.
+    ``tile_tokens`` None: ``default_tile_tokens`` of the longest rank (ZeRO-3 ranks agree)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
     params = [p for p in module.parameters() if p.requires_grad]
     flat = x.reshape(-1, x.shape[-1])
-    tiles = exact_chunk_tiles(token_counts(flat.shape[0], list(module.parameters()), x.device), tile_tokens)
+    counts = token_counts(flat.shape[0], list(module.parameters()), x.device)
+    if tile_tokens is None:
+        tile_tokens = default_tile_tokens(max(counts), mlp_tile_bound(x.shape[-1]))
+    tiles = exact_chunk_tiles(counts, tile_tokens)
     if tiles <= 1:
         return forward(module, x)
     out = TiledMLP.apply(_no_grad_detached(forward), module, _grad_input(flat, params), tiles, params)
@@ -219,12 +257,65 @@ class _MarkGradReady(torch.autograd.Function):
         return grad, None
 
 
+class TiledLossSum(torch.autograd.Function):
+    """Sum of the scalar ``fn(hidden_tile, labels_tile)`` over ``tiles`` sequence tiles, each tile
+    recomputed in backward.  DeepSpeed's ``SequenceTiledCompute`` (loss case) reduced to what the
+    loss needs, with one change: the hidden state (and labels) are saved with ``save_for_backward``,
+    so autograd releases them right after this node's backward, i.e. before the decoder layers'
+    backward.  ``SequenceTiledCompute`` keeps them on ``ctx`` for as long as the graph lives: one
+    full hidden state per rank held through every layer's backward (the planner's Llama3-8B plan
+    measured +1 GiB per million tokens at 8 ranks).  Like it: always ``tiles`` calls (empty trailing
+    tiles included, as every rank of a ZeRO-3 group must gather the lm_head alike), the per-tile
+    scalars summed from one stack, parameters marked ready for ZeRO only at the last tile."""
+
+    @staticmethod
+    def forward(
+        ctx, fn: Callable, hidden: Tensor, labels: Tensor, tiles: int, params: Sequence[nn.Parameter]
+    ) -> Tensor:
+        ctx.fn = fn
+        ctx.params = [p for p in params if p.requires_grad]
+        ctx.tiles = tiles
+        ctx.step = math.ceil(hidden.shape[1] / tiles)
+        ctx.save_for_backward(hidden, labels)
+        source = hidden.detach()
+        with torch.no_grad():
+            parts = [fn(*_tile(ctx, i, source, labels)) for i in range(tiles)]
+            return torch.stack(parts).sum()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[None, Tensor | None, None, None, None]:
+        hidden, labels = ctx.saved_tensors
+        needs_x = ctx.needs_input_grad[1]
+        source = hidden.detach()
+        del hidden
+        grad_x = torch.empty_like(source) if needs_x else None
+        for i in range(ctx.tiles):
+            for param in ctx.params:  # ZeRO reduces each weight's gradient once, after the last tile
+                param.ds_grad_is_ready = i + 1 == ctx.tiles
+            tile, tile_labels = _tile(ctx, i, source, labels)
+            tile = tile.detach().requires_grad_(needs_x)
+            with torch.enable_grad():
+                out = ctx.fn(tile, tile_labels)
+            torch.autograd.backward(out, grad)
+            del out
+            if grad_x is not None and tile.shape[1]:
+                start = i * ctx.step
+                grad_x[:, start : start + tile.shape[1]] = tile.grad
+        return None, grad_x, None, None, None
+
+
+def _tile(ctx: Any, i: int, hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """Tile i of a ``TiledLossSum``'s inputs (trailing tiles past the end are empty)."""
+    start = min(i * ctx.step, hidden.shape[1])
+    return hidden[:, start : start + ctx.step], labels[:, start : start + ctx.step]
+
+
 def tiled_loss_sum(
     lm_head: nn.Module,
     hidden: Tensor,
     labels: Tensor,
     *,
-    tile_tokens: int,
+    tile_tokens: int | None,
     ignore_index: int,
     shared_params: Sequence[nn.Parameter] = (),
 ) -> Tensor:
@@ -233,13 +324,15 @@ def tiled_loss_sum(
     Like ``sequence_parallel_loss``, 16-bit logits are upcast to float32 (per tile here).  Only
     one tile's logits exist at a time, in forward and in backward (which recomputes them).
     ``shared_params``: lm_head parameters used elsewhere in the model (a tied embedding), whose
-    ZeRO gradient reduction must wait for the other use's gradient.
+    ZeRO gradient reduction must wait for the other use's gradient.  ``tile_tokens`` None:
+    ``default_tile_tokens`` of the longest rank of the lm_head's ZeRO-3 group.
     """
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import sequence_tiled_compute
-
     batch, seq = labels.shape
     params = list(lm_head.parameters())
     counts = token_counts(batch * seq, params, hidden.device)
+    if tile_tokens is None:
+        vocab = getattr(lm_head, "out_features", None) or lm_head.weight.shape[0]
+        tile_tokens = default_tile_tokens(max(counts), loss_tile_bound(vocab))
     # SequenceTiledCompute always runs `tiles` calls (empty trailing tiles allowed), as ZeRO-3 needs
     tiles = max(tiles_for(n, tile_tokens) for n in counts)
     # the other use (the embedding) adds its gradient later only if the gradient flows down through hidden
@@ -259,14 +352,4 @@ def tiled_loss_sum(
             logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
         )
 
-    return sequence_tiled_compute(
-        _no_grad_detached(loss_sum),
-        seq,
-        tiles,
-        {"hidden_states": hidden, "labels": labels.to(hidden.device)},
-        {},
-        "hidden_states",
-        params,
-        output_unshard_dimension=0,
-        output_reduction="sum",
-    )
+    return TiledLossSum.apply(_no_grad_detached(loss_sum), hidden, labels.to(hidden.device), tiles, params)

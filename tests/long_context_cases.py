@@ -290,6 +290,48 @@ class _LossPhase(torch.nn.Module):
         return self.loss()
 
 
+class _LayerProbe(torch.autograd.Function):
+    """Stands for the decoder layers below the loss: ``record()`` runs during its backward."""
+
+    @staticmethod
+    def forward(ctx, x, record):
+        ctx.record = record
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.record()
+        return grad * 2.0, None
+
+
+def loss_input_during_layers_backward(model, group, seq: int) -> int:
+    """MemTracker's Activation bytes live while the layers' backward runs, below a tiled loss whose
+    input hidden state (the final norm's output) is the only activation of the forward.  With
+    DeepSpeed's SequenceTiledCompute that hidden state stayed on its ctx for as long as the graph
+    lived, i.e. through every layer's backward; TiledLossSum releases it after the loss's backward."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1, seq, model.config.hidden_size, generator=gen).requires_grad_(True)
+    labels = torch.randint(0, model.config.vocab_size, (1, seq), generator=gen)
+    tracker = MemTracker()
+    tracker.track_external(model, x, labels)
+    seen: dict = {}
+
+    def record():
+        seen.update(next(iter(tracker.get_tracker_snapshot("current").values())))
+
+    def loss():
+        hidden = _LayerProbe.apply(x, record)
+        return hf_patches.tiled_sequence_parallel_loss(model, hidden, labels, group, tile_tokens=64)
+
+    phase = _LossPhase(model, loss)
+    with tracker:
+        phase().backward()
+    model.zero_grad(set_to_none=True)
+    return next(v for k, v in seen.items() if getattr(k, "value", None) == "Activation")
+
+
 def memory_cases(group):
     """Loss phase (lm_head + cross-entropy, forward + backward) at an activation-dominated shape
     (vocab 2048, 1024 tokens per rank): full logits vs tiles of 64 tokens.  RMSNorm in bfloat16
@@ -323,6 +365,8 @@ def memory_cases(group):
         model.zero_grad(set_to_none=True)
         results[name] = _peak_activation(step, model, hidden, labels)
     results["logits_fp32"] = seq * 2048 * 4
+    results["act_in_layers_backward"] = loss_input_during_layers_backward(model, group, seq)
+    results["hidden_fp32_loss"] = seq * 32 * 4
 
     norm_model = build_model("llama", torch.bfloat16, hidden_size=64, num_hidden_layers=1)
     ref_norm = copy.deepcopy(norm_model.model.norm)

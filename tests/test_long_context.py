@@ -50,6 +50,9 @@ def test_components_and_models():
         assert mem["loss_full"] >= mem["logits_fp32"] * 2, mem
         assert mem["loss_tiled"] * 8 <= mem["loss_full"], mem
         assert mem["loss_tiled"] <= mem["logits_fp32"] / 4, mem
+        # the tiled loss's input hidden state is released before the layers' backward (the old
+        # SequenceTiledCompute kept it on its ctx: 131,080 bytes here, the whole hidden state)
+        assert mem["act_in_layers_backward"] < mem["hidden_fp32_loss"] / 4, mem
         # norm in bfloat16: beyond the bfloat16 input, output and input gradient, the tiled norm
         # holds less than a quarter of one float32 copy of the hidden state; transformers' holds more
         inherent = 3 * mem["hidden_bf16"]
@@ -72,3 +75,34 @@ def test_zero2_zero3():
         for case, errors in r.items():
             assert errors.get("reduced_once", 0) == 0 and errors.get("grad_names", 0) == 0, f"{rank} {case}: {errors}"
             assert max(errors.values()) <= TOLERANCE[torch.float32], f"rank {rank} {case}: {errors}"
+
+
+def test_default_tiles_cut_every_shard():
+    """Tile sizes left unset follow one rule (tiling.default_tile_tokens): at least MIN_TILES tiles of
+    the shard, at most the part's byte bound.  Old byte-only defaults made a 2,048-token shard one tile
+    at vocab 32K (8,388 tokens per loss tile), so the stack did nothing at the main job's sizes."""
+    import hf_patches
+    from hf_patches import tiling
+    from tests.hf_cases import build_model
+
+    assert tiling.default_tile_tokens(2048, tiling.loss_tile_bound(32000)) == 256
+    assert tiling.default_tile_tokens(2**20, tiling.loss_tile_bound(128256)) == (1 << 30) // (4 * 128256)
+    assert tiling.default_tile_tokens(2**20, tiling.norm_tile_bound(4096)) == 2**14
+    assert tiling.default_tile_tokens(2**20, tiling.mlp_tile_bound(4096)) == 4096
+    assert tiling.default_tile_tokens(3, 100) == 1
+    model = build_model("llama", torch.float32)
+    hf_patches.apply_long_context_stack(model, tiled_loss=True, tiled_norm=True, tiled_mlp=True)
+    calls = {"lm_head": 0, "mlp": 0, "norm": 0}
+    model.lm_head.register_forward_hook(lambda *a: calls.__setitem__("lm_head", calls["lm_head"] + 1))
+    mlp = model.model.layers[0].mlp
+    original = mlp._long_context_forward
+
+    def counting(module, x):
+        calls["mlp"] += 1
+        return original(module, x)
+
+    mlp._long_context_forward = counting
+    ids = torch.randint(0, model.config.vocab_size, (1, 64))
+    model(input_ids=ids, labels=ids).loss.backward()
+    # 64 tokens: 8 tiles of 8 in the forward and 8 recomputed in the backward
+    assert calls["lm_head"] == 16 and calls["mlp"] == 16, calls

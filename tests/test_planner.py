@@ -207,7 +207,7 @@ def test_fake_run_at_paper_scale_is_the_plan_less_the_analytic_terms():
     run = fake_run.layer_step(planner.step_spec(LLAMA, setup, method, seq))
     assert p.peak_phase == "layer" and p.phase_gib * GiB == run.total - run.weights
     x = seq // 8 * LLAMA.hidden_size * 2
-    analytic = planner.model_state_bytes(LLAMA, setup) + planner.zero_buffer_bytes(LLAMA, setup) + 2 * GiB + x
+    analytic = planner.model_state_bytes(LLAMA, setup) + planner.zero_buffer_bytes(LLAMA, setup) + 4 * GiB + x
     assert p.total_gib * GiB == analytic + run.total - run.weights
     # the kernel workspace is the one analytic term inside the run: flash-attn 2's fp32 dq accumulator of a
     # stage (U/C = 1 query head over the full sequence) while the attention backward op runs
@@ -260,7 +260,12 @@ def test_layer_plan_matches_memtracker_on_cpu(calibration):
     for i, point in enumerate(points):
         method = measured_scheme(point)
         # the measured layer runs plain forward + backward (no replay)
-        setup = planner.measured_layer_setup(bench_cases.CALIBRATION_WORLD, point.dtype, point.tiled_mlp)
+        setup = planner.measured_layer_setup(
+            bench_cases.CALIBRATION_WORLD,
+            point.dtype,
+            point.tiled_mlp,
+            hidden_size=bench_cases.CALIBRATION_SHAPE["hidden"],
+        )
         peak = planner.layer_peak(calibration_dims(point.arch), setup, method, point.seq)
         worst = max(rank_peaks[i] for rank_peaks in measured)
         report.append((point.arch, method.label, point.seq, point.dtype, worst, peak.total, peak.total / worst - 1))
@@ -299,7 +304,11 @@ def test_checkpoint_replay_plan_matches_memtracker_on_cpu(calibration):
     point = bench_cases.REPLAY_POINT
     dims = calibration_dims(point.arch)
     setup = planner.measured_layer_setup(
-        bench_cases.CALIBRATION_WORLD, point.dtype, point.tiled_mlp, checkpointing=True
+        bench_cases.CALIBRATION_WORLD,
+        point.dtype,
+        point.tiled_mlp,
+        checkpointing=True,
+        hidden_size=bench_cases.CALIBRATION_SHAPE["hidden"],
     )
     method = measured_scheme(point)
     peak = planner.layer_peak(dims, setup, method, point.seq)
@@ -323,3 +332,94 @@ def test_whole_step_plan_matches_memtracker_on_cpu(calibration):
         )
     assert len(report) == 4
     assert all(abs(r[3]) <= 0.10 for r in report), "\n".join(map(str, report))
+
+
+def test_host_memory_is_planned_and_bounds_the_max_context():
+    """Offloaded checkpoints: layers - 1 layer inputs per rank (DeepSpeed keeps the newest on the GPU),
+    rounded up to a power of two as torch's pinned allocator does, or exact with ds_upipe's pool; the
+    node's ranks share --host-memory; the max context fits both and the table says which binds."""
+    setup = planner.TrainSetup(gpus=8, kernel="none", reserve_gib=0.0)
+    x = planner.hidden_state_bytes(LLAMA, setup, 7 * 2**20)  # 7M tokens: 7 GiB per layer input
+    assert x == 7 * GiB and planner.pinned_block_bytes(x, "pow2") == 8 * GiB
+    assert planner.pinned_block_bytes(x, "exact") == x
+    terms = planner.host_terms(LLAMA, setup, 7 * 2**20)
+    (ckpt,) = [v for k, v in terms.items() if k.startswith("checkpoints")]
+    assert ckpt == 8 * 31 * 8 * GiB  # 1,984 GiB on a node of 8 ranks
+    exact = planner.host_terms(LLAMA, replace(setup, checkpoint_pinning="exact"), 7 * 2**20)
+    assert sum(exact.values()) < sum(terms.values())
+    # host-bound (the small model, quick fake runs): a roomy GPU, 10 MiB of host for 2 ranks
+    roomy = planner.TrainSetup(
+        gpus=2, gpu_memory_gib=1.0, reserve_gib=0.0, kernel="none", host_memory_gib=10 / 1024, host_os_gib=0.0
+    )
+    roomy = replace(roomy, host_per_rank_gib=0.0)
+    method = planner.AttentionScheme("upipe", 2)
+    mc = planner.max_context(SMALL, roomy, method, granularity=1024)
+    assert 0 < mc and planner.predict(SMALL, roomy, method, mc).fits
+    nxt = planner.predict(SMALL, roomy, method, mc + 1024)
+    assert nxt.gpu_fits and not nxt.host_fits and nxt.binding == "host"
+    assert planner.binding_limit(SMALL, roomy, method, mc) == "host"
+    # exact pinning: 10 MiB / 2 ranks / (256 hidden x 2 bytes) = 10,240 tokens per rank; pow2: 8,192
+    assert mc == 2 * 8192
+    assert planner.max_context(SMALL, replace(roomy, checkpoint_pinning="exact"), method, granularity=1024) == 2 * 10240
+
+
+def test_offload_settings_are_planned_or_refused_by_name():
+    cfg = json.loads(open("ds_configs/upipe_zero3.json").read())
+    zero = cfg["zero_optimization"]
+    offload = {**cfg, "zero_optimization": {**zero, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    setup, _, _ = planner.from_ds_config(offload)
+    assert setup.offload_optimizer and setup.offload_pin_memory and not setup.offload_param
+    plain, _, _ = planner.from_ds_config(cfg)
+    p = LLAMA.total_params
+    assert planner.model_state_bytes(LLAMA, plain) - planner.model_state_bytes(LLAMA, setup) == 12 * p // 4 + 0 * p
+    host = planner.host_terms(LLAMA, setup, 2**16)
+    assert host["optimizer states (offload_optimizer)"] >= 4 * 16 * p // 4  # 4 ranks x 16 B per parameter / 4
+    for bad, words in (
+        ({"offload_optimizer": {"device": "nvme"}}, ["offload_optimizer.device='nvme'", "NVMe"]),
+        ({"offload_param": {"device": "cpu", "pinned": True}}, ["offload_param", "unknown keys ['pinned']"]),
+        ({"offload_optimizer": "cpu"}, ["offload_optimizer='cpu'", "must be an object"]),
+        ({"stage": 2, "offload_param": {"device": "cpu"}}, ["offload_param with zero_stage=2", "stage 3"]),
+    ):
+        with pytest.raises(ValueError) as err:
+            planner.from_ds_config({**cfg, "zero_optimization": {**zero, **bad}})
+        for word in words:
+            assert word in str(err.value), (bad, str(err.value))
+
+
+def test_cli_refuses_a_setup_where_nothing_fits_naming_the_term(capsys):
+    args = ["plan", "--model", "llama3-8b", "--config", "ds_configs/upipe_long_context.json", "--seq", "64K"]
+    assert main([*args, "--host-memory", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing fits" in err and "host" in err and "--host-memory 16" in err and "OS and processes" in err
+    assert main([*args, "--gpu-memory", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing fits" in err and "--gpu-memory 8" in err and "model states" in err
+
+
+def test_exact_pinned_pool_pins_what_the_planner_counts():
+    """ds_upipe's checkpoint pool (DeepSpeed's offload engine with exact-size host buffers) on a CPU
+    run: one buffer per offloaded layer input, of exactly its bytes, reused the next step; the
+    planner's exact host term for a rank is those bytes.  (On CUDA the buffers are cudaHostRegister'ed;
+    torch's pinned allocator would have rounded each 3 x 2^k-byte block to 4 x 2^k.)"""
+    import torch
+
+    from ds_upipe.integration.checkpointing import exact_pinned_offload_engine
+
+    dims = planner.ModelDims("pool", 8, 2, 32, 96, 128, 5, 64)  # hidden 96 = 3 x 32: not a power of two
+    setup = planner.TrainSetup(gpus=2, gpus_per_node=1, checkpoint_pinning="exact", host_os_gib=0.0)
+    setup = replace(setup, host_per_rank_gib=0.0)
+    seq = 4096
+    engine = exact_pinned_offload_engine(use_streams=False)
+    checkpoint = torch.empty(1, seq // 2, 96, dtype=torch.bfloat16)
+    for _ in range(2):  # two steps
+        buffers = [engine._empty_cpu_like(checkpoint) for _ in range(dims.num_layers - 1)]
+        for host, key in buffers:
+            engine._pool_cpu_buffer(key, host)
+    assert engine.pinned_bytes == (dims.num_layers - 1) * checkpoint.numel() * 2
+    assert len(engine.registered) == dims.num_layers - 1  # reused in the second step
+    (host_ckpt,) = [v for k, v in planner.host_terms(dims, setup, seq).items() if k.startswith("checkpoints")]
+    assert host_ckpt == engine.pinned_bytes
+    pow2 = planner.host_terms(dims, replace(setup, checkpoint_pinning="pow2"), seq)
+    assert sum(pow2.values()) == 4 * engine.pinned_bytes // 3
+    engine.release()
+    assert engine.pinned_bytes == 0 and not engine.registered

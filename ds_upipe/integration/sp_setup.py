@@ -20,7 +20,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from ..heads import HeadLayout
-from .checkpointing import releasing
+from .checkpointing import install_exact_pinned_pool, releasing
 from .config import SPSettings, UPipeConfig, check_heads, choose_head_chunk_size, tiled
 
 #: attention functions ALST replaced in transformers' process-global registry, to restore them
@@ -239,6 +239,8 @@ def configure_activation_checkpointing(
         # get_cpu_activations_for_backward), so backward replays the layer on an empty tensor.
         in_cpu = False
     ds_checkpointing.configure(mpu, deepspeed_config=ds_config, checkpoint_in_cpu=in_cpu)
+    # offloaded checkpoints in exact-size pinned buffers, not torch's power-of-two pinned blocks
+    install_exact_pinned_pool()
     if not (getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "_set_gradient_checkpointing")):
         return None
     # releasing: the replay in backward frees the replayed layer output (one hidden state) at once

@@ -78,7 +78,29 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("fa2", "fa3", "none"),
         help="attention kernel's backward workspace: fa2 = torch SDPA flash / flash-attn 2 (default), fa3, none",
     )
-    plan.add_argument("--reserve", type=float, default=2.0, help="GiB for CUDA context and fragmentation (default 2)")
+    plan.add_argument(
+        "--reserve",
+        type=float,
+        default=4.0,
+        help="GiB per GPU for the CUDA context, NCCL communicators / NVLS buffers and fragmentation (default 4)",
+    )
+    plan.add_argument(
+        "--host-memory", type=float, default=2048.0, help="GiB of host memory per node (default 2048: a DGX-class node)"
+    )
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node sharing its host memory")
+    plan.add_argument(
+        "--checkpoint-pinning",
+        choices=("pow2", "exact"),
+        default=None,
+        help="offloaded checkpoints: pow2 = DeepSpeed's engine (torch's pinned allocator rounds each up to a power "
+        "of two), exact = ds_upipe's exact-size pool (default: the config's upipe.offload_checkpoints setting)",
+    )
+    plan.add_argument(
+        "--offload-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="optimizer states in host memory (zero_optimization.offload_optimizer.device=cpu; default: the config's)",
+    )
     plan.add_argument("--unfused", action="store_true", help="UPipe without fused projections")
     plan.add_argument("--overlap-comm", action="store_true", help="UPipe prefetches the next stage's all-to-alls")
     plan.add_argument(
@@ -163,7 +185,12 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
     from . import planner
 
     dims = planner.model_dims(args.model)
-    base = planner.TrainSetup(gpus=args.gpus or planner.PRESET_GPUS.get(args.model, 8), gpu_memory_gib=args.gpu_memory)
+    base = planner.TrainSetup(
+        gpus=args.gpus or planner.PRESET_GPUS.get(args.model, 8),
+        gpu_memory_gib=args.gpu_memory,
+        host_memory_gib=args.host_memory,
+        gpus_per_node=args.gpus_per_node,
+    )
     if args.config is not None:
         from ..integration.config import load_config
 
@@ -181,6 +208,8 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
         "tiled_loss": args.tiled_loss,
         "tiled_norm": args.tiled_norm,
         "tiled_mlp": args.tiled_mlp,
+        "checkpoint_pinning": args.checkpoint_pinning,
+        "offload_optimizer": args.offload_optimizer,
     }
     changes = {k: v for k, v in changes.items() if v is not None}
     if args.accumulate_dtype is not None:
@@ -217,6 +246,9 @@ def _plan(args: argparse.Namespace) -> int:
             f"--gpus {setup.gpus}" if setup.ring_size == 1 else f"{setup.seq_multiple} (--ring-size {setup.ring_size})"
         )
         raise ValueError(f"--seq {bad}: every length must be a positive multiple of {what}")
+    for method in methods:
+        if not planner.predict(dims, setup, method, planner.context_step(setup)).fits:
+            raise ValueError(planner.nothing_fits(dims, setup, method))
     print(planner.plan_table(dims, setup, seq_lens, methods))
     if args.tokens is not None and args.config is None:
         print()

@@ -230,7 +230,8 @@ class TrainSetup:
     #: the attention kernel's backward workspace (fake_run.kernel_workspace_bytes): "fa2" (torch SDPA's
     #: CUDA flash = flash-attn 2), "fa3", "none" (CPU: MemTracker sees everything)
     kernel: str = "fa2"
-    reserve_gib: float = 2.0  # CUDA context, NCCL buffers and allocator fragmentation
+    #: CUDA context, NCCL communicators and buffers, allocator fragmentation (``RESERVE_BASIS``)
+    reserve_gib: float = 4.0
     #: whose async all-to-all buffer lifetime the fake run reproduces: "nccl" (released at wait) or
     #: "gloo" (held until the handle dies: what the CPU measurements see)
     comm_backend: str = "nccl"
@@ -244,8 +245,38 @@ class TrainSetup:
     #: UPipe x Ring (upipe.ring_size): the ``gpus`` sequence-parallel ranks are Ulysses degree C_u = gpus /
     #: ring_size x ring_size; 1 is no ring
     ring_size: int = 1
+    #: host (CPU) memory of one node, GiB; the node runs ``min(gpus, gpus_per_node)`` ranks
+    host_memory_gib: float = 2048.0
+    gpus_per_node: int = 8
+    #: zero_optimization.offload_optimizer.device == "cpu": fp32 master, Adam m and v and the fp32
+    #: gradient partition live in host memory (DeepSpeed's CPU Adam steps them there)
+    offload_optimizer: bool = False
+    #: zero_optimization.offload_param.device == "cpu" (ZeRO-3 only): the 16-bit weight partition in host memory
+    offload_param: bool = False
+    #: pin_memory of the offloaded optimizer / parameters (DeepSpeed's default False: pageable)
+    offload_pin_memory: bool = False
+    #: how offloaded checkpoints are pinned: "pow2" (DeepSpeed 0.19.8's _ActivationOffloadEngine:
+    #: ``torch.empty`` + ``pin_memory``, and torch's CachingHostAllocator rounds every block up to a
+    #: power of two) or "exact" (``ds_upipe.integration.checkpointing.ExactPinnedPool``: one block per
+    #: checkpoint of exactly its bytes)
+    checkpoint_pinning: str = "pow2"
+    #: host memory per node outside the tensors above (``HOST_BASIS``)
+    host_os_gib: float = 32.0
+    host_per_rank_gib: float = 8.0
 
     def __post_init__(self) -> None:
+        if self.checkpoint_pinning not in ("pow2", "exact"):
+            raise ValueError(f"checkpoint_pinning={self.checkpoint_pinning!r}: choose 'pow2' or 'exact'")
+        if self.host_memory_gib <= 0:
+            raise ValueError(f"host_memory_gib={self.host_memory_gib} must be positive")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node={self.gpus_per_node} must be >= 1")
+        if self.offload_param and self.zero_stage != 3:
+            raise ValueError(
+                f"offload_param with zero_stage={self.zero_stage}: DeepSpeed offloads parameters only at ZeRO stage 3"
+            )
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("offload_optimizer with zero_stage=0: DeepSpeed offloads the optimizer at ZeRO stages 1-3")
         if self.gpus < 1:
             raise ValueError(f"gpus={self.gpus} must be >= 1")
         if self.ring_size < 1 or self.gpus % self.ring_size:
@@ -306,12 +337,17 @@ def measured_scheme(
     )
 
 
-def measured_layer_setup(gpus: int, dtype: str, tiled_mlp: bool, checkpointing: bool = False) -> TrainSetup:
+def measured_layer_setup(
+    gpus: int, dtype: str, tiled_mlp: bool, checkpointing: bool = False, hidden_size: int | None = None
+) -> TrainSetup:
     """The setup of one decoder layer measured with MemTracker on CPU gloo ranks (the bench, the
     planner's calibration): torch ``dtype`` name, no tiled norm or loss, no CUDA kernel workspace,
     gloo's buffer lifetimes, checkpoints kept on the device; ``checkpointing`` plans the checkpoint's
-    replay in backward instead of a plain forward + backward."""
+    replay in backward instead of a plain forward + backward.  ``hidden_size``: the MLP tile of the
+    measured layer, which applies TiledMLP as ALST documents it (ceil(s / hidden) shards, i.e.
+    hidden_size tokens per tile), not the stack's default rule."""
     return TrainSetup(
+        mlp_tile_tokens=hidden_size,
         gpus=gpus,
         dtype=PLANNER_DTYPES[dtype],
         tiled_mlp=tiled_mlp,
@@ -376,12 +412,21 @@ def from_ds_config(
         else "fp32"
     )
     base = base or TrainSetup()
+    offload = offload and checkpointing
+    opt_offload, opt_pin = _offload_setting(zero, "offload_optimizer")
+    param_offload, param_pin = _offload_setting(zero, "offload_param")
     setup = replace(
         base,
+        offload_optimizer=opt_offload,
+        offload_param=param_offload,
+        # a ds_config runs through ds_upipe.initialize / the HF integration, which install the
+        # exact-size pinned checkpoint pool (integration.checkpointing.install_exact_pinned_pool)
+        checkpoint_pinning="exact" if offload else base.checkpoint_pinning,
+        offload_pin_memory=opt_pin or param_pin,
         gpus=settings.sequence_parallel_size,
         zero_stage=settings.zero_stage,
         checkpointing=checkpointing,
-        offload_checkpoints=offload and checkpointing,
+        offload_checkpoints=offload,
         dtype=dtype,
         batch=int(raw.get("train_micro_batch_size_per_gpu") or 1),
         tiled_loss=bool(stack.get("tiled_loss", False)),
@@ -408,6 +453,30 @@ def from_ds_config(
     return setup, scheme, settings.upipe.seq_length
 
 
+_OFFLOAD_KEYS = {"device", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "nvme_path", "fast_init",
+                 "pipeline_read", "pipeline_write", "ratio"}  # fmt: skip
+
+
+def _offload_setting(zero: dict[str, Any], key: str) -> tuple[bool, bool]:
+    """(offloaded to CPU, pinned) of ``zero_optimization.<key>``; refused by name: a device other
+    than "cpu" / "none" (NVMe is not planned), unknown keys, a non-object."""
+    block = zero.get(key)
+    if block is None:
+        return False, False
+    if not isinstance(block, dict):
+        raise ValueError(f'zero_optimization.{key}={block!r}: must be an object like {{"device": "cpu"}}')
+    unknown = sorted(set(block) - _OFFLOAD_KEYS)
+    if unknown:
+        raise ValueError(f"zero_optimization.{key}: unknown keys {unknown}; DeepSpeed's are {sorted(_OFFLOAD_KEYS)}")
+    device = block.get("device", "none")
+    if device not in ("cpu", "none", None):
+        raise ValueError(
+            f"zero_optimization.{key}.device={device!r}: the planner models 'cpu' and 'none' "
+            "(NVMe offload is not planned)"
+        )
+    return device == "cpu", bool(block.get("pin_memory", False))
+
+
 def _known_upipe_keys() -> set[str]:
     from ..integration.config import UPipeConfig
 
@@ -419,12 +488,17 @@ def _known_upipe_keys() -> set[str]:
 
 def model_state_bytes(dims: ModelDims, setup: TrainSetup) -> int:
     """Weights, gradients and Adam states on one GPU after ZeRO partitioning over the GPUs:
-    bf16 2 + 2 + 12 (fp32 master, m, v) bytes per parameter; fp32 4 + 4 + 8."""
+    bf16 2 + 2 + 12 (fp32 master, m, v) bytes per parameter; fp32 4 + 4 + 8.  offload_optimizer:
+    the optimizer states leave the GPU (``host_terms``); offload_param: the weight partition too."""
     p = dims.total_params
     w, g, o = (4, 4, 8) if setup.dtype == "fp32" else (2, 2, 12)
     n = setup.gpus
     if not setup.optimizer:  # weights only: the step's gradients are counted where they are made
         g = o = 0
+    if setup.offload_optimizer:
+        o = 0
+    if setup.offload_param:
+        w = 0
     if setup.zero_stage >= 3:
         return math.ceil(p * (w + g + o) / n)
     if setup.zero_stage == 2:
@@ -449,6 +523,60 @@ def zero_buffer_bytes(dims: ModelDims, setup: TrainSetup) -> int:
 def hidden_state_bytes(dims: ModelDims, setup: TrainSetup, seq_len: int) -> int:
     """One layer input of this rank: b x S/C x hidden (a checkpoint)."""
     return setup.batch * (seq_len // setup.gpus) * dims.hidden_size * setup.act_bytes
+
+
+#: what ``TrainSetup.reserve_gib`` stands for (not measured here: no GPU in the test environment)
+RESERVE_BASIS = (
+    "CUDA context + cuBLAS/cuDNN workspaces ~1 GiB, one NCCL communicator per process group (data, "
+    "sequence, ZeRO) ~0.3-0.5 GiB each, NVLS buffers on NVSwitch nodes ~1 GiB, allocator fragmentation; "
+    "4 GiB assumed (3-6 GiB is typical)"
+)
+#: what ``host_os_gib`` and ``host_per_rank_gib`` stand for (assumed, not measured)
+HOST_BASIS = (
+    "OS, page cache floor and services per node; per rank: the CUDA driver's host mappings, torch / "
+    "DeepSpeed / Python libraries, the data loader, DeepSpeed's host staging"
+)
+
+
+def pinned_block_bytes(nbytes: int, pinning: str) -> int:
+    """Host bytes one pinned checkpoint of ``nbytes`` takes: torch's CachingHostAllocator (what
+    ``tensor.pin_memory()`` / DeepSpeed's offload engine use) rounds a block up to a power of two
+    (c10's ``llvm::PowerOf2Ceil`` in CachingHostAllocator.h, torch 2.x); the exact pool does not."""
+    if pinning == "exact" or nbytes <= 0:
+        return max(0, nbytes)
+    return 1 << (nbytes - 1).bit_length()
+
+
+def ranks_per_node(setup: TrainSetup) -> int:
+    return min(setup.gpus, setup.gpus_per_node)
+
+
+def host_terms(dims: ModelDims, setup: TrainSetup, seq_len: int) -> dict[str, int]:
+    """Host memory of one node by term (bytes).  Offloaded checkpoints: DeepSpeed's offload engine
+    keeps the newest layer input on the GPU (``keep_last_count=1``), so each rank pins ``layers - 1``
+    layer inputs, each rounded as ``setup.checkpoint_pinning`` says.  offload_optimizer: the fp32
+    master, m, v and fp32 gradient partitions (16 bytes per parameter / GPUs; fp32 training: the
+    master is the weights, 12); offload_param: the 16-bit weight partition.  Pinned optimizer /
+    parameter buffers (``pin_memory``) are rounded like the checkpoints (one flat buffer each)."""
+    ranks = ranks_per_node(setup)
+    terms: dict[str, int] = {}
+    if setup.offload_checkpoints:
+        x = hidden_state_bytes(dims, setup, seq_len)
+        per_rank = (dims.num_layers - 1) * pinned_block_bytes(x, setup.checkpoint_pinning)
+        terms[f"checkpoints ({dims.num_layers - 1} layer inputs/rank, {setup.checkpoint_pinning} pinned)"] = (
+            ranks * per_rank
+        )
+    rounding = "pow2" if setup.offload_pin_memory else "exact"
+    part = math.ceil(dims.total_params / setup.gpus)
+    if setup.offload_optimizer and setup.optimizer:
+        buffers = (4, 4, 4) if setup.dtype == "fp32" else (4, 4, 4, 4)  # (master,) m, v, fp32 grads
+        terms["optimizer states (offload_optimizer)"] = ranks * sum(
+            pinned_block_bytes(b * part, rounding) for b in buffers
+        )
+    if setup.offload_param:
+        terms["weights (offload_param)"] = ranks * pinned_block_bytes(DTYPE_BYTES[setup.dtype] * part, rounding)
+    terms["OS and processes (assumed)"] = int((setup.host_os_gib + ranks * setup.host_per_rank_gib) * GiB)
+    return terms
 
 
 # -- the fake-tensor phases -------------------------------------------------------------------------
@@ -524,6 +652,12 @@ class Prediction:
     peak_at: str  # the allocation that set the phase's peak
     phases_gib: dict[str, float] = field(default_factory=dict)  # checkpoints + fake-run peak, per phase
     live_at_peak: list[tuple[str, float]] = field(default_factory=list)  # GiB by origin (with ``live``)
+    host_gib: float = 0.0  # host memory of one node
+    host_fits: bool = True
+    host_terms_gib: dict[str, float] = field(default_factory=dict)
+    gpu_fits: bool = True
+    #: what stops a longer context: "GPU", "host", "both" or "" (fits)
+    binding: str = ""
 
 
 def _checkpoint_bytes(dims: ModelDims, setup: TrainSetup, seq_len: int, saved_per_layer: int) -> dict[str, int]:
@@ -557,11 +691,23 @@ def predict(
     states, zero, reserve = model_state_bytes(dims, setup), zero_buffer_bytes(dims, setup), setup.reserve_gib * GiB
     total = states + zero + reserve + phases[phase]
     p = peaks[phase]
+    host = host_terms(dims, setup, seq_len)
+    host_total = sum(host.values())
+    gpu_fits = total <= setup.gpu_memory_gib * GiB
+    host_fits = host_total <= setup.host_memory_gib * GiB
+    binding = (
+        "" if gpu_fits and host_fits else "both" if not (gpu_fits or host_fits) else "GPU" if host_fits else "host"
+    )
     return Prediction(
         method=method.label,
         seq_len=seq_len,
         total_gib=total / GiB,
-        fits=total <= setup.gpu_memory_gib * GiB,
+        fits=gpu_fits and host_fits,
+        host_gib=host_total / GiB,
+        host_fits=host_fits,
+        host_terms_gib={k: v / GiB for k, v in host.items()},
+        gpu_fits=gpu_fits,
+        binding=binding,
         model_states_gib=states / GiB,
         zero_buffers_gib=zero / GiB,
         reserve_gib=setup.reserve_gib,
@@ -581,12 +727,25 @@ def predict(
 def max_context(
     dims: ModelDims, setup: TrainSetup, method: AttentionScheme, granularity: int = 2**14, limit: int = 2**27
 ) -> int:
-    """The largest sequence length, a multiple of ``granularity`` (and of the GPU count), that fits;
-    0 when not even one step fits.  Every candidate is a fake run; the memory is nearly affine in
+    """The largest sequence length, a multiple of ``granularity`` (and of the GPU count), that fits
+    BOTH the GPU (``predict``) and the node's host memory (``host_terms``); 0 when not even one step
+    fits (``nothing_fits`` says why).  Every candidate is a fake run; the memory is nearly affine in
     the length, so secant guesses land next to the answer, each checked with its neighbour, and
     what remains of the bracket is closed by bisection."""
     step = math.lcm(granularity, setup.seq_multiple)
     top = max(1, limit // step)
+    # the host memory is analytic and grows with the length: cap the search where it stops fitting
+    host_budget = setup.host_memory_gib * GiB
+    if sum(host_terms(dims, setup, step).values()) > host_budget:
+        return 0
+    lo_h, hi_h = 1, top
+    if sum(host_terms(dims, setup, top * step).values()) > host_budget:
+        while hi_h - lo_h > 1:
+            mid = (lo_h + hi_h) // 2
+            lo_h, hi_h = (
+                (mid, hi_h) if sum(host_terms(dims, setup, mid * step).values()) <= host_budget else (lo_h, mid)
+            )
+        top = lo_h
     budget = setup.gpu_memory_gib
     totals: dict[int, float] = {}
 
@@ -616,6 +775,45 @@ def max_context(
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo * step
+
+
+def context_step(setup: TrainSetup, granularity: int = 2**14) -> int:
+    return math.lcm(granularity, setup.seq_multiple)
+
+
+def binding_limit(dims: ModelDims, setup: TrainSetup, method: AttentionScheme, max_len: int) -> str:
+    """What stops the next length after ``max_len``: "GPU", "host" or "both"."""
+    nxt = max_len + context_step(setup)
+    gpu_over = predict(dims, setup, method, nxt).total_gib > setup.gpu_memory_gib
+    host_over = sum(host_terms(dims, setup, nxt).values()) > setup.host_memory_gib * GiB
+    return "both" if gpu_over and host_over else "host" if host_over else "GPU"
+
+
+def nothing_fits(dims: ModelDims, setup: TrainSetup, method: AttentionScheme) -> str:
+    """Why not even the smallest length fits: the binding memory and its largest terms."""
+    n = context_step(setup)
+    p = predict(dims, setup, method, n)
+    parts = []
+    if not p.gpu_fits:
+        gpu = {
+            "model states": p.model_states_gib,
+            "ZeRO buffers": p.zero_buffers_gib,
+            "reserve": p.reserve_gib,
+            "checkpoints on the GPU": p.checkpoints_gib,
+            f"{p.peak_phase} phase": p.phase_gib,
+        }
+        top = max(gpu, key=lambda k: gpu[k])
+        parts.append(
+            f"GPU: {p.total_gib:.1f} GiB > --gpu-memory {setup.gpu_memory_gib:g} GiB at {fmt_tokens(n)} tokens, "
+            f"largest term {top} {gpu[top]:.1f} GiB"
+        )
+    if not p.host_fits:
+        top = max(p.host_terms_gib, key=lambda k: p.host_terms_gib[k])
+        parts.append(
+            f"host: {p.host_gib:.1f} GiB > --host-memory {setup.host_memory_gib:g} GiB per node at "
+            f"{fmt_tokens(n)} tokens, largest term {top} {p.host_terms_gib[top]:.1f} GiB"
+        )
+    return f"{p.method}: nothing fits; " + "; ".join(parts)
 
 
 def which_head_chunk(
@@ -673,27 +871,43 @@ def describe(dims: ModelDims, setup: TrainSetup) -> str:
         + (f" (Ulysses {setup.ulysses_size} x ring {setup.ring_size})" if setup.ring_size > 1 else "")
         + f", ZeRO-{setup.zero_stage}, {setup.dtype}, "
         f"checkpointing={setup.checkpointing} (CPU offload={setup.offload_checkpoints}), {setup.stack_label}, "
-        f"kernel workspace={setup.kernel}, micro-batch={setup.batch}, reserve={setup.reserve_gib:g} GiB"
+        f"kernel workspace={setup.kernel}, micro-batch={setup.batch}, reserve={setup.reserve_gib:g} GiB\n"
+        f"host {setup.host_memory_gib:g} GiB per node, offload_optimizer={setup.offload_optimizer}, "
+        f"offload_param={setup.offload_param}, checkpoint pinning={setup.checkpoint_pinning}"
     )
 
 
 def plan_table(dims: ModelDims, setup: TrainSetup, seq_lens: Iterable[int], methods: list[AttentionScheme]) -> str:
     """Predicted peak GiB per method and length (* = does not fit) and each method's max context."""
     seq_lens = list(seq_lens)
-    head = f"{'method':<22}" + "".join(f"{fmt_tokens(s):>9}" for s in seq_lens) + f"{'max context':>13}{'grid':>7}"
-    lines = [describe(dims, setup), "predicted peak GiB per GPU (* = does not fit)", head, "-" * len(head)]
+    head = (
+        f"{'method':<22}"
+        + "".join(f"{fmt_tokens(s):>9}" for s in seq_lens)
+        + f"{'max context':>13}{'grid':>7}{'binds':>7}"
+    )
+    lines = [
+        describe(dims, setup),
+        "predicted peak GiB per GPU (* = does not fit the GPU; + = does not fit the host)",
+        head,
+        "-" * len(head),
+    ]
     for m in methods:
         cells = []
         for s in seq_lens:
             p = predict(dims, setup, m, s)
-            cells.append(f"{p.total_gib:>8.1f}{' ' if p.fits else '*'}")
+            cells.append(f"{p.total_gib:>8.1f}{'+' if not p.host_fits else ' ' if p.gpu_fits else '*'}")
         mc = max_context(dims, setup, m)
-        lines.append(f"{m.label:<22}" + "".join(cells) + f"{fmt_tokens(mc):>13}{paper_step(mc):>7}")
+        binds = binding_limit(dims, setup, m, mc) if mc else "-"
+        lines.append(f"{m.label:<22}" + "".join(cells) + f"{fmt_tokens(mc):>13}{paper_step(mc):>7}{binds:>7}")
+    host_row = [sum(host_terms(dims, setup, s).values()) / GiB for s in seq_lens]
+    lines.append(f"{'host GiB per node':<22}" + "".join(f"{h:>8.0f} " for h in host_row))
     states = model_state_bytes(dims, setup) / GiB
     zero = zero_buffer_bytes(dims, setup) / GiB
     lines.append(
         f"fixed per GPU: model states {states:.1f} GiB, ZeRO buffers {zero:.1f} GiB, "
-        f"reserve {setup.reserve_gib:g} GiB; 'grid' = the largest of the paper's lengths (128K ... 5M) that fits"
+        f"reserve {setup.reserve_gib:g} GiB; 'grid' = the largest of the paper's lengths (128K ... 5M) that fits; "
+        f"host: {setup.host_memory_gib:g} GiB per node of {ranks_per_node(setup)} ranks, 'binds' = what stops "
+        "the next length"
     )
     return "\n".join(lines)
 
@@ -706,7 +920,8 @@ def breakdown_report(dims: ModelDims, setup: TrainSetup, method: AttentionScheme
         f"{setup.gpu_memory_gib:g}, {'fits' if p.fits else 'does not fit'})",
         f"  model states (ZeRO-{setup.zero_stage}, analytic)        {p.model_states_gib:8.2f} GiB",
         f"  ZeRO buffers (analytic)                  {p.zero_buffers_gib:8.2f} GiB",
-        f"  reserve                                  {p.reserve_gib:8.2f} GiB",
+        f"  reserve (assumed: {RESERVE_BASIS})",
+        f"                                           {p.reserve_gib:8.2f} GiB",
         f"  activation checkpoints on the GPU        {p.checkpoints_gib:8.2f} GiB",
         f"  {p.peak_phase} phase, fake-tensor run peak     {p.phase_gib:8.2f} GiB"
         + (f"  (of which kernel workspace {p.workspace_gib:.2f}, analytic)" if p.workspace_gib else ""),
@@ -715,6 +930,12 @@ def breakdown_report(dims: ModelDims, setup: TrainSetup, method: AttentionScheme
         "  alive at the peak (by the operation that allocated it):",
     ]
     lines += [f"    {gib:8.2f} GiB  {label}" for label, gib in p.live_at_peak]
+    lines.append(
+        f"  host memory per node ({ranks_per_node(setup)} ranks): {p.host_gib:.1f} GiB of "
+        f"{setup.host_memory_gib:g}, {'fits' if p.host_fits else 'does not fit'}"
+    )
+    lines += [f"    {gib:8.1f} GiB  {label}" for label, gib in p.host_terms_gib.items()]
+    lines.append(f"    (OS and processes: {setup.host_os_gib:g} + {setup.host_per_rank_gib:g}/rank GiB; {HOST_BASIS})")
     return "\n".join(lines)
 
 
