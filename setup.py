@@ -23,7 +23,7 @@ setup(
         # the releases whose private call signatures ds_upipe.kernels.FlashAttnKernel adapts to
         "flash": ["flash-attn>=2.6,<2.9"],
         "bench": ["matplotlib>=3.7"],
-        "test": ["pytest>=8", "ruff>=0.6", "matplotlib>=3.7", "peft>=0.13"],
+        "test": ["pytest>=8", "ruff>=0.6", "matplotlib>=3.7", "peft>=0.13", "trl==1.16.0"],
     },
     entry_points={"console_scripts": ["ds-upipe=ds_upipe.tools.cli:main"]},
 )

@@ -46,8 +46,11 @@ def _sequence_tensors(batch: dict[str, Any], seq: int) -> list[str]:
     return [k for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == seq]
 
 
-def pad_batch(batch: dict[str, Any], multiple: int, *, pad_token_id: int = 0) -> dict[str, Any]:
-    """Pad a [batch, seq] batch at the end to a multiple of ``multiple`` and add ``position_ids``.
+def pad_batch(
+    batch: dict[str, Any], multiple: int, *, pad_token_id: int = 0, length: int | None = None
+) -> dict[str, Any]:
+    """Pad a [batch, seq] batch at the end to a multiple of ``multiple`` (at least ``length`` tokens
+    when given) and add ``position_ids``.
 
     input_ids get ``pad_token_id``, labels -100, attention_mask 0, position_ids keep counting;
     any other [batch, seq, ...] tensor gets zeros.  Labels under attention_mask == 0 become -100.
@@ -68,6 +71,8 @@ def pad_batch(batch: dict[str, Any], multiple: int, *, pad_token_id: int = 0) ->
     if out.get("position_ids") is None:
         out["position_ids"] = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(b, seq).contiguous()
     pad = (-seq) % multiple
+    if length is not None:
+        pad = max(pad, length - seq)
     if pad == 0:
         return out
     fill = {"input_ids": pad_token_id, "labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask": 0}
@@ -131,6 +136,18 @@ def gather_sequence(shard: Tensor, group: dist.ProcessGroup | None, dim: int = 1
     return zigzag_unshard(parts, dim % shard.dim(), layout)
 
 
+#: TRL's padding-free / packing collators add the varlen boundaries of the whole (unsharded) row for the
+#: flash-attention and linear-attention kernels.  A rank's shard cannot use them (DeepSpeed's adapter
+#: would slice seq_idx and pass cu_seq_lens unsliced), and they say nothing the global position_ids do
+#: not: UPipe derives each row's documents from those (ds_upipe.packing), so they are dropped.
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def without_varlen_keys(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """``batch`` without TRL's varlen keys (``VARLEN_KEYS``)."""
+    return {k: v for k, v in batch.items() if k not in VARLEN_KEYS}
+
+
 #: keys DeepSpeed's UlyssesSPDataLoaderAdapter needs in every batch (position_ids: pad_batch adds them)
 _REQUIRED_KEYS = ("input_ids", "labels")
 _OK, _EXHAUSTED, _FAILED = 0, 1, 2
@@ -149,7 +166,9 @@ class _CheckedLoader:
     (or that has run out of batches) would leave the others blocked or fail inside a collective with
     an error that names none of the data.  Each batch's status, keys, batch size and length are
     exchanged first (one tiny all_gather), and every rank raises the same ValueError on the same
-    gathered data."""
+    gathered data.  Rows of different lengths on different ranks (dynamic padding, TRL's default)
+    are padded to the group's longest, so the adapter's all_gather gets one size on every rank (gloo
+    requires it); TRL's varlen keys are dropped (``VARLEN_KEYS``)."""
 
     def __init__(
         self,
@@ -176,19 +195,21 @@ class _CheckedLoader:
                 batch = next(batches)
                 if _has_required_keys(batch):
                     length = batch["input_ids"].shape[1]
-                    batch = pad_batch(dict(batch), self.multiple, pad_token_id=self.pad_token_id)
+                    batch = pad_batch(without_varlen_keys(batch), self.multiple, pad_token_id=self.pad_token_id)
             except StopIteration:
                 status = _EXHAUSTED
             except Exception as err:  # noqa: BLE001 - reported on every rank by _check_group
                 status, error = _FAILED, err
-            self._check_group(batch, _describe_batch(batch, length, status), error)
+            longest = self._check_group(batch, _describe_batch(batch, length, status), error)
             if status == _EXHAUSTED:
                 return
+            batch = pad_batch(batch, self.multiple, pad_token_id=self.pad_token_id, length=longest)
             yield batch if self.layout.ring_size == 1 else _in_zigzag_order(batch, self.layout)
 
-    def _check_group(self, batch: Any, row: list[int], error: Exception | None) -> None:
+    def _check_group(self, batch: Any, row: list[int], error: Exception | None) -> int:
         """The same ValueError on every rank unless all ranks' batches (rows: status, has input_ids,
-        has labels, length, batch size, padded length) can be gathered and sharded together."""
+        has labels, length, batch size, padded length) can be gathered and sharded together; returns
+        the group's longest padded length (-1 once the loaders are exhausted)."""
         _, size = _group_info(self.group)
         mine = torch.tensor(row, dtype=torch.long, device=self.device)
         rows = [mine]
@@ -213,7 +234,7 @@ class _CheckedLoader:
                     "group trains its ranks' batches together, so every rank's loader must give the same number of "
                     "batches (equal dataset shards, drop_last=True)"
                 )
-            return
+            return -1
         if not all(all(r[1 : 1 + len(_REQUIRED_KEYS)]) for r in rows):
             keys = self._gather_objects(sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__)
             raise ValueError(
@@ -221,19 +242,13 @@ class _CheckedLoader:
                 "(labels: the token ids to predict, usually a copy of input_ids, -100 where no loss is wanted); "
                 "got keys " + "; ".join(f"rank {r}: {k}" for r, k in enumerate(keys))
             )
-        lengths, padded, batch_sizes = [r[3] for r in rows], [r[5] for r in rows], [r[4] for r in rows]
+        batch_sizes = [r[4] for r in rows]
         if len(set(batch_sizes)) != 1:
             raise ValueError(
                 f"the ranks' batches have different batch sizes ({_per_rank(batch_sizes)}): the sequence-parallel "
                 "group trains them together; use the same batch size on every rank and drop_last=True"
             )
-        if len(set(padded)) != 1 and dist.get_backend(self.group) == "gloo":
-            raise ValueError(
-                f"samples of different lengths meet in one step of the sequence-parallel group (input_ids lengths "
-                f"{_per_rank(lengths)}; padded to a multiple of {self.multiple}: {padded}). DeepSpeed's "
-                "UlyssesSPDataLoaderAdapter all_gathers every rank's batch, and the gloo backend cannot all_gather "
-                "tensors of different sizes. " + _PAD_ADVICE
-            )
+        return max(r[5] for r in rows)
 
     def _gather_objects(self, mine: Any) -> list[Any]:
         _, size = _group_info(self.group)
@@ -300,29 +315,6 @@ class _ZigzagShards:
             yield use_zigzag_shift_labels(batch)
 
 
-class _ZigzagOrdered:
-    """A loader's batches padded to the ring's multiple and put in zigzag order (``_in_zigzag_order``)."""
-
-    zigzag_ordered = True
-
-    def __init__(self, loader: Iterable[dict[str, Any]], layout: SequenceLayout, pad_token_id: int) -> None:
-        self.loader, self.layout, self.pad_token_id = loader, layout, pad_token_id
-
-    def __len__(self) -> int:
-        return len(self.loader)  # type: ignore[arg-type]
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        multiple = self.layout.sequence_multiple
-        for batch in self.loader:
-            yield _in_zigzag_order(pad_batch(dict(batch), multiple, pad_token_id=self.pad_token_id), self.layout)
-
-
-def zigzag_ordered(loader: Iterable[dict[str, Any]], sp_size: int, ring_size: int, pad_token_id: int = 0) -> Any:
-    """``loader`` for ``UlyssesSPDataLoaderAdapter`` under UPipe x Ring: its contiguous shards of the
-    returned batches are the zigzag shards (then ``use_zigzag_shift_labels`` on each micro-batch)."""
-    return _ZigzagOrdered(loader, sequence_layout(sp_size, ring_size), pad_token_id)
-
-
 def collective_device(backend: str, device: torch.device | str | None = None) -> torch.device:
     """The device the loader's batches go to and are all_gathered on, for a group of this backend
     (``dist.get_backend``: "nccl", "gloo", or "cpu:gloo,cuda:nccl" for a group with both): None
@@ -357,8 +349,8 @@ def sequence_parallel_dataloader(
     shard is its zigzag shard (module docstring).
 
     Batches must be dicts with input_ids and labels ([batch, seq]).  A batch that cannot be built,
-    lacks those keys, differs in batch size from the other ranks', or (on gloo, which cannot gather
-    tensors of different sizes) in length, raises the same ValueError on every rank.
+    lacks those keys or differs in batch size from the other ranks' raises the same ValueError on
+    every rank; one shorter than another rank's is padded to the longer (``_CheckedLoader``).
 
     ``device``: where the batches go and are gathered; None (the default) is the group's own device
     (``collective_device``: the current CUDA device on NCCL, the CPU on gloo)."""
@@ -366,6 +358,22 @@ def sequence_parallel_dataloader(
 
     device = collective_device(dist.get_backend(group) if dist.is_initialized() else "gloo", device)
     rank, layout = _layout(group, ring_size)
-    checked = _CheckedLoader(loader, group, device, pad_token_id, layout)
+    checked = checked_loader(loader, group, device, pad_token_id=pad_token_id, ring_size=ring_size)
     adapter = UlyssesSPDataLoaderAdapter(checked, rank, group, layout.sp_size, device)
     return adapter if ring_size == 1 else _ZigzagShards(adapter)
+
+
+def checked_loader(
+    loader: Iterable[dict[str, Any]],
+    group: dist.ProcessGroup,
+    device: torch.device | str,
+    *,
+    pad_token_id: int = 0,
+    ring_size: int = 1,
+) -> Any:
+    """``loader`` made ready for ``UlyssesSPDataLoaderAdapter`` (``_CheckedLoader``: the ranks'
+    batches checked together, padded to one length, TRL's varlen keys dropped; in zigzag order with
+    ``ring_size`` > 1, then ``use_zigzag_shift_labels`` on each micro-batch).  Already checked: as is."""
+    if isinstance(loader, _CheckedLoader):
+        return loader
+    return _CheckedLoader(loader, group, torch.device(device), pad_token_id, _layout(group, ring_size)[1])

@@ -11,7 +11,8 @@ activations.  This module replaces, per instance (other models in the process ar
 - each decoder layer's ``mlp.forward`` with DeepSpeed's ``TiledMLP`` (``tiled_mlp``),
 - the causal LM's ``forward``, when it is given ``labels`` or ``shift_labels``, with one that
   computes the loss from the last hidden state in tiles and returns ``logits=None``
-  (``tiled_loss``); without labels it is the original forward (full logits, for inference).
+  (``tiled_loss``); without labels it is the original forward (full logits, for inference), and
+  so it is with ``fused_lm_head=True`` (TRL's own tiled LM head, which its trainers call).
 
 The attention is untouched, so the stack works the same on a UPipe-patched model, on one whose
 attention ALST registered, and on a plain model.  See docs/hf_patches.md.
@@ -143,7 +144,11 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if param.kind is inspect.Parameter.VAR_KEYWORD:
             arguments.update(arguments.pop(name, {}))
     labels, shift_labels = arguments.pop("labels", None), arguments.pop("shift_labels", None)
-    if labels is None and shift_labels is None:
+    if (labels is None and shift_labels is None) or arguments.get("fused_lm_head"):
+        # TRL's fused LM head (trl.trainer.utils.add_fused_lm_head, what its trainers call with
+        # fused_lm_head=True) returns per-token log-probs, entropy and accuracy for TRL's loss and
+        # metrics; it is itself tiled (4096 tokens x 32768 vocabulary entries per tile, online
+        # logsumexp, no [tokens, vocab] logits), so it runs as TRL ships it
         return original(self, *args, **kwargs)
     num_items = arguments.pop("num_items_in_batch", None)
     arguments.pop("logits_to_keep", None)

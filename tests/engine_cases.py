@@ -171,7 +171,7 @@ def _samples(lengths: list[int], labels: bool = True) -> list[dict[str, Any]]:
 
 #: name -> (dataset, config changes): training data that fails at the first batch of the loader
 LOADER_CASES: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {
-    # one sample per batch: the two ranks' samples differ in length (gloo cannot gather them)
+    # one sample per batch: the two ranks' samples differ in length: accepted, padded to the longer
     "samples_of_different_lengths": (_samples([8, 10, 12, 14]), {}),
     # two samples per batch: the default collate cannot stack them, on each rank
     "batch_of_different_lengths": (_samples([8, 10, 12, 14]), {"train_micro_batch_size_per_gpu": 2}),
@@ -180,7 +180,8 @@ LOADER_CASES: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {
 
 
 def loader_error(dataset: list[dict[str, Any]], config_changes: dict[str, Any]) -> str | None:
-    """The ValueError text of the first batch of ds_upipe.initialize's training loader (None if none)."""
+    """The ValueError text of the first batch of ds_upipe.initialize's training loader, or, when it is
+    accepted, "accepted: " and the first micro-batch's global position_ids of this rank's shard."""
     import ds_upipe
 
     model = tiny_llama()
@@ -189,8 +190,8 @@ def loader_error(dataset: list[dict[str, Any]], config_changes: dict[str, Any]) 
         model=model, model_parameters=model.parameters(), config=config, training_data=dataset
     )
     try:
-        next(iter(loader))
-        return None
+        batch = next(iter(loader))
+        return f"accepted: {batch['position_ids'].tolist()}"
     except ValueError as err:
         return str(err)
     finally:

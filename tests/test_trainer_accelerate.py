@@ -304,7 +304,8 @@ def test_enable_routes_accelerates_lookup_and_disable_restores():
     from deepspeed.runtime.sequence_parallel import ulysses_sp
     from transformers import Trainer
 
-    original_step = Trainer.prediction_step
+    patched = ("evaluation_loop", "compute_loss", "get_batch_samples", "get_eval_dataloader", "get_test_dataloader")
+    originals = {name: getattr(Trainer, name) for name in patched}
     hf_integration.enable()
     try:
         hf_integration.enable()  # idempotent
@@ -314,12 +315,13 @@ def test_enable_routes_accelerates_lookup_and_disable_restores():
         assert UlyssesSPAttentionHF is hf_integration.UPipeSPAttentionHF
         # the training loaders accelerate wraps: zigzag shards when UPipe x Ring is registered
         assert UlyssesSPDataLoaderAdapter is hf_integration.UPipeSPDataLoaderAdapter
-        assert Trainer.prediction_step is not original_step
+        assert all(getattr(Trainer, name) is not original for name, original in originals.items())
     finally:
         hf_integration.disable()
     assert ulysses_sp.UlyssesSPAttentionHF is not hf_integration.UPipeSPAttentionHF
     assert ulysses_sp.UlyssesSPDataLoaderAdapter is not hf_integration.UPipeSPDataLoaderAdapter
-    assert Trainer.prediction_step is original_step and not hf_integration.is_enabled()
+    assert all(getattr(Trainer, name) is original for name, original in originals.items())
+    assert not hf_integration.is_enabled()
 
 
 def test_upipe_settings_rules():

@@ -18,13 +18,16 @@ computes the loss across the sequence ranks (``deepspeed_sp_compute_loss``).
    Called directly (DeepSpeed's ALST recipe), it is ALST's registration, argument for argument,
    unless an active plugin's ds_config has a ``"upipe"`` block: then that block's long-context stack
    (``tiled_*``) applies to the model object, and UPipe too if the block enables it.
-2. Evaluation runs under sequence parallelism.  (accelerate registers ALST with
-   ``disable_in_eval=True`` because the Trainer's eval batches are not sharded: every rank would run
-   attention over the full sequence.)  Here the Trainer's eval/test loaders are sharded over the
-   sequence group (``hf_patches.sequence_parallel_dataloader``) and ``Trainer.prediction_step``
-   computes the loss across the sequence ranks, reporting each batch's loss once so that
-   ``eval_loss`` equals the non-SP run's (also with accelerate's even-batches padding).  ALST
-   registered through (1) keeps SP in eval too (``disable_in_eval=False``).
+2. The Trainer's loss and evaluation under sequence parallelism (``trainer_sp``): the training loss
+   is the token-weighted mean of the whole gradient-accumulation window, as without SP (transformers
+   takes the mean of the micro-batch means); the eval/test loaders are sharded over the sequence
+   group and every trainer's own prediction step (the Trainer's, TRL's SFTTrainer's) runs on the
+   shards, its loss combined into the batch's token mean and reported once per batch, so that
+   ``eval_loss`` equals the non-SP run's.  (accelerate registers ALST with ``disable_in_eval=True``
+   because without this the eval batches are not sharded.)  ALST registered through (1) keeps SP in
+   eval too (``disable_in_eval=False``).  The training loaders check the ranks' batches together,
+   pad rows of different lengths to the group's longest and drop TRL's varlen keys
+   (``UPipeSPDataLoaderAdapter``).
 3. The engine built with that mpu averages gradients over all ranks (``ds_upipe.integration.engine``'s
    correction of DeepSpeed issue #5248), so ZeRO-1/2 gradients equal the non-SP run's as ZeRO-3's do.
 4. ``TrainingArguments(deepspeed=...)`` brings up ``deepspeed.comm`` on CPU, so that
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -48,6 +51,7 @@ from deepspeed.runtime.sequence_parallel import ulysses_sp
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
 
 from ..heads import HeadLayout
+from . import trainer_sp
 from .config import SPSettings, check_heads, choose_head_chunk_size, parse_config
 from .sp_setup import (
     apply_long_context,
@@ -79,9 +83,12 @@ def enable() -> None:
         _wrap_trainer_config_process(HfTrainerDeepSpeedConfig.trainer_config_process),
     )
     _patch(deepspeed, "initialize", _wrap_initialize(deepspeed.initialize))
-    _patch(Trainer, "get_eval_dataloader", _wrap_eval_loader(Trainer.get_eval_dataloader))
-    _patch(Trainer, "get_test_dataloader", _wrap_eval_loader(Trainer.get_test_dataloader))
-    _patch(Trainer, "prediction_step", _wrap_prediction_step(Trainer.prediction_step))
+    ring_size = functools.partial(_REGISTERED.get, "ring_size", 1)
+    _patch(Trainer, "get_eval_dataloader", trainer_sp.wrap_eval_loader(Trainer.get_eval_dataloader, ring_size))
+    _patch(Trainer, "get_test_dataloader", trainer_sp.wrap_eval_loader(Trainer.get_test_dataloader, ring_size))
+    _patch(Trainer, "evaluation_loop", trainer_sp.wrap_evaluation_loop(Trainer.evaluation_loop))
+    _patch(Trainer, "compute_loss", trainer_sp.wrap_compute_loss(Trainer.compute_loss))
+    _patch(Trainer, "get_batch_samples", trainer_sp.wrap_get_batch_samples(Trainer.get_batch_samples))
 
 
 def disable() -> None:
@@ -180,18 +187,19 @@ class UPipeSPAttentionHF(UlyssesSPAttentionHF):
 
 
 class UPipeSPDataLoaderAdapter(UlyssesSPDataLoaderAdapter):
-    """DeepSpeed's ``UlyssesSPDataLoaderAdapter`` (what accelerate wraps the training loaders in) that,
-    when UPipe x Ring was registered, gives each rank its zigzag shard (padded to the ring's multiple;
-    ``hf_patches.data``); otherwise DeepSpeed's own, unchanged."""
+    """DeepSpeed's ``UlyssesSPDataLoaderAdapter`` (what accelerate wraps the training loaders in) over
+    ``hf_patches.data.checked_loader``: the ranks' batches checked together (the same error on every
+    rank), rows of different lengths padded to the group's longest (TRL's dynamic padding; gloo
+    cannot all_gather different sizes), TRL's varlen keys dropped and, when UPipe x Ring was
+    registered, each rank given its zigzag shard."""
 
     def __init__(self, dl: Any, sp_rank: int, sp_group: Any, sp_world_size: int, device: Any) -> None:
-        ring_size = _REGISTERED.get("ring_size", 1) if "mpu" in _REGISTERED else 1
-        # hf_patches.sequence_parallel_dataloader (the eval loaders) orders its batches itself
-        self.reorders = ring_size > 1 and not getattr(dl, "zigzag_ordered", False)
-        if self.reorders:
-            from hf_patches.data import zigzag_ordered
+        from hf_patches.data import checked_loader
 
-            dl = zigzag_ordered(dl, sp_world_size, ring_size)
+        ring_size = _REGISTERED.get("ring_size", 1) if "mpu" in _REGISTERED else 1
+        # hf_patches.sequence_parallel_dataloader (the eval loaders) passes a checked loader already
+        self.reorders = ring_size > 1
+        dl = checked_loader(dl, sp_group, device, ring_size=ring_size)
         super().__init__(dl, sp_rank, sp_group, sp_world_size, device)
 
     def __next__(self) -> dict[str, Any]:
@@ -523,115 +531,3 @@ def _long_context_without_sp(kwargs: dict[str, Any]) -> None:
     upipe = parse_config({**ds_config, "sequence_parallel_size": 1}).upipe
     check_long_context(model, upipe)
     apply_long_context(model, upipe, "local", None)
-
-
-# ---------------------------------------------------------------------------------------------------
-# evaluation under sequence parallelism in the HF Trainer (point 2)
-
-
-def _deepspeed_sp(trainer: Any) -> Any:
-    """The ParallelismConfig when the trainer runs DeepSpeed sequence parallelism, else None."""
-    pc = getattr(trainer.accelerator, "parallelism_config", None)
-    if pc is not None and pc.sp_backend == "deepspeed" and pc.sp_enabled:
-        return pc
-    return None
-
-
-class SequenceParallelEvalLoader:
-    """A prepared eval DataLoader whose batches are sharded over the sequence group when iterated.
-
-    The groups exist only once the model is prepared (``evaluate()`` may build the loader first), so
-    sharding starts in ``__iter__``.  Each batch of each rank of a group is processed by the whole
-    group in turn (ALST's ``UlyssesSPDataLoaderAdapter``); ``source_rank`` says whose batch the
-    current micro-batch is."""
-
-    def __init__(self, loader: Any, sequence_parallel_size: int, device: torch.device) -> None:
-        self.loader, self.sp, self.device = loader, sequence_parallel_size, device
-        self.source_rank = -1
-        self.own_loss: torch.Tensor | None = None
-
-    @property
-    def dataset(self) -> Any:
-        return self.loader.dataset
-
-    @property
-    def batch_size(self) -> Any:
-        return getattr(self.loader, "batch_size", None)
-
-    def __len__(self) -> int:
-        return len(self.loader) * self.sp
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        from deepspeed.utils import groups
-
-        from hf_patches import sequence_parallel_dataloader
-
-        sharded = sequence_parallel_dataloader(
-            self.loader,
-            groups._get_sequence_parallel_group(),
-            device=self.device,
-            ring_size=_REGISTERED.get("ring_size", 1),
-        )
-        self.own_loss = None
-        for i, batch in enumerate(sharded):
-            self.source_rank = i % self.sp
-            yield batch
-        self.source_rank = -1
-
-
-def _wrap_eval_loader(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def get_loader(self: Any, *args: Any, **kwargs: Any) -> Any:
-        loader = original(self, *args, **kwargs)
-        pc = _deepspeed_sp(self)
-        if pc is None or isinstance(loader, SequenceParallelEvalLoader):
-            return loader
-        return SequenceParallelEvalLoader(loader, pc.sp_size, self.args.device)
-
-    return get_loader
-
-
-def _wrap_prediction_step(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def prediction_step(
-        self: Any,
-        model: torch.nn.Module,
-        inputs: dict[str, Any],
-        prediction_loss_only: bool,
-        ignore_keys: list[str] | None = None,
-    ) -> tuple[torch.Tensor | None, None, None]:
-        pc = _deepspeed_sp(self)
-        if pc is None:
-            return original(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        loader = self.callback_handler.eval_dataloader
-        if not isinstance(loader, SequenceParallelEvalLoader) or "shift_labels" not in inputs:
-            raise ValueError(
-                "evaluation under sequence parallelism needs batches sharded over the sequence ranks: iterate the "
-                "loader returned by Trainer.get_eval_dataloader/get_test_dataloader (ds_upipe.hf_integration wraps "
-                f"them); got a {type(loader).__name__} yielding keys {sorted(inputs)}"
-            )
-        if not prediction_loss_only:
-            # logits/labels per rank are sequence shards; gathering them would put the full sequence on each rank
-            raise ValueError(
-                "prediction_loss_only=False (compute_metrics or predict) is not supported under sequence "
-                f"parallelism (sp_size={pc.sp_size}): each rank holds only its shard of the logits; evaluate the loss "
-                "only (no compute_metrics, args.prediction_loss_only=True)"
-            )
-        from deepspeed.utils import groups
-        from transformers.integrations.deepspeed import deepspeed_sp_compute_loss
-
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            loss = deepspeed_sp_compute_loss(self.accelerator, model, inputs, False, pc).detach()
-        # Every rank of the group holds the loss of the same batch.  The loop gathers each step's
-        # losses over all ranks, so each rank reports only its own batch's loss, at the group's last
-        # micro-batch of the round: the gathered values are then exactly the non-SP run's (and
-        # accelerate's truncation of even-batches padding applies to them the same way).
-        if loader.source_rank == groups._get_sequence_parallel_rank():
-            loader.own_loss = loss
-        if loader.source_rank != pc.sp_size - 1:
-            return None, None, None
-        own, loader.own_loss = loader.own_loss, None
-        return own, None, None
-
-    return prediction_step
