@@ -232,6 +232,17 @@ def config_errors(rank: int, world: int) -> dict[str, Any]:
             out[f"ranks:{name}"] = None
         except ValueError as err:
             out[f"ranks:{name}"] = str(err)
+    # the same exchange on the Trainer / accelerate route (ParallelismConfig.sp_size per rank)
+    from ds_upipe.integration import hf_integration
+
+    for name, changes in RANK_MISMATCH_CASES.items():
+        config = {**BASE, **(changes if rank == 1 else {})}
+        sp_size = config.pop("sequence_parallel_size")
+        try:
+            hf_integration._settings_agreed_by_all_ranks(config, sp_size)
+            out[f"accelerate:{name}"] = None
+        except ValueError as err:
+            out[f"accelerate:{name}"] = str(err)
     for name, (dataset, config_changes) in LOADER_CASES.items():
         out[f"loader:{name}"] = loader_error(dataset, config_changes)
     model = tiny_llama()

@@ -52,6 +52,7 @@ from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF,
 
 from ..heads import HeadLayout
 from . import trainer_sp
+from .agreement import agreed_settings, check_ranks_agree
 from .config import SPSettings, check_heads, choose_head_chunk_size, parse_config
 from .sp_setup import (
     apply_long_context,
@@ -228,8 +229,8 @@ def _accelerate_runs_deepspeed_sp() -> bool:
 
 def _register_for_accelerate(args: dict[str, Any]) -> Any:
     ds_config = ds_config_from_accelerate()
-    settings = upipe_settings(ds_config, args["sequence_parallel_size"])
     _init_deepspeed_comm()
+    settings = _settings_agreed_by_all_ranks(ds_config, args["sequence_parallel_size"])
     # accelerate shards every loader it prepares, and enable() the Trainer's eval loaders: eval
     # batches are sequence shards, so SP must stay on in evaluation (accelerate asks for
     # disable_in_eval=True because without enable() the Trainer's eval batches are not sharded)
@@ -252,7 +253,8 @@ def _register_direct(args: dict[str, Any]) -> Any:
     ds_config = _active_ds_config()
     settings = None
     if ds_config is not None and ds_config.get("upipe") is not None:
-        settings = upipe_settings(ds_config, args["sequence_parallel_size"])
+        _init_deepspeed_comm()
+        settings = _settings_agreed_by_all_ranks(ds_config, args["sequence_parallel_size"])
     model = args["model_name_or_path"]
     is_module = isinstance(model, torch.nn.Module)
     if settings is not None and is_module:
@@ -272,6 +274,22 @@ def _register_direct(args: dict[str, Any]) -> Any:
         # same stack; "local": ALST's recipe combines the ranks' losses itself
         apply_long_context(model, settings.upipe, "local", None)
     return mpu
+
+
+def _settings_agreed_by_all_ranks(ds_config: dict[str, Any], sequence_parallel_size: int) -> SPSettings:
+    """``upipe_settings`` of this rank's ds_config, after one exchange with every rank: a config error
+    on any rank, or settings that differ between ranks (sequence_parallel_size, the upipe block,
+    zero_optimization, ...), raise the same ValueError on every rank before the registration's
+    first collective (group creation), as ``ds_upipe.initialize`` does
+    (``ds_upipe.integration.agreement``)."""
+    settings, error = None, None
+    try:
+        settings = upipe_settings(ds_config, sequence_parallel_size)
+    except ValueError as err:
+        error = str(err)
+    given = {**ds_config, "sequence_parallel_size": sequence_parallel_size}
+    check_ranks_agree(error, agreed_settings(given, settings.upipe if settings is not None else None))
+    return settings
 
 
 def _register_upipe(args: dict[str, Any], settings: SPSettings) -> Any:
