@@ -11,9 +11,12 @@ DeepSpeed's autograd Functions do the work (deepspeed.runtime.sequence_parallel.
 - norm: ``TiledNorm``, DeepSpeed's ``SequenceTiledCompute`` reduced to this case with its input saved by
   ``save_for_backward`` (released right after its backward; SequenceTiledCompute keeps it on the
   context for as long as the graph lives), output written tile by tile into one buffer.
-- MLP: ``TiledMLP``, as ALST users apply it, with the tile count chosen so that ``torch.chunk``
-  really makes that many tiles (it makes fewer for some lengths, e.g. 6 tokens in 4 chunks gives 3,
-  and then TiledMLP never marks the weights' gradients ready for ZeRO: they would be lost).
+- MLP: the same ``TiledNorm`` Function over the flattened tokens (the MLP is per token too), not
+  DeepSpeed's ``TiledMLP``: TiledMLP keeps every tile's output in a list and ``torch.cat``s them, so
+  at the cat two MLP outputs (two hidden states) are alive at once; that cat set the peak of the
+  Llama3-8B layer plan at 8M tokens.  The tile count is agreed across ZeRO-3 ranks and chosen so
+  that every rank's tokens split into exactly that many tiles (``exact_chunk_tiles``: each tile is
+  one ZeRO-3 gather per projection, on every rank alike).
 - loss: ``TiledLossSum``, DeepSpeed's ``SequenceTiledCompute`` for a scalar output per tile, summed,
   with its inputs saved by ``save_for_backward`` as in TiledNorm (released before the layers'
   backward).  Not DeepSpeed's
@@ -111,8 +114,9 @@ def _chunk_count(tokens: int, chunks: int) -> int:
 
 
 def exact_chunk_tiles(counts: Sequence[int], tile_tokens: int) -> int:
-    """The largest tile count <= what the longest rank needs that ``torch.chunk`` splits every
-    rank's tokens into exactly (TiledMLP loops over chunks but marks gradients ready by count)."""
+    """The largest tile count <= what the longest rank needs that splits every rank's tokens into
+    exactly that many tiles of ceil(tokens / count) (``torch.chunk``'s and ``TiledNorm``'s split;
+    each tile gathers the ZeRO-3 weights once, so every rank must make as many)."""
     tiles = max(tiles_for(n, tile_tokens) for n in counts)
     while tiles > 1 and any(_chunk_count(n, tiles) != tiles for n in counts):
         tiles -= 1
@@ -156,9 +160,10 @@ def _forward_function(module: nn.Module) -> Callable:
 
 
 class TiledNorm(torch.autograd.Function):
-    """``fn(x)`` of a per-token module on sequence tiles of [batch, seq, hidden] x, recomputed tile by
-    tile in backward: DeepSpeed's ``SequenceTiledCompute`` for this one case, except that x is kept
-    with ``save_for_backward`` instead of on the context.  A saved tensor is released as soon as this
+    """``fn(x)`` of a per-token module (RMSNorm, MLP) on sequence tiles of [batch, seq, hidden] x,
+    recomputed tile by tile in backward: DeepSpeed's ``SequenceTiledCompute`` for this one case,
+    except that x is kept with ``save_for_backward`` instead of on the context.  A saved tensor is
+    released as soon as this
     node's backward has run (and goes through saved-tensor hooks), while a context attribute lives as
     long as the graph: in a decoder layer that was the residual sum feeding the post-attention norm,
     one hidden state kept through the attention's backward (measured on the Llama3-8B plan).
@@ -224,20 +229,21 @@ def tiled_norm(module: nn.Module, forward: Callable, hidden_states: Tensor, tile
 
 
 def tiled_mlp(module: nn.Module, forward: Callable, x: Tensor, tile_tokens: int | None) -> Tensor:
-    """``forward(module, x)`` of an MLP on token tiles through DeepSpeed's ``TiledMLP``: x is
-    flattened to [tokens, hidden] so the forward and backward tile the same token axis.
-    ``tile_tokens`` None: ``default_tile_tokens`` of the longest rank (ZeRO-3 ranks agree)."""
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
-
-    params = [p for p in module.parameters() if p.requires_grad]
-    flat = x.reshape(-1, x.shape[-1])
-    counts = token_counts(flat.shape[0], list(module.parameters()), x.device)
+    """``forward(module, x)`` of an MLP on token tiles (``TiledNorm`` over x flattened to
+    [1, tokens, hidden], so that every tile has the same tokens in forward and backward), the output
+    written into one buffer.  ``tile_tokens`` None: ``default_tile_tokens`` of the longest rank
+    (ZeRO-3 ranks agree on the tile count, ``exact_chunk_tiles``)."""
+    params = list(module.parameters())
+    flat = x.reshape(1, -1, x.shape[-1])
+    counts = token_counts(flat.shape[1], params, x.device)
     if tile_tokens is None:
         tile_tokens = default_tile_tokens(max(counts), mlp_tile_bound(x.shape[-1]))
     tiles = exact_chunk_tiles(counts, tile_tokens)
     if tiles <= 1:
         return forward(module, x)
-    out = TiledMLP.apply(_no_grad_detached(forward), module, _grad_input(flat, params), tiles, params)
+    out = TiledNorm.apply(
+        _no_grad_detached(functools.partial(forward, module)), _grad_input(flat, params), tiles, params
+    )
     return out.view(*x.shape[:-1], out.shape[-1])
 
 

@@ -377,6 +377,32 @@ def memory_cases(group):
         x.grad = None
     results["hidden_bf16"] = x.numel() * 2
     results["hidden_fp32"] = x.numel() * 4
+
+    # MLP forward (float32, 2048 tokens, hidden 64, intermediate 128, 32 tiles of 64): the stack's
+    # tiled MLP writes each tile into one output buffer; DeepSpeed's TiledMLP (what the stack used
+    # before) keeps every tile's output in a list and concatenates them, two outputs alive at the cat
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    mlp_model = build_model("llama", torch.float32, hidden_size=64, intermediate_size=128, num_hidden_layers=1)
+    mlp = mlp_model.model.layers[0].mlp
+    forward = type(mlp).forward
+    params = list(mlp.parameters())
+    x = torch.randn(1, 2048, 64, generator=gen).requires_grad_(True)
+
+    # the forward (where a checkpointed layer's recompute holds the most; the backward's peak is the
+    # same for both: one tile's recompute beside x and its gradient)
+    def deepspeed_tiled() -> torch.Tensor:
+        return TiledMLP.apply(tiling._no_grad_detached(forward), mlp, x.reshape(-1, 64), 32, params)
+
+    def stack_tiled() -> torch.Tensor:
+        return tiling.tiled_mlp(mlp, forward, x, 64)
+
+    for name, step in (("mlp_deepspeed", deepspeed_tiled), ("mlp_tiled", stack_tiled)):
+        phase = _LossPhase(mlp, step)  # the projections run once per tile: inside one parent module call
+        results[name] = _peak_activation(phase, mlp, x)
+        x.grad = None
+        mlp.zero_grad(set_to_none=True)
+    results["mlp_output"] = x.numel() * 4
     return results
 
 

@@ -59,6 +59,10 @@ def test_components_and_models():
         assert mem["norm_tiled"] - inherent <= mem["hidden_fp32"] / 4, mem
         assert mem["norm_full"] - inherent >= mem["hidden_fp32"], mem
 
+        # MLP forward: the stack's tiled MLP holds one output (hidden-state) buffer less than
+        # DeepSpeed's TiledMLP, whose list of tile outputs and their concatenation are alive together
+        assert mem["mlp_tiled"] + mem["mlp_output"] * 3 // 4 <= mem["mlp_deepspeed"], mem
+
         refusals = r["refusals"]
         assert refusals["foreign_forward_untouched"] == "False", "a refused stack changed the model"
         for case, words in REFUSALS.items():

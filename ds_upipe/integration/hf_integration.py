@@ -198,8 +198,9 @@ class UPipeSPDataLoaderAdapter(UlyssesSPDataLoaderAdapter):
         from hf_patches.data import checked_loader
 
         ring_size = _REGISTERED.get("ring_size", 1) if "mpu" in _REGISTERED else 1
-        # hf_patches.sequence_parallel_dataloader (the eval loaders) passes a checked loader already
-        self.reorders = ring_size > 1
+        # hf_patches.sequence_parallel_dataloader (the eval loaders) passes a checked loader already,
+        # and puts the zigzag shift_labels in place itself
+        self.reorders = ring_size > 1 and not getattr(dl, "zigzag_ordered", False)
         dl = checked_loader(dl, sp_group, device, ring_size=ring_size)
         super().__init__(dl, sp_rank, sp_group, sp_world_size, device)
 
