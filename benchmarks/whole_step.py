@@ -9,7 +9,7 @@ proportions scaled down (GQA 4:1, intermediate 3.5 x hidden, vocabulary 32K), in
 - ALST: DeepSpeed's ``UlyssesSPAttentionHF`` registered through ``register_with_transformers``.
 - UPipe: ``hf_patches.apply_upipe`` (fused projections, U = C).
 - "stack": ``hf_patches.apply_long_context_stack`` with the tiled loss (forward_loss=
-  "sequence_parallel"), tiled RMSNorms and DeepSpeed's TiledMLP; without it the loss is
+  "sequence_parallel"), tiled RMSNorms and the tiled MLP; without it the loss is
   ``sequence_parallel_loss`` on the full logits (what ships without the stack).
 
 Tile sizes: the shipped ones by default, read from ``--config`` (ds_configs/upipe_long_context.json:

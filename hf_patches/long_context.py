@@ -8,7 +8,8 @@ activations.  This module replaces, per instance (other models in the process ar
 
 - each decoder layer's ``input_layernorm`` / ``post_attention_layernorm`` and the final ``norm``
   ``forward`` with a sequence-tiled one (``tiled_norm``),
-- each decoder layer's ``mlp.forward`` with DeepSpeed's ``TiledMLP`` (``tiled_mlp``),
+- each decoder layer's ``mlp.forward`` with a token-tiled one (``tiled_mlp``; not DeepSpeed's
+  ``TiledMLP``, whose list + cat of the tile outputs holds two outputs, see ``tiling``),
 - the causal LM's ``forward``, when it is given ``labels`` or ``shift_labels``, with one that
   computes the loss from the last hidden state in tiles and returns ``logits=None``
   (``tiled_loss``); without labels it is the original forward (full logits, for inference), and
@@ -251,7 +252,7 @@ def apply_long_context_stack(
         tiled_loss: the causal LM's forward computes the loss from labels / shift_labels in tiles
             (needs a ``*ForCausalLM``); training loops can also call ``tiled_sequence_parallel_loss``.
         tiled_norm: the decoder layers' input / post-attention RMSNorms and the final norm in tiles.
-        tiled_mlp: the decoder layers' MLPs through DeepSpeed's TiledMLP.
+        tiled_mlp: the decoder layers' MLPs in token tiles (``tiling.tiled_mlp``).
         loss_tile_tokens: tokens per loss tile (None: derived from each call's shard by
             ``tiling.default_tile_tokens``: at least 8 tiles, at most about 1 GiB of float32 logits).
         norm_tile_tokens: tokens per norm tile (None: the same rule, at most 256 MiB per float32 copy).

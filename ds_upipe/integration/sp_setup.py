@@ -12,6 +12,7 @@ accelerate path (hf_integration.py).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -55,8 +56,10 @@ def setup_upipe(model: torch.nn.Module, settings: SPSettings, micro_batch_size: 
     return mpu, head_chunk_size
 
 
-#: (sequence_parallel_size, ring_size) -> this rank's (Ulysses group, ring group), built once per process
-_RING_GROUPS: dict[tuple[int, int, int], tuple[Any, Any]] = {}
+#: the sequence-parallel group -> its (ring_size -> this rank's (Ulysses group, ring group)): the
+#: subgroups live as long as the group they divide (weak keys: a destroyed group's entry goes with it,
+#: and a new group never meets an old group's subgroups, as an id() key could once the id is reused)
+_RING_GROUPS: weakref.WeakKeyDictionary[Any, dict[int, tuple[Any, Any]]] = weakref.WeakKeyDictionary()
 
 
 def upipe_groups(sequence_group: Any, settings: SPSettings) -> tuple[Any, Any]:
@@ -71,11 +74,10 @@ def upipe_groups(sequence_group: Any, settings: SPSettings) -> tuple[Any, Any]:
         return sequence_group, None
     from ..ring import build_sequence_groups
 
-    sizes = (settings.sequence_parallel_size, settings.ring_size)
-    key = (*sizes, id(torch.distributed.distributed_c10d._get_default_group()))  # a new world builds anew
-    if key not in _RING_GROUPS:
-        _RING_GROUPS[key] = build_sequence_groups(*sizes)
-    return _RING_GROUPS[key]
+    by_ring = _RING_GROUPS.setdefault(sequence_group, {})
+    if settings.ring_size not in by_ring:
+        by_ring[settings.ring_size] = build_sequence_groups(settings.sequence_parallel_size, settings.ring_size)
+    return by_ring[settings.ring_size]
 
 
 def restore_attention_functions() -> None:

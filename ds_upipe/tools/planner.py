@@ -211,7 +211,7 @@ class TrainSetup:
     """One sequence-parallel training run (sequence-parallel degree = ``gpus``).
 
     Defaults: ZeRO-3, activation checkpointing with the checkpoints offloaded to CPU, the
-    long-context stack (tiled loss, tiled RMSNorms, DeepSpeed's TiledMLP; hf_patches'
+    long-context stack (tiled loss, tiled RMSNorms, tiled MLP; hf_patches'
     ``apply_long_context_stack`` with its default tile sizes), bf16, micro-batch 1."""
 
     gpus: int = 8
