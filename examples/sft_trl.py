@@ -34,7 +34,7 @@ if CPU:
 DATA = ("plain", "prompt_completion", "packing", "padding_free")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepspeed", default="examples/ds_config_upipe.json", help="ds_config JSON with the upipe block")
     p.add_argument("--sp_size", type=int, default=2, help="sequence-parallel size (1: no sequence parallelism)")
@@ -51,7 +51,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output_dir", default="/tmp/ds_upipe_sft_trl")
     p.add_argument("--metrics_out", default=None, help="JSON file for the metrics (rank 0)")
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def word_tokenizer(vocab_size: int):  # noqa: ANN201 - transformers' fast tokenizer
@@ -82,8 +82,8 @@ def dataset(kind: str, n: int, vocab_size: int, seq_len: int, seed: int):  # noq
     return Dataset.from_dict({"text": random_texts(n, vocab_size, max_words, seed)})
 
 
-def main() -> None:
-    opts = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    opts = parse_args(argv)
     from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
     from transformers import LlamaForCausalLM, TrainerCallback
     from trl import SFTConfig, SFTTrainer

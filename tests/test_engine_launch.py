@@ -22,7 +22,7 @@ from ds_upipe.integration.config import UPipeConfig, attention_stage_bytes, choo
 from tests.engine_cases import FP32_RTOL, REPO, TORCH_ADAM, launch, max_rel, run
 
 pytestmark = pytest.mark.slow
-STEPS = 5
+STEPS = 4  # resume at step 2 leaves two steps to compare
 #: the long-context stack with tiles smaller than a rank's 128 (SP 2) or 64 (SP 4) tokens, uneven last tiles
 STACK = (
     'upipe.tiled_loss={"tile_tokens": 40}',
@@ -253,8 +253,8 @@ def test_bf16_optimizer_equals_non_sp(two_procs_launch, name):
 )
 def test_resume_continues_trajectory(two_procs, name, uninterrupted):
     r = two_procs[name]
-    assert r["resumed_from"] == 2 and r["steps"] == [3, 4, 5]
-    _check_same(two_procs, name, uninterrupted, steps={3, 4, 5})
+    assert r["resumed_from"] == 2 and r["steps"] == list(range(3, STEPS + 1))
+    _check_same(two_procs, name, uninterrupted, steps=set(range(3, STEPS + 1)))
 
 
 @pytest.mark.parametrize("name, ref_name", [("upipe_sp4_z3", "ref_z3"), ("alst_sp4_z3", "ref_z3")])

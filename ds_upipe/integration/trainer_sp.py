@@ -95,11 +95,27 @@ def sequence_parallel_loss(
     return total * data_parallel / window_tokens.clamp(min=1).to(total.dtype), outputs
 
 
+def refuse_sequence_level_trl_losses(trainer: Any) -> None:
+    """TRL's trainers other than SFTTrainer (DPO, KTO, GRPO, RLOO, reward, distillation) compute losses
+    from whole sequences (a sequence's summed log-probs, a reward per sequence), which one rank's shard
+    does not hold; under sequence parallelism they would train on shards as if they were sequences.
+    Refused by name until ds_upipe has their sequence-parallel losses (the same on every rank)."""
+    module = type(trainer).__module__
+    if module.startswith("trl.") and type(trainer).__name__ != "SFTTrainer":
+        raise ValueError(
+            f"{type(trainer).__name__} under sequence parallelism (sp_size={deepspeed_sp(trainer).sp_size}) is not "
+            "supported by ds_upipe: its loss needs each whole sequence (summed log-probs per sequence), and each rank "
+            "holds a shard of it. Train it without sequence parallelism (sp_size 1); TRL's SFTTrainer is supported"
+        )
+
+
 def wrap_get_batch_samples(original: Callable[..., Any]) -> Callable[..., Any]:
     """The training loop's window of micro-batches with its labelled-token count taken from the shards."""
 
     @functools.wraps(original)
     def get_batch_samples(self: Any, epoch_iterator: Any, num_batches: int, device: torch.device) -> Any:
+        if deepspeed_sp(self) is not None:
+            refuse_sequence_level_trl_losses(self)  # before the loader's first collective
         batch_samples, num_items_in_batch = original(self, epoch_iterator, num_batches, device)
         sharded = bool(batch_samples) and all(isinstance(b, dict) and "shift_labels" in b for b in batch_samples)
         if deepspeed_sp(self) is not None and sharded:
@@ -252,6 +268,7 @@ def wrap_evaluation_loop(original: Callable[..., Any]) -> Callable[..., Any]:
     def evaluation_loop(self: Any, *args: Any, **kwargs: Any) -> Any:
         if deepspeed_sp(self) is None:
             return original(self, *args, **kwargs)
+        refuse_sequence_level_trl_losses(self)
         own_step = type(self).prediction_step
         if own_step not in _token_mean_prediction_steps():
             raise ValueError(
