@@ -1,16 +1,14 @@
 """The two all-to-alls of a UPipe stage, on already-selected heads.
 
 Local tensors are [b, s, n*C, d] (this rank's sequence shard; the n*C heads grouped by destination
-rank, n per rank).  ``heads_to_sequence`` returns [b, n, S, d] (full sequence S = C*s of the n heads
-this rank attends over, in the kernel layout); ``sequence_to_heads`` is its inverse.  Every
-all-to-all is even (the stage plan guarantees equal head counts per rank), which gloo requires.
-
-``start_heads_to_sequence`` issues the exchange asynchronously and returns a handle, so the pipeline
-can fetch the next stage's heads while the current stage computes.  ``sequence_to_heads`` is
-``to_send_layout`` + ``exchange_send_layout`` + ``from_ranks``; the pipeline runs the steps itself:
-a buffer allocated in the send layout is sent without a copy, and the [C, b, s, n, d] result hands
-each source rank's heads over as contiguous [b, s, n, d] pieces, so a caller that sums (or copies)
-per piece needs no final permute-copy.
+rank, n per rank).  Heads to sequence: ``heads_send_buffer`` then ``start_heads_exchange``, which
+returns a pending [b, n, S, d] (full sequence S = C*s of the n heads this rank attends over, in the
+kernel layout), so the pipeline can fetch the next stage's heads while the current stage computes.
+Sequence to heads: ``to_send_layout`` + ``exchange_send_layout`` + ``from_ranks``; the pipeline runs
+the steps itself: a buffer allocated in the send layout is sent without a copy, and the
+[C, b, s, n, d] result hands each source rank's heads over as contiguous [b, s, n, d] pieces, so a
+caller that sums (or copies) per piece needs no final permute-copy.  Every all-to-all is even (the
+stage plan guarantees equal head counts per rank), which gloo requires.
 
 These are plain functions, not autograd nodes: the pipeline's autograd Function calls them in both
 forward and backward, so nothing here is saved for backward.
@@ -90,7 +88,7 @@ def _exchange(
 
 def heads_send_buffer(local: Tensor, group_size: int) -> Tensor:
     """[b, s, C*n, d] (heads grouped by destination) -> the contiguous [C, b, n, s, d] buffer that
-    ``heads_to_sequence`` sends (a copy unless b = n = 1; the caller may free ``local`` after it)."""
+    ``start_heads_exchange`` sends (a copy unless b = n = 1; the caller may free ``local`` after it)."""
     b, s, cn, d = local.shape
     return local.reshape(b, s, group_size, cn // group_size, d).permute(2, 0, 3, 1, 4).contiguous()
 
@@ -107,20 +105,8 @@ def start_heads_exchange(
     )
 
 
-def start_heads_to_sequence(
-    local: Tensor, group_size: int, group: dist.ProcessGroup | None, async_op: bool = True
-) -> PendingExchange:
-    """[b, s, C*n, d] (heads grouped by destination) -> pending [b, n, C*s, d] of n heads."""
-    return start_heads_exchange(heads_send_buffer(local, group_size), group_size, group, async_op)
-
-
-def heads_to_sequence(local: Tensor, group_size: int, group: dist.ProcessGroup | None) -> Tensor:
-    """Blocking ``start_heads_to_sequence``."""
-    return start_heads_to_sequence(local, group_size, group, async_op=False).wait()
-
-
 def to_send_layout(full: Tensor, group_size: int) -> Tensor:
-    """[b, n, C*s, d] -> the [C, b, s, n, d] view ``sequence_to_heads`` sends: element [dst] is peer
+    """[b, n, C*s, d] -> the [C, b, s, n, d] view the sequence-to-heads exchange sends: element [dst] is peer
     dst's sequence chunk.  A buffer allocated in this layout and written through the inverse view can
     be sent as it is, without a copy."""
     return full.unflatten(2, (group_size, full.shape[2] // group_size)).permute(2, 0, 3, 1, 4)
@@ -136,9 +122,3 @@ def from_ranks(by_rank: Tensor) -> Tensor:
     """[C, b, s, n, d] (``exchange_send_layout``'s result) -> [b, s, C*n, d] (a copy unless b = n = 1)."""
     c, b, s, n, d = by_rank.shape
     return by_rank.permute(1, 2, 0, 3, 4).reshape(b, s, c * n, d)
-
-
-def sequence_to_heads(full: Tensor, group_size: int, group: dist.ProcessGroup | None) -> Tensor:
-    """[b, n, C*s, d] -> [b, s, C*n, d]: this rank's sequence chunk of every rank's n heads."""
-    send = to_send_layout(full, group_size).contiguous()
-    return from_ranks(exchange_send_layout(send, group_size, group))

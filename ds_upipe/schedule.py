@@ -47,22 +47,8 @@ class StagePlan:
     rounds: tuple[Round, ...]
 
     @property
-    def heads_per_rank(self) -> int:
-        """u: query heads each rank attends over in one stage."""
-        return self.head_chunk_size // self.group_size
-
-    @property
-    def kv_heads_per_rank(self) -> int:
-        return len(self.rounds[0].kv_heads[0])
-
-    @property
     def num_stages(self) -> int:
         return sum(len(r.stages) for r in self.rounds)
-
-    @property
-    def kv_replication(self) -> int:
-        """How many ranks hold a copy of each KV head (1 unless Hkv < C)."""
-        return max(1, self.group_size // self.num_kv_heads)
 
 
 def check_head_counts(num_heads: int, num_kv_heads: int, group_size: int) -> None:

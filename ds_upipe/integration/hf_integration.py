@@ -7,7 +7,8 @@ time*, calls its ``register_with_transformers`` (which builds the sequence-paral
 returns the mpu) and wraps the data loaders in ``UlyssesSPDataLoaderAdapter``; the Trainer then
 computes the loss across the sequence ranks (``deepspeed_sp_compute_loss``).
 
-``enable()`` keeps all of that and changes four things, process-wide, until ``disable()``:
+``enable()`` keeps all of that and changes four things, process-wide, until ``disable()`` (nine
+attributes of deepspeed, transformers and their classes, each named in ``enable``):
 
 1. ``ulysses_sp.UlyssesSPAttentionHF`` becomes ``UPipeSPAttentionHF``.  Called by accelerate, its
    ``register_with_transformers`` reads the ds_config from the accelerator's DeepSpeed plugin and,

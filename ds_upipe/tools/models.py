@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-
 #: the defaults every tiny model shares: GQA (4 query heads, 2 KV heads), two layers, sdpa attention
 TINY_DEFAULTS: dict[str, Any] = dict(
     vocab_size=128,

@@ -816,14 +816,6 @@ def nothing_fits(dims: ModelDims, setup: TrainSetup, method: AttentionScheme) ->
     return f"{p.method}: nothing fits; " + "; ".join(parts)
 
 
-def which_head_chunk(
-    dims: ModelDims, setup: TrainSetup, seq_len: int, fused: bool = True, overlap_comm: bool = False
-) -> list[Prediction]:
-    """Predictions at ``seq_len`` for Ulysses and UPipe at every valid U (read ``.fits``)."""
-    methods = methods_for(dims, setup.gpus, fused, overlap_comm, setup.ring_size)
-    return [predict(dims, setup, m, seq_len) for m in methods]
-
-
 def which_head_chunk_report(
     dims: ModelDims, setup: TrainSetup, seq_len: int, methods: Sequence[AttentionScheme] | None = None
 ) -> str:
