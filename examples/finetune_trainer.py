@@ -34,6 +34,8 @@ from tiny_llama import (
     RandomDocuments,
     RandomTokens,
     report_metrics,
+    sequence_parallelism,
+    stage_runs_per_rank,
     tiny_llama_config,
     watch_long_context,
 )
@@ -75,7 +77,6 @@ def build_model(opts: argparse.Namespace) -> torch.nn.Module:
 
 def main() -> None:
     opts = parse_args()
-    from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from ds_upipe import hf_integration
@@ -84,11 +85,7 @@ def main() -> None:
     hf_integration.enable()  # the one line: UPipe (or ALST) from the ds_config's "upipe" block
     stages = StageCounter().start()  # UPipe stages run in this process (0 under ALST)
 
-    parallelism = None
-    if opts.sp_size > 1:
-        # the model's attention implementation: ALST wraps it, UPipe checks it the same way and replaces it
-        sp_handler = DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")
-        parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=opts.sp_size, sp_handler=sp_handler)
+    parallelism = sequence_parallelism(opts.sp_size)
     args = TrainingArguments(
         output_dir=opts.output_dir,
         deepspeed=opts.deepspeed,
@@ -165,9 +162,7 @@ def main() -> None:
     from hf_patches import upipe_state
 
     state = upipe_state(model)
-    stage_runs = [train_stages, stages.count - train_stages]
-    gathered: list = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, stage_runs)
+    stage_runs = stage_runs_per_rank(train_stages, stages.count)
     result = {
         "world_size": torch.distributed.get_world_size(),
         "sp_size": opts.sp_size,
@@ -176,8 +171,7 @@ def main() -> None:
         "train_losses": losses,
         "grad_norms": grad_norms,
         "eval_loss": metrics["eval_loss"],
-        "stage_runs_train": [s[0] for s in gathered],
-        "stage_runs_eval": [s[1] for s in gathered],
+        **stage_runs,
         "upipe": None if state is None else {"fused": state.fused, "head_chunk_size": state.head_chunk_size},
         "eval_local_seq_lens": sorted(set(eval_lengths)),
         "upipe_documents_per_row": sorted(documents_per_row),

@@ -25,7 +25,7 @@ import os
 import random
 
 import torch
-from tiny_llama import report_metrics, tiny_llama_config
+from tiny_llama import report_metrics, sequence_parallelism, stage_runs_per_rank, tiny_llama_config
 
 CPU = not torch.cuda.is_available()
 if CPU:
@@ -84,7 +84,6 @@ def dataset(kind: str, n: int, vocab_size: int, seq_len: int, seed: int):  # noq
 
 def main(argv: list[str] | None = None) -> None:
     opts = parse_args(argv)
-    from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
     from transformers import LlamaForCausalLM, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
@@ -94,10 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     hf_integration.enable()  # the one line: UPipe (or ALST) from the ds_config's "upipe" block
     stages = StageCounter().start()  # UPipe stages run in this process (0 under ALST or without SP)
 
-    parallelism = None
-    if opts.sp_size > 1:
-        sp_handler = DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")
-        parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=opts.sp_size, sp_handler=sp_handler)
+    parallelism = sequence_parallelism(opts.sp_size)
     args = SFTConfig(
         output_dir=opts.output_dir,
         deepspeed=opts.deepspeed,
@@ -151,9 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     from hf_patches import long_context_stack
 
     stack = long_context_stack(model)
-    stage_runs = [train_stages, stages.count - train_stages]
-    gathered: list = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, stage_runs)
+    stage_runs = stage_runs_per_rank(train_stages, stages.count)
     result = {
         "world_size": torch.distributed.get_world_size(),
         "sp_size": opts.sp_size,
@@ -170,8 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         "long_context": None
         if stack is None
         else {k: getattr(stack, k) for k in ("tiled_loss", "tiled_norm", "tiled_mlp")},
-        "stage_runs_train": [s[0] for s in gathered],
-        "stage_runs_eval": [s[1] for s in gathered],
+        **stage_runs,
     }
     report_metrics(result, opts.metrics_out, torch.distributed.get_rank() == 0)
     trainer.end()

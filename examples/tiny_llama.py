@@ -20,6 +20,25 @@ def tiny_llama_config(seq_len: int) -> LlamaConfig:
     return tiny_config(max_position_embeddings=seq_len)
 
 
+def sequence_parallelism(sp_size: int) -> Any:
+    """accelerate's ``ParallelismConfig(sp_backend="deepspeed", sp_size=...)`` for the Trainer (None at
+    sp_size 1).  The model's attention implementation: ALST wraps it, UPipe checks it the same way and
+    replaces it."""
+    if sp_size == 1:
+        return None
+    from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
+
+    sp_handler = DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")
+    return ParallelismConfig(sp_backend="deepspeed", sp_size=sp_size, sp_handler=sp_handler)
+
+
+def stage_runs_per_rank(train_stages: int, all_stages: int) -> dict[str, list[int]]:
+    """Every rank's UPipe stage count in training and in evaluation (a collective: all ranks call it)."""
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, [train_stages, all_stages - train_stages])
+    return {"stage_runs_train": [s[0] for s in gathered], "stage_runs_eval": [s[1] for s in gathered]}
+
+
 def report_metrics(result: dict[str, Any], path: str | None, main_process: bool) -> None:
     """The main process prints the run's metrics as one JSON line and, given a path, writes them there."""
     if not main_process:

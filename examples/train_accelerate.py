@@ -23,7 +23,7 @@ import os
 import time
 
 import torch
-from tiny_llama import RandomTokens, report_metrics, tiny_llama_config, watch_long_context
+from tiny_llama import RandomTokens, report_metrics, stage_runs_per_rank, tiny_llama_config, watch_long_context
 
 CPU = not torch.cuda.is_available()
 if CPU:
@@ -112,9 +112,7 @@ def main() -> None:
     eval_loss = (total[0] / total[1]).item()
     wall = time.perf_counter() - start
 
-    stage_runs = [train_stages, stages.count - train_stages]
-    gathered: list = [None] * accelerator.num_processes
-    torch.distributed.all_gather_object(gathered, stage_runs)
+    stage_runs = stage_runs_per_rank(train_stages, stages.count)
     pc = accelerator.parallelism_config
     result = {
         "world_size": accelerator.num_processes,
@@ -123,8 +121,7 @@ def main() -> None:
         "train_losses": losses,
         "grad_norms": grad_norms,
         "eval_loss": eval_loss,
-        "stage_runs_train": [s[0] for s in gathered],
-        "stage_runs_eval": [s[1] for s in gathered],
+        **stage_runs,
         "eval_local_seq_lens": sorted(eval_lengths),
         "long_context": long_context(),
         "wall_s": wall,
