@@ -112,3 +112,29 @@ def test_the_stack_ran_with_trl(runs):
     """The ds_config's stack is on the model TRL trained (TRL's fused LM head computes the loss)."""
     assert runs["packing_stack"]["long_context"] == {"tiled_loss": True, "tiled_norm": True, "tiled_mlp": True}
     assert runs["plain"]["long_context"] is None
+
+
+def test_sequence_level_trl_trainers_are_refused_under_sp():
+    """DPO's (and the other RL trainers') losses need whole sequences; under SP each rank holds a
+    shard, so they are refused by name before the loader's first collective.  The trainers are TRL's
+    classes (not built: only their type and the accelerator's ParallelismConfig are read)."""
+    import types
+
+    from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
+    from trl import DPOTrainer, GRPOTrainer, SFTTrainer
+
+    from ds_upipe.integration import trainer_sp
+
+    sp = ParallelismConfig(
+        sp_backend="deepspeed", sp_size=2, sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")
+    )
+    for cls in (DPOTrainer, GRPOTrainer):
+        trainer = cls.__new__(cls)
+        trainer.accelerator = types.SimpleNamespace(parallelism_config=sp)
+        with pytest.raises(
+            ValueError, match=rf"{cls.__name__} under sequence parallelism \(sp_size=2\) is not supported"
+        ):
+            trainer_sp.refuse_sequence_level_trl_losses(trainer)
+    sft = SFTTrainer.__new__(SFTTrainer)
+    sft.accelerator = types.SimpleNamespace(parallelism_config=sp)
+    trainer_sp.refuse_sequence_level_trl_losses(sft)  # SFTTrainer is supported
