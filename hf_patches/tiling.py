@@ -8,17 +8,17 @@ over the tiles (a different summation order: float64 <= 1e-10, float32 <= 1e-5).
 
 DeepSpeed's autograd Functions do the work (deepspeed.runtime.sequence_parallel.ulysses_sp):
 
-- norm: ``TiledNorm``, DeepSpeed's ``SequenceTiledCompute`` reduced to this case with its input saved by
+- norm: ``TiledPerToken``, DeepSpeed's ``SequenceTiledCompute`` reduced to this case with its input saved by
   ``save_for_backward`` (released right after its backward; SequenceTiledCompute keeps it on the
   context for as long as the graph lives), output written tile by tile into one buffer.
-- MLP: the same ``TiledNorm`` Function over the flattened tokens (the MLP is per token too), not
+- MLP: the same ``TiledPerToken`` Function over the flattened tokens (the MLP is per token too), not
   DeepSpeed's ``TiledMLP``: TiledMLP keeps every tile's output in a list and ``torch.cat``s them, so
   at the cat two MLP outputs (two hidden states) are alive at once; that cat set the peak of the
   Llama3-8B layer plan at 8M tokens.  The tile count is agreed across ZeRO-3 ranks and chosen so
   that every rank's tokens split into exactly that many tiles (``exact_chunk_tiles``: each tile is
   one ZeRO-3 gather per projection, on every rank alike).
 - loss: ``TiledLossSum``, DeepSpeed's ``SequenceTiledCompute`` for a scalar output per tile, summed,
-  with its inputs saved by ``save_for_backward`` as in TiledNorm (released before the layers'
+  with its inputs saved by ``save_for_backward`` as in TiledPerToken (released before the layers'
   backward).  Not DeepSpeed's
   ``TiledFusedLogitsLoss``: it runs the backward inside the forward with an assumed upstream
   gradient of 1.0 and only rescales the hidden-state gradient by the real one, so the lm_head weight
@@ -115,7 +115,7 @@ def _chunk_count(tokens: int, chunks: int) -> int:
 
 def exact_chunk_tiles(counts: Sequence[int], tile_tokens: int) -> int:
     """The largest tile count <= what the longest rank needs that splits every rank's tokens into
-    exactly that many tiles of ceil(tokens / count) (``torch.chunk``'s and ``TiledNorm``'s split;
+    exactly that many tiles of ceil(tokens / count) (``torch.chunk``'s and ``TiledPerToken``'s split;
     each tile gathers the ZeRO-3 weights once, so every rank must make as many)."""
     tiles = max(tiles_for(n, tile_tokens) for n in counts)
     while tiles > 1 and any(_chunk_count(n, tiles) != tiles for n in counts):
@@ -159,7 +159,7 @@ def _forward_function(module: nn.Module) -> Callable:
     return func
 
 
-class TiledNorm(torch.autograd.Function):
+class TiledPerToken(torch.autograd.Function):
     """``fn(x)`` of a per-token module (RMSNorm, MLP) on sequence tiles of [batch, seq, hidden] x,
     recomputed tile by tile in backward: DeepSpeed's ``SequenceTiledCompute`` for this one case,
     except that x is kept with ``save_for_backward`` instead of on the context.  A saved tensor is
@@ -212,7 +212,7 @@ class TiledNorm(torch.autograd.Function):
 
 def tiled_norm(module: nn.Module, forward: Callable, hidden_states: Tensor, tile_tokens: int | None) -> Tensor:
     """``forward(module, hidden_states)`` of a per-token module (RMSNorm) on sequence tiles of
-    [batch, seq, hidden] input, recomputed per tile in backward (``TiledNorm``).  No collective runs
+    [batch, seq, hidden] input, recomputed per tile in backward (``TiledPerToken``).  No collective runs
     inside (the module is not called through ``__call__``; ZeRO-3 has gathered its weight around the
     whole call), so the tile count is this rank's own.  ``tile_tokens`` None: ``default_tile_tokens``."""
     if hidden_states.dim() != 3:
@@ -225,11 +225,11 @@ def tiled_norm(module: nn.Module, forward: Callable, hidden_states: Tensor, tile
         return forward(module, hidden_states)
     params = list(module.parameters())
     hidden_states = _grad_input(hidden_states, params)
-    return TiledNorm.apply(functools.partial(forward, module), hidden_states, tiles, params)
+    return TiledPerToken.apply(functools.partial(forward, module), hidden_states, tiles, params)
 
 
 def tiled_mlp(module: nn.Module, forward: Callable, x: Tensor, tile_tokens: int | None) -> Tensor:
-    """``forward(module, x)`` of an MLP on token tiles (``TiledNorm`` over x flattened to
+    """``forward(module, x)`` of an MLP on token tiles (``TiledPerToken`` over x flattened to
     [1, tokens, hidden], so that every tile has the same tokens in forward and backward), the output
     written into one buffer.  ``tile_tokens`` None: ``default_tile_tokens`` of the longest rank
     (ZeRO-3 ranks agree on the tile count, ``exact_chunk_tiles``)."""
@@ -241,7 +241,7 @@ def tiled_mlp(module: nn.Module, forward: Callable, x: Tensor, tile_tokens: int 
     tiles = exact_chunk_tiles(counts, tile_tokens)
     if tiles <= 1:
         return forward(module, x)
-    out = TiledNorm.apply(
+    out = TiledPerToken.apply(
         _no_grad_detached(functools.partial(forward, module)), _grad_input(flat, params), tiles, params
     )
     return out.view(*x.shape[:-1], out.shape[-1])

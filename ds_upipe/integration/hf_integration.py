@@ -223,10 +223,7 @@ def _accelerate_runs_deepspeed_sp() -> bool:
     """Whether accelerate (or the Trainer) runs DeepSpeed sequence parallelism in this process."""
     from accelerate.state import AcceleratorState, is_initialized
 
-    if not is_initialized():
-        return False
-    pc = getattr(AcceleratorState(), "parallelism_config", None)
-    return pc is not None and pc.sp_backend == "deepspeed" and pc.sp_enabled
+    return is_initialized() and trainer_sp.runs_deepspeed_sp(getattr(AcceleratorState(), "parallelism_config", None))
 
 
 def _register_for_accelerate(args: dict[str, Any]) -> Any:

@@ -29,15 +29,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-IGNORE_INDEX = -100
+from hf_patches.data import IGNORE_INDEX
+
+
+def runs_deepspeed_sp(pc: Any) -> bool:
+    """Whether an accelerate ParallelismConfig (or None) runs DeepSpeed sequence parallelism."""
+    return pc is not None and pc.sp_backend == "deepspeed" and pc.sp_enabled
 
 
 def deepspeed_sp(trainer: Any) -> Any:
     """The ParallelismConfig when the trainer runs DeepSpeed sequence parallelism, else None."""
     pc = getattr(trainer.accelerator, "parallelism_config", None)
-    if pc is not None and pc.sp_backend == "deepspeed" and pc.sp_enabled:
-        return pc
-    return None
+    return pc if runs_deepspeed_sp(pc) else None
 
 
 def _sp_group() -> Any:
@@ -50,9 +53,12 @@ def _labelled_tokens(inputs: dict[str, Any]) -> torch.Tensor:
     return (inputs["shift_labels"] != IGNORE_INDEX).sum()
 
 
-def _shard_sums(loss: torch.Tensor, tokens: torch.Tensor, group: Any, differentiable: bool) -> torch.Tensor:
-    """The sum over the group's ranks of each rank's token sum of the loss (its token mean x its
-    labelled tokens; a shard without labelled tokens adds 0, also where its mean is NaN)."""
+def _shard_sums(
+    loss: torch.Tensor, tokens: torch.Tensor, group: Any, differentiable: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the sum over the group's ranks of each rank's token sum of the loss, the group's labelled
+    tokens): a rank's token sum is its token mean x its labelled tokens; a shard without labelled
+    tokens adds 0, also where its mean is NaN."""
     if differentiable:
         losses = torch.stack(torch.distributed.nn.functional.all_gather(loss, group=group))
     else:
@@ -61,8 +67,9 @@ def _shard_sums(loss: torch.Tensor, tokens: torch.Tensor, group: Any, differenti
         losses = torch.stack(losses)
     counts = [torch.empty_like(tokens) for _ in range(dist.get_world_size(group))]
     dist.all_gather(counts, tokens.contiguous(), group=group)
-    counts = torch.stack(counts).to(losses.dtype)
-    return torch.where(counts > 0, losses * counts, torch.zeros_like(losses)).sum()
+    counts = torch.stack(counts)
+    weights = counts.to(losses.dtype)
+    return torch.where(counts > 0, losses * weights, torch.zeros_like(losses)).sum(), counts.sum()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -90,7 +97,7 @@ def sequence_parallel_loss(
         inputs = {**inputs, "labels": inputs["shift_labels"]}
     outputs = model(**inputs)
     group = _sp_group()
-    total = _shard_sums(outputs.loss, _labelled_tokens(inputs).to(outputs.loss.device), group, differentiable=True)
+    total, _ = _shard_sums(outputs.loss, _labelled_tokens(inputs).to(outputs.loss.device), group, differentiable=True)
     data_parallel = dist.get_world_size() // dist.get_world_size(group) if over_all_ranks else 1
     return total * data_parallel / window_tokens.clamp(min=1).to(total.dtype), outputs
 
@@ -114,11 +121,12 @@ def wrap_get_batch_samples(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def get_batch_samples(self: Any, epoch_iterator: Any, num_batches: int, device: torch.device) -> Any:
-        if deepspeed_sp(self) is not None:
+        sequence_parallel = deepspeed_sp(self) is not None
+        if sequence_parallel:
             refuse_sequence_level_trl_losses(self)  # before the loader's first collective
         batch_samples, num_items_in_batch = original(self, epoch_iterator, num_batches, device)
         sharded = bool(batch_samples) and all(isinstance(b, dict) and "shift_labels" in b for b in batch_samples)
-        if deepspeed_sp(self) is not None and sharded:
+        if sequence_parallel and sharded:
             num_items_in_batch = window_token_count(self, batch_samples, device)
         return batch_samples, num_items_in_batch
 
@@ -244,10 +252,8 @@ def sequence_parallel_prediction_step(
     inputs = {**inputs, "labels": inputs["shift_labels"]}
     loss, _, _ = own_step(trainer, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
     tokens = _labelled_tokens(inputs).to(loss.device)
-    group = _sp_group()
-    total_tokens = tokens.clone()
-    dist.all_reduce(total_tokens, group=group)
-    loss = _shard_sums(loss.detach().float(), tokens, group, differentiable=False) / total_tokens.clamp(min=1)
+    total, total_tokens = _shard_sums(loss.detach().float(), tokens, _sp_group(), differentiable=False)
+    loss = total / total_tokens.clamp(min=1)
     # Every rank of the group holds the loss of the same batch.  The loop gathers each step's losses
     # over all ranks, so each rank reports only its own batch's loss, at the group's last micro-batch
     # of the round: the gathered values are then exactly the non-SP run's (and accelerate's
