@@ -102,6 +102,9 @@ def two_procs_launch(tmp_path_factory):
         run("upipe_z3_stack", "upipe_long_context", sp=2, gas=2, extra=STACK),
         run("alst_z2_stack", "ulysses_alst_long_context", sp=2, gas=2, stage=2, extra=STACK),
         run("alst_z3_stack", "ulysses_alst_long_context", sp=2, gas=2, extra=STACK),
+        # both layers as one checkpoint pair (upipe.checkpoint_pairs), UPipe and ALST
+        run("upipe_z3_pairs", "upipe_long_context", sp=2, gas=2, extra=(*STACK, "upipe.checkpoint_pairs=1")),
+        run("alst_z2_pairs", "ulysses_alst_long_context", sp=2, gas=2, stage=2, extra=("upipe.checkpoint_pairs=1",)),
     ]
     # bf16 with float32 gradient accumulation at ZeRO-1: DeepSpeed's BF16_Optimizer, not a ZeRO optimizer
     bf16_acc = dict(stage=1, fp32=False, extra=("data_types.grad_accum_dtype=fp32",))
@@ -318,6 +321,16 @@ def test_long_context_stack_equals_non_sp(two_procs, name, ref_name, stage):
     assert r["checkpointing"] == "reentrant"  # DeepSpeed's, per decoder layer: see docs/config.md
     assert (r["upipe_stage_runs"] > 0) == name.startswith("upipe")
     assert two_procs[ref_name]["long_context"] is None
+
+
+@pytest.mark.parametrize("name,ref_name", [("upipe_z3_pairs", "ref_z3"), ("alst_z2_pairs", "ref_z2")])
+def test_checkpoint_pairs_equal_non_sp(two_procs, name, ref_name):
+    """upipe.checkpoint_pairs=1 (the example's two layers as one pair) through ds_upipe.initialize
+    and a real ZeRO engine: the same losses and gradient norms as the non-SP run, and the pair's
+    backward ran once per micro-step (4 steps x 2 micro-steps)."""
+    _check_same(two_procs, name, ref_name)
+    assert two_procs[name]["checkpoint_pairs"] == [STEPS * 2]
+    assert two_procs[name]["checkpointing"] == "reentrant"
 
 
 @pytest.mark.parametrize("name", ["upipe_sp4_stack", "alst_sp4_stack"])

@@ -423,3 +423,41 @@ def test_exact_pinned_pool_pins_what_the_planner_counts():
     assert sum(pow2.values()) == 4 * engine.pinned_bytes // 3
     engine.release()
     assert engine.pinned_bytes == 0 and not engine.registered
+
+
+def test_checkpoint_pairs_are_planned_from_what_the_stores_keep():
+    """upipe.checkpoint_pairs N: the host term is the bytes the pairs' stores really hold in a CPU run
+    of the real pairs (one exact buffer per pair), DeepSpeed's engine pins layers - 2N - 1; on the GPU
+    (no offload) N layer inputs fewer; the config key reaches the plan; N beyond L/2 is refused."""
+    import functools
+
+    import torch
+    import transformers
+
+    from ds_upipe.integration.checkpoint_pairs import install_checkpoint_pairs
+    from ds_upipe.tools.models import tiny_config
+
+    dims = planner.ModelDims("pairs", 8, 2, 8, 64, 64, 5, 101)
+    setup = planner.TrainSetup(gpus=2, gpus_per_node=1, checkpoint_pinning="exact", host_os_gib=0.0, dtype="fp32")
+    setup = replace(setup, host_per_rank_gib=0.0, checkpoint_pairs=2)
+    seq = 64
+    config = tiny_config("llama", num_hidden_layers=5, hidden_size=64, intermediate_size=64, vocab_size=101)
+    model = transformers.LlamaForCausalLM(config).train()
+    checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True)
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint)
+    model.enable_input_require_grads()
+    pairs = install_checkpoint_pairs(model, 2, offload=True)
+    ids = torch.randint(0, 101, (1, seq // 2))  # this rank's shard of seq tokens
+    model(input_ids=ids, labels=ids).loss.backward()
+    terms = planner.host_terms(dims, setup, seq)
+    x = planner.hidden_state_bytes(dims, setup, seq)
+    assert terms["checkpoint pairs (2 layer inputs/rank, exact pinned)"] == sum(p.store.allocated_bytes for p in pairs)
+    assert terms["checkpoints (0 layer inputs/rank, exact pinned)"] == 0  # layer 4: DeepSpeed keeps it on the GPU
+    plain = planner.host_terms(dims, replace(setup, checkpoint_pairs=0), seq)
+    assert sum(plain.values()) - sum(terms.values()) == 2 * x
+    on_gpu = replace(setup, offload_checkpoints=False)
+    assert planner._checkpoint_bytes(dims, on_gpu, seq, 0) == {"layer": 2 * x, "loss": 3 * x}
+    cfg = json.loads(open("ds_configs/upipe_llama3_8b_8m.json").read())
+    assert planner.from_ds_config(cfg)[0].checkpoint_pairs == 3
+    with pytest.raises(ValueError, match="checkpoint_pairs=3: pairs has 5 layers, so at most 2"):
+        planner.host_terms(dims, replace(setup, checkpoint_pairs=3), seq)

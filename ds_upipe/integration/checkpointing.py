@@ -66,6 +66,28 @@ def releasing(checkpoint: Callable[..., Any]) -> Callable[..., Any]:
 # -- exact-size pinned host buffers for offloaded checkpoints --------------------------------------
 
 
+def register_pinned(host: Tensor) -> bool:
+    """Page-lock a host tensor in place (``cudaHostRegister``: exactly its bytes, where torch's
+    ``pin_memory()`` would round the block up to a power of two).  False where there is nothing to
+    do (no CUDA, an empty tensor); RuntimeError if CUDA refuses."""
+    nbytes = host.numel() * host.element_size()
+    if not (torch.cuda.is_available() and nbytes):
+        return False
+    err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)
+    if int(getattr(err, "value", err)) != 0:
+        raise RuntimeError(f"cudaHostRegister of a {nbytes}-byte checkpoint buffer failed: {err}")
+    return True
+
+
+def unregister_pinned(hosts: list[Tensor]) -> None:
+    """Undo ``register_pinned`` for each tensor (before its memory is freed) and empty the list."""
+    if torch.cuda.is_available():
+        for host in hosts:
+            if host.numel():
+                torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+    hosts.clear()
+
+
 def _exact_engine_class() -> type:
     """``ExactPinnedOffloadEngine``, built on first use (DeepSpeed imports lazily here)."""
     from deepspeed.runtime.activation_checkpointing.offload_activations import _ActivationOffloadEngine
@@ -97,23 +119,15 @@ def _exact_engine_class() -> type:
                 return pool.pop(), key
             host = torch.empty(tuple(tensor.size()), dtype=tensor.dtype, layout=tensor.layout, device="cpu")
             if self.use_pin_memory:
-                nbytes = host.numel() * host.element_size()
-                if torch.cuda.is_available() and nbytes:
-                    err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)
-                    if int(getattr(err, "value", err)) != 0:
-                        raise RuntimeError(f"cudaHostRegister of a {nbytes}-byte checkpoint buffer failed: {err}")
+                register_pinned(host)
                 self.registered.append(host)
-                self.pinned_bytes += nbytes
+                self.pinned_bytes += host.numel() * host.element_size()
             return host, key
 
         def release(self) -> None:
             """Unregister (unpin) every buffer; the engine must not be used afterwards."""
             self.reset()
-            if torch.cuda.is_available():
-                for host in self.registered:
-                    if host.numel():
-                        torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
-            self.registered.clear()
+            unregister_pinned(self.registered)
             self._cpu_buffer_pool.clear()
             self._cpu_buffer_pool_count = 0
             self.pinned_bytes = 0

@@ -48,6 +48,7 @@ ALLOWED: dict[str, str] = {
     "ring_size": "an int >= 1 that divides sequence_parallel_size (1: no ring)",
     "accumulate_dtype": '"fp32" or "input" (the dtype bf16/fp16 gradients are summed in over the stages)',
     "recompute_attention_output": "true or false (fused projections only)",
+    "checkpoint_pairs": "an int >= 0, at most half the model's decoder layers (needs activation checkpointing)",
     "tiled_loss": TILED,
     "tiled_norm": TILED,
     "tiled_mlp": TILED,
@@ -91,6 +92,8 @@ class UPipeConfig(BaseModel):
     accumulate_dtype: Literal["fp32", "input"] = "fp32"
     #: fused mode: backward recomputes each stage's attention instead of keeping the layer's attention output
     recompute_attention_output: StrictBool = False
+    #: the lowest 2N decoder layers checkpointed in pairs on one saved input (integration.checkpoint_pairs)
+    checkpoint_pairs: StrictInt = 0
     # the long-context stack (hf_patches.apply_long_context_stack); also with enabled=false (ALST)
     tiled_loss: TiledSetting = False
     tiled_norm: TiledSetting = False
@@ -112,6 +115,8 @@ class UPipeConfig(BaseModel):
             problems.append("seq_length")
         if self.ring_size < 1:
             problems.append("ring_size")
+        if self.checkpoint_pairs < 0:
+            problems.append("checkpoint_pairs")
         if problems:
             raise ValueError("|".join(problems))
         if self.head_chunk_size == "auto" and (self.memory_budget_gib is None or self.seq_length is None):
@@ -203,6 +208,7 @@ def parse_config(ds_config: dict[str, Any]) -> SPSettings:
             "allowed: 1, 2 or 3 (sequence parallelism needs ZeRO)"
         )
     act = ds_config.get("activation_checkpointing", {}) or {}
+    check_checkpoint_pairs(upipe, ds_config.get("activation_checkpointing") is not None, act)
     if sp > 1 and act.get("partition_activations", False):
         # DeepSpeed would split each checkpointed activation across the "model-parallel" group, which
         # with the sequence-parallel mpu is the sequence group: its ranks hold different tokens, not replicas.
@@ -214,6 +220,26 @@ def parse_config(ds_config: dict[str, Any]) -> SPSettings:
         )
     half = any((ds_config.get(k, {}) or {}).get("enabled", False) for k in ("bf16", "fp16", "bfloat16"))
     return SPSettings(sequence_parallel_size=sp, upipe=upipe, zero_stage=zero_stage, dtype_bytes=2 if half else 4)
+
+
+def check_checkpoint_pairs(upipe: UPipeConfig, has_checkpointing_section: bool, act: dict[str, Any]) -> None:
+    """ValueError if ``upipe.checkpoint_pairs`` is set where no layer is checkpointed, or beside
+    DeepSpeed's activation partitioning (a pair keeps its own copy of its input, unpartitioned)."""
+    pairs = upipe.checkpoint_pairs
+    if not pairs:
+        return
+    if not (has_checkpointing_section or upipe.offload_checkpoints):
+        raise ValueError(
+            f"invalid ds_config: upipe.checkpoint_pairs: got {pairs} without activation checkpointing; allowed: 0, "
+            'or add an "activation_checkpointing" section (or upipe.offload_checkpoints: true): pairs are a way to '
+            "checkpoint layers"
+        )
+    if act.get("partition_activations", False):
+        raise ValueError(
+            f"invalid ds_config: upipe.checkpoint_pairs: got {pairs} with activation_checkpointing."
+            "partition_activations=true; allowed: 0 there (a pair keeps its saved input whole); set "
+            "partition_activations to false or upipe.checkpoint_pairs to 0"
+        )
 
 
 def check_recompute_attention_output(upipe: UPipeConfig) -> None:

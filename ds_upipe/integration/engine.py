@@ -53,7 +53,7 @@ from .process_exit import release_shm_at_exit
 from .sp_setup import (
     apply_long_context,
     average_gradients_over_all_ranks,
-    check_long_context,
+    check_model_settings,
     configure_activation_checkpointing,
     model_head_layout,
     register_alst,
@@ -96,7 +96,7 @@ def initialize(
                 f"sequence_parallel_size={settings.sequence_parallel_size}: ds_upipe builds the sequence-parallel "
                 "groups itself; pass mpu=None and mesh_param=None"
             )
-        check_long_context(model, settings.upipe)
+        check_model_settings(model, settings.upipe)
     except ValueError as err:
         error = str(err)
 

@@ -59,7 +59,7 @@ from .sp_setup import (
     apply_long_context,
     apply_upipe_settings,
     average_gradients_over_all_ranks,
-    check_long_context,
+    check_model_settings,
     configure_activation_checkpointing,
     packed_rows_per_document,
 )
@@ -236,7 +236,7 @@ def _register_for_accelerate(args: dict[str, Any]) -> Any:
     args = {**args, "disable_in_eval": False}
     _REGISTERED.pop("ring_size", None)
     model = args["model_name_or_path"]
-    check_long_context(model, settings.upipe)  # before the registration's collectives (group creation)
+    check_model_settings(model, settings.upipe)  # before the registration's collectives (group creation)
     if not settings.upipe.enabled:  # ALST from the ds_config: exact on packed rows with sdpa too
         packed_rows_per_document(args["core_attn_implementation"])
     mpu = _register_upipe(args, settings) if settings.upipe.enabled else _alst_register(args)
@@ -257,7 +257,7 @@ def _register_direct(args: dict[str, Any]) -> Any:
     model = args["model_name_or_path"]
     is_module = isinstance(model, torch.nn.Module)
     if settings is not None and is_module:
-        check_long_context(model, settings.upipe)  # before the registration's collectives
+        check_model_settings(model, settings.upipe)  # before the registration's collectives
     if settings is None or not settings.upipe.enabled:
         _REGISTERED.pop("mpu", None)  # the engine built with ALST's mpu keeps DeepSpeed's own gradient average
         _REGISTERED.pop("ring_size", None)
@@ -546,5 +546,5 @@ def _long_context_without_sp(kwargs: dict[str, Any]) -> None:
     if long_context_stack(model) is not None:
         return
     upipe = parse_config({**ds_config, "sequence_parallel_size": 1}).upipe
-    check_long_context(model, upipe)
+    check_model_settings(model, upipe)
     apply_long_context(model, upipe, "local", None)

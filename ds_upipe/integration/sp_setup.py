@@ -21,6 +21,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from ..heads import HeadLayout
+from .checkpoint_pairs import check_pairs_fit, install_checkpoint_pairs
 from .checkpointing import install_exact_pinned_pool, releasing
 from .config import SPSettings, UPipeConfig, check_heads, choose_head_chunk_size, tiled
 
@@ -173,11 +174,14 @@ def long_context_options(upipe: UPipeConfig) -> dict[str, Any]:
     return options
 
 
-def check_long_context(model: torch.nn.Module, upipe: UPipeConfig) -> None:
-    """Refuse a stack the model cannot take (e.g. ``tiled_loss`` on a model without an lm_head).
+def check_model_settings(model: torch.nn.Module, upipe: UPipeConfig) -> None:
+    """Refuse settings the model cannot take: a stack part it lacks (e.g. ``tiled_loss`` on a model
+    without an lm_head), more checkpoint pairs than it has layers for.
 
     Reads only the model's structure and the config, so every rank raises the same ValueError; the
     callers run it before their first collective."""
+    if upipe.checkpoint_pairs:
+        check_pairs_fit(model, upipe.checkpoint_pairs)
     if not upipe.long_context:
         return
     from hf_patches import check_long_context_stack
@@ -244,11 +248,15 @@ def configure_activation_checkpointing(
     # offloaded checkpoints in exact-size pinned buffers, not torch's power-of-two pinned blocks
     install_exact_pinned_pool()
     if not (getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "_set_gradient_checkpointing")):
+        check_pairs_fit(model, settings.upipe.checkpoint_pairs)  # pairs need checkpointed layers: refused
         return None
     # releasing: the replay in backward frees the replayed layer output (one hidden state) at once
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=releasing(ds_checkpointing.checkpoint))
     # DeepSpeed's checkpoint is reentrant: backward reaches a layer only if its input requires grad
     model.enable_input_require_grads()
+    # the lowest 2N layers in pairs on one saved input, kept where DeepSpeed would keep it (host or device)
+    offload_pairs = bool(ds_checkpointing.CPU_CHECKPOINT) and not get_accelerator().is_synchronized_device()
+    install_checkpoint_pairs(model, settings.upipe.checkpoint_pairs, offload=offload_pairs)
     return "reentrant"
 
 

@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="optimizer states in host memory (zero_optimization.offload_optimizer.device=cpu; default: the config's)",
     )
+    plan.add_argument(
+        "--checkpoint-pairs",
+        type=int,
+        default=None,
+        help="upipe.checkpoint_pairs: checkpoint the lowest 2N layers in pairs on one saved input (N layer inputs "
+        "fewer kept, N more layer forwards per step; default 0, or the config's)",
+    )
     plan.add_argument("--unfused", action="store_true", help="UPipe without fused projections")
     plan.add_argument("--overlap-comm", action="store_true", help="UPipe prefetches the next stage's all-to-alls")
     plan.add_argument(
@@ -210,6 +217,7 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
         "tiled_mlp": args.tiled_mlp,
         "checkpoint_pinning": args.checkpoint_pinning,
         "offload_optimizer": args.offload_optimizer,
+        "checkpoint_pairs": args.checkpoint_pairs,
     }
     changes = {k: v for k, v in changes.items() if v is not None}
     if args.accumulate_dtype is not None:
@@ -223,7 +231,7 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
             )
         methods = [replace(m, recompute_attention_output=True) if m.kind == "upipe" else m for m in methods]
     if args.no_checkpointing:
-        changes.update(checkpointing=False, offload_checkpoints=False)
+        changes.update(checkpointing=False, offload_checkpoints=False, checkpoint_pairs=0)
     elif args.no_offload:
         changes.update(offload_checkpoints=False)
     setup = replace(setup, kernel=args.kernel, reserve_gib=args.reserve, **changes)

@@ -260,6 +260,9 @@ class TrainSetup:
     #: power of two) or "exact" (``ds_upipe.integration.checkpointing.ExactPinnedPool``: one block per
     #: checkpoint of exactly its bytes)
     checkpoint_pinning: str = "pow2"
+    #: upipe.checkpoint_pairs: the lowest 2N layers checkpointed in pairs on one saved input
+    #: (``ds_upipe.integration.checkpoint_pairs``): N layer inputs fewer kept, N more layer forwards
+    checkpoint_pairs: int = 0
     #: host memory per node outside the tensors above (``HOST_BASIS``)
     host_os_gib: float = 32.0
     host_per_rank_gib: float = 8.0
@@ -294,6 +297,8 @@ class TrainSetup:
             raise ValueError(f"kernel={self.kernel!r}: choose one of {list(KERNELS)}")
         if self.batch < 1:
             raise ValueError(f"batch={self.batch} must be >= 1")
+        if self.checkpoint_pairs < 0 or (self.checkpoint_pairs and not self.checkpointing):
+            raise ValueError(f"checkpoint_pairs={self.checkpoint_pairs} needs checkpointing=True and must be >= 0")
         if self.offload_checkpoints and not self.checkpointing:
             raise ValueError("offload_checkpoints=True needs checkpointing=True (only checkpoints are offloaded)")
 
@@ -437,6 +442,7 @@ def from_ds_config(
         mlp_tile_tokens=stack.get("mlp_tile_tokens"),
         zero_reduce_bucket=int(zero.get("reduce_bucket_size", base.zero_reduce_bucket)),
         ring_size=settings.ring_size,
+        checkpoint_pairs=settings.upipe.checkpoint_pairs,
     )
     if settings.upipe.enabled:
         u = settings.upipe.head_chunk_size
@@ -551,6 +557,26 @@ def ranks_per_node(setup: TrainSetup) -> int:
     return min(setup.gpus, setup.gpus_per_node)
 
 
+def kept_checkpoints(dims: ModelDims, setup: TrainSetup) -> tuple[int, int]:
+    """(layer inputs DeepSpeed's offload engine pins on the host, inputs the checkpoint pairs keep)
+    per rank.  DeepSpeed checkpoints the ``layers - 2N`` layers above the pairs and keeps the newest
+    input on the GPU (``keep_last_count=1``); each of the N pairs keeps one input (its own exact-size
+    buffer, ``integration.checkpoint_pairs.PairInputStore``)."""
+    pairs = setup.checkpoint_pairs
+    if 2 * pairs > dims.num_layers:
+        raise ValueError(
+            f"checkpoint_pairs={pairs}: {dims.name} has {dims.num_layers} layers, so at most {dims.num_layers // 2}"
+        )
+    return max(0, dims.num_layers - 2 * pairs - 1), pairs
+
+
+def pair_recompute_fraction(dims: ModelDims, setup: TrainSetup) -> float:
+    """The checkpoint pairs' extra compute as a fraction of a checkpointed step's layer compute: N more
+    layer forwards over L x (forward + recompute + backward ~ 2 forwards) = 4L forwards (backward ~ 2
+    forwards: the usual 2:1 FLOP rule; an estimate, not a measurement)."""
+    return setup.checkpoint_pairs / (4 * dims.num_layers)
+
+
 def host_terms(dims: ModelDims, setup: TrainSetup, seq_len: int) -> dict[str, int]:
     """Host memory of one node by term (bytes).  Offloaded checkpoints: DeepSpeed's offload engine
     keeps the newest layer input on the GPU (``keep_last_count=1``), so each rank pins ``layers - 1``
@@ -562,10 +588,11 @@ def host_terms(dims: ModelDims, setup: TrainSetup, seq_len: int) -> dict[str, in
     terms: dict[str, int] = {}
     if setup.offload_checkpoints:
         x = hidden_state_bytes(dims, setup, seq_len)
-        per_rank = (dims.num_layers - 1) * pinned_block_bytes(x, setup.checkpoint_pinning)
-        terms[f"checkpoints ({dims.num_layers - 1} layer inputs/rank, {setup.checkpoint_pinning} pinned)"] = (
-            ranks * per_rank
-        )
+        engine, pairs = kept_checkpoints(dims, setup)
+        per_rank = engine * pinned_block_bytes(x, setup.checkpoint_pinning)
+        terms[f"checkpoints ({engine} layer inputs/rank, {setup.checkpoint_pinning} pinned)"] = ranks * per_rank
+        if pairs:
+            terms[f"checkpoint pairs ({pairs} layer inputs/rank, exact pinned)"] = ranks * pairs * x
     rounding = "pow2" if setup.offload_pin_memory else "exact"
     part = math.ceil(dims.total_params / setup.gpus)
     if setup.offload_optimizer and setup.optimizer:
@@ -668,7 +695,9 @@ def _checkpoint_bytes(dims: ModelDims, setup: TrainSetup, seq_len: int, saved_pe
         return {"layer": (layers - 1) * saved_per_layer, "loss": layers * saved_per_layer}
     if setup.offload_checkpoints:
         return {"layer": x, "loss": x}  # the checkpoint brought back (or sent out) next
-    return {"layer": (layers - 1) * x, "loss": layers * x}
+    # on the device: one input per layer below, one per pair instead of two (the top layer's backward)
+    pairs = setup.checkpoint_pairs
+    return {"layer": (layers - 1 - pairs) * x, "loss": (layers - pairs) * x}
 
 
 def predict(
@@ -676,6 +705,7 @@ def predict(
 ) -> Prediction:
     """Peak memory of one GPU for one training step at ``seq_len`` tokens (the whole sequence, split
     over ``setup.gpus`` sequence-parallel ranks).  ``live``: also the largest allocations at the peak."""
+    kept_checkpoints(dims, setup)  # checkpoint_pairs within the model's layers
     layer = layer_peak(dims, setup, method, seq_len, live)
     loss = loss_peak(dims, setup, seq_len, live)
     x = hidden_state_bytes(dims, setup, seq_len)
@@ -862,7 +892,9 @@ def describe(dims: ModelDims, setup: TrainSetup) -> str:
         f"{setup.gpus} GPUs x {setup.gpu_memory_gib:g} GiB"
         + (f" (Ulysses {setup.ulysses_size} x ring {setup.ring_size})" if setup.ring_size > 1 else "")
         + f", ZeRO-{setup.zero_stage}, {setup.dtype}, "
-        f"checkpointing={setup.checkpointing} (CPU offload={setup.offload_checkpoints}), {setup.stack_label}, "
+        f"checkpointing={setup.checkpointing} (CPU offload={setup.offload_checkpoints}"
+        + (f", {setup.checkpoint_pairs} checkpoint pairs" if setup.checkpoint_pairs else "")
+        + f"), {setup.stack_label}, "
         f"kernel workspace={setup.kernel}, micro-batch={setup.batch}, reserve={setup.reserve_gib:g} GiB\n"
         f"host {setup.host_memory_gib:g} GiB per node, offload_optimizer={setup.offload_optimizer}, "
         f"offload_param={setup.offload_param}, checkpoint pinning={setup.checkpoint_pinning}"
@@ -928,6 +960,13 @@ def breakdown_report(dims: ModelDims, setup: TrainSetup, method: AttentionScheme
     )
     lines += [f"    {gib:8.1f} GiB  {label}" for label, gib in p.host_terms_gib.items()]
     lines.append(f"    (OS and processes: {setup.host_os_gib:g} + {setup.host_per_rank_gib:g}/rank GiB; {HOST_BASIS})")
+    if setup.checkpoint_pairs:
+        lines.append(
+            f"  checkpoint pairs: {setup.checkpoint_pairs} (layers 0-{2 * setup.checkpoint_pairs - 1}): "
+            f"{setup.checkpoint_pairs} layer inputs/rank fewer kept, {setup.checkpoint_pairs} more layer forwards per "
+            f"step, about +{100 * pair_recompute_fraction(dims, setup):.1f}% of the layers' compute (estimate: "
+            "backward = 2 forwards)"
+        )
     return "\n".join(lines)
 
 
