@@ -25,11 +25,11 @@ from ds_upipe.tools.models import tiny_config  # noqa: E402
 HIDDEN = 64
 
 
-def build(layers: int, dropout: float = 0.0, seed: int = 0) -> transformers.LlamaForCausalLM:
+def build(layers: int, dropout: float = 0.0, seed: int = 0, attention: str = "eager") -> transformers.LlamaForCausalLM:
     torch.manual_seed(seed)
     config = tiny_config(
         "llama", num_hidden_layers=layers, attention_dropout=dropout, vocab_size=101, use_cache=False,
-        hidden_size=HIDDEN, intermediate_size=64, attn_implementation="eager",
+        hidden_size=HIDDEN, intermediate_size=64, attn_implementation=attention,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config).double().train()
 
@@ -120,7 +120,7 @@ def _memory(pairs: int, seq: int = 2048) -> tuple[int, int]:
     MemTracker, checkpoints kept where a CPU accelerator keeps them (the tensors themselves)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    model = checkpointed(build(5), pairs, offload=False)
+    model = checkpointed(build(5, attention="sdpa"), pairs, offload=False)
     batch = ids(1, seq)[:1]
     tracker = MemTracker()
     tracker._mod_tracker = NoModuleTracking()
