@@ -21,9 +21,9 @@ checkpoints are offloaded, else the tensor itself.
 
 transformers' ``GradientCheckpointingLayer`` calls ``self._gradient_checkpointing_func(partial(forward,
 self, **kwargs), *args)`` when training with grad, so the pair is two per-instance functions: A's
-runs A without grad and hands its output over; B's checks that it got exactly that output and runs
-``PairedCheckpoint``.  Per-forward data (x, the RNG states) lives on the autograd context, so a
-second forward before this one's backward cannot change it.
+runs A without grad and hands its output over (``LowerLayer``, the graph's link to A); B's checks
+that it got exactly that output and runs ``UpperLayer``.  Per-forward data (x, the RNG states) lives
+on the autograd context, so a second forward before this one's backward cannot change it.
 """
 
 from __future__ import annotations
@@ -261,10 +261,10 @@ def checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def check_pairs_fit(model: torch.nn.Module, pairs: int) -> None:
-    """ValueError unless the model has the ``2 * pairs`` checkpointable layers the pairs take."""
+def check_pairs_fit(model: torch.nn.Module, pairs: int) -> list[torch.nn.Module]:
+    """The model's checkpointable layers; ValueError unless the lowest ``2 * pairs`` of them can be paired."""
     if not pairs:
-        return
+        return []
     found = checkpointed_layers(model) if getattr(model, "supports_gradient_checkpointing", False) else []
     layers = len(found)
     if 2 * pairs > layers:
@@ -282,6 +282,7 @@ def check_pairs_fit(model: torch.nn.Module, pairs: int) -> None:
                 f"({type(layer).__name__}) has parameters of its own ({', '.join(own)}), outside its submodules; "
                 "checkpoint pairs need layers whose parameters all live in submodules; set upipe.checkpoint_pairs to 0"
             )
+    return found
 
 
 def install_checkpoint_pairs(model: torch.nn.Module, pairs: int, offload: bool) -> list[CheckpointPair]:
@@ -289,8 +290,7 @@ def install_checkpoint_pairs(model: torch.nn.Module, pairs: int, offload: bool) 
     ``_set_gradient_checkpointing`` gave every layer the plain checkpoint).  The pairs, with their
     input stores, live on the model (``model.upipe_checkpoint_pairs``); ``offload``: keep the saved
     inputs in host memory (``PairInputStore``)."""
-    check_pairs_fit(model, pairs)
-    layers = checkpointed_layers(model)
+    layers = check_pairs_fit(model, pairs)
     installed = []
     for i in range(pairs):
         pair = CheckpointPair(2 * i, PairInputStore(offload))

@@ -208,7 +208,7 @@ def parse_config(ds_config: dict[str, Any]) -> SPSettings:
             "allowed: 1, 2 or 3 (sequence parallelism needs ZeRO)"
         )
     act = ds_config.get("activation_checkpointing", {}) or {}
-    check_checkpoint_pairs(upipe, ds_config.get("activation_checkpointing") is not None, act)
+    check_checkpoint_pairs(upipe, checkpoints_layers(ds_config, upipe), act)
     if sp > 1 and act.get("partition_activations", False):
         # DeepSpeed would split each checkpointed activation across the "model-parallel" group, which
         # with the sequence-parallel mpu is the sequence group: its ranks hold different tokens, not replicas.
@@ -222,13 +222,19 @@ def parse_config(ds_config: dict[str, Any]) -> SPSettings:
     return SPSettings(sequence_parallel_size=sp, upipe=upipe, zero_stage=zero_stage, dtype_bytes=2 if half else 4)
 
 
-def check_checkpoint_pairs(upipe: UPipeConfig, has_checkpointing_section: bool, act: dict[str, Any]) -> None:
+def checkpoints_layers(ds_config: dict[str, Any], upipe: UPipeConfig) -> bool:
+    """Whether ds_upipe checkpoints the model's layers: an ``activation_checkpointing`` section or
+    ``upipe.offload_checkpoints`` (sp_setup.configure_activation_checkpointing; the planner)."""
+    return ds_config.get("activation_checkpointing") is not None or upipe.offload_checkpoints
+
+
+def check_checkpoint_pairs(upipe: UPipeConfig, checkpointing: bool, act: dict[str, Any]) -> None:
     """ValueError if ``upipe.checkpoint_pairs`` is set where no layer is checkpointed, or beside
     DeepSpeed's activation partitioning (a pair keeps its own copy of its input, unpartitioned)."""
     pairs = upipe.checkpoint_pairs
     if not pairs:
         return
-    if not (has_checkpointing_section or upipe.offload_checkpoints):
+    if not checkpointing:
         raise ValueError(
             f"invalid ds_config: upipe.checkpoint_pairs: got {pairs} without activation checkpointing; allowed: 0, "
             'or add an "activation_checkpointing" section (or upipe.offload_checkpoints: true): pairs are a way to '

@@ -23,7 +23,7 @@ from deepspeed.accelerator import get_accelerator
 from ..heads import HeadLayout
 from .checkpoint_pairs import check_pairs_fit, install_checkpoint_pairs
 from .checkpointing import install_exact_pinned_pool, releasing
-from .config import SPSettings, UPipeConfig, check_heads, choose_head_chunk_size, tiled
+from .config import SPSettings, UPipeConfig, check_heads, checkpoints_layers, choose_head_chunk_size, tiled
 
 #: attention functions ALST replaced in transformers' process-global registry, to restore them
 REPLACED_ATTENTION: dict[str, Callable[..., Any]] = {}
@@ -180,8 +180,7 @@ def check_model_settings(model: torch.nn.Module, upipe: UPipeConfig) -> None:
 
     Reads only the model's structure and the config, so every rank raises the same ValueError; the
     callers run it before their first collective."""
-    if upipe.checkpoint_pairs:
-        check_pairs_fit(model, upipe.checkpoint_pairs)
+    check_pairs_fit(model, upipe.checkpoint_pairs)
     if not upipe.long_context:
         return
     from hf_patches import check_long_context_stack
@@ -232,9 +231,8 @@ def configure_activation_checkpointing(
     would hold is released (``checkpointing.releasing``).  Under ZeRO-3 it also fails:
     the weights it saved while recomputing are released (emptied) by ZeRO-3 before the backward uses
     them.  The reentrant checkpoint runs the first forward without a graph."""
-    section = ds_config.get("activation_checkpointing")
     offload = settings.upipe.offload_checkpoints
-    if section is None and not offload:
+    if not checkpoints_layers(ds_config, settings.upipe):
         return None
     from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
@@ -248,8 +246,7 @@ def configure_activation_checkpointing(
     # offloaded checkpoints in exact-size pinned buffers, not torch's power-of-two pinned blocks
     install_exact_pinned_pool()
     if not (getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "_set_gradient_checkpointing")):
-        check_pairs_fit(model, settings.upipe.checkpoint_pairs)  # pairs need checkpointed layers: refused
-        return None
+        return None  # (checkpoint_pairs on such a model: refused before, by check_model_settings)
     # releasing: the replay in backward frees the replayed layer output (one hidden state) at once
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=releasing(ds_checkpointing.checkpoint))
     # DeepSpeed's checkpoint is reentrant: backward reaches a layer only if its input requires grad

@@ -389,7 +389,7 @@ def from_ds_config(
     The "upipe" block and the DeepSpeed keys are validated by ds_upipe.integration.config (the
     runtime's own rules); the long-context stack keys are read where the config has them (in the
     "upipe" block or a "long_context" block); absent ones are off."""
-    from ..integration.config import parse_config
+    from ..integration.config import checkpoints_layers, parse_config
 
     raw = dict(ds_config)
     upipe = dict(raw.get("upipe") or {})
@@ -406,7 +406,7 @@ def from_ds_config(
         keep = {k: v for k, v in upipe.items() if k in _known_upipe_keys()}
         settings = parse_config({**raw, "upipe": keep})
     act = raw.get("activation_checkpointing")
-    checkpointing = act is not None or settings.upipe.offload_checkpoints
+    checkpointing = checkpoints_layers(raw, settings.upipe)
     offload = bool((act or {}).get("cpu_checkpointing", False)) or settings.upipe.offload_checkpoints
     zero = raw.get("zero_optimization") or {}
     dtype = (
