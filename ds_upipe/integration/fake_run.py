@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .checkpointing import without_recomputed_outputs
+from .checkpointing import releasing, without_recomputed_outputs
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 KERNELS = ("none", "fa2", "fa3")
@@ -89,6 +89,8 @@ class Peak:
     at: str  # the operation whose allocation set the peak
     live: list[tuple[str, int]] = field(default_factory=list)  # largest allocations alive then, by origin
     after_forward: int = 0  # live bytes right after the forward (saved for backward + output + inputs)
+    #: the peak total of each phase of the step, where the step names its phases (``model_step``)
+    phases: dict[str, int] = field(default_factory=dict)
 
     @property
     def activations(self) -> int:
@@ -127,8 +129,12 @@ class PeakTracker(MemTracker):
     <autograd node>: <op>".  With ``kernel`` a GPU kernel, a flash backward op's workspace is counted
     on top of the live bytes while it runs (``kernel_workspace_bytes``)."""
 
-    def __init__(self, kernel: str = "none", names: dict[int, str] | None = None) -> None:
+    def __init__(
+        self, kernel: str = "none", names: dict[int, str] | None = None, phase: Callable[[], str] | None = None
+    ) -> None:
         super().__init__()
+        self.phase = phase
+        self.phase_peaks: dict[str, int] = {}
         self._mod_tracker = NoModuleTracking()
         self.kernel = kernel
         self.names = names or {}
@@ -163,6 +169,9 @@ class PeakTracker(MemTracker):
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         total = sum(snap["Total"] for snap in self._curr_mem_snap.values()) + self.extra
+        if self.phase is not None:
+            name = self.phase()
+            self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), total)
         if total > self.peak.total:
             self.peak = Peak(total, self.weights, self.extra, self.op + (" (+ kernel workspace)" if self.extra else ""))
 
@@ -203,18 +212,20 @@ def track(
     names: dict[int, str] | None = None,
     forward: Callable[[], Any] | None = None,
     live: bool = False,
+    phase: Callable[[], str] | None = None,
 ) -> Peak:
     """The peak of ``step()`` (``forward()`` then ``step(forward's result)`` when ``forward`` is given),
     counting the ``external`` tensors (by label) and the ``weights``, with the live set at the peak.
 
     ``live``: run twice, the second run stopping when the first one's peak is reached again to
-    record what is alive then (cheaper than a snapshot at every new high)."""
-    first = _run(step, external, weights, kernel, names, forward, stop_at=None)
+    record what is alive then (cheaper than a snapshot at every new high).  ``phase``: the name of the
+    phase the step is in now (``Peak.phases`` then holds each phase's peak)."""
+    first = _run(step, external, weights, kernel, names, forward, stop_at=None, phase=phase)
     if not live:
         return first
     for t in [*weights, *(t for ts in external.values() for t in ts)]:
         t.grad = None  # the second run allocates the gradients again
-    second = _run(step, external, weights, kernel, names, forward, stop_at=first.total)
+    second = _run(step, external, weights, kernel, names, forward, stop_at=first.total, phase=phase)
     first.live = second.live
     return first
 
@@ -223,8 +234,8 @@ class _StopAtPeak(Exception):
     pass
 
 
-def _run(step, external, weights, kernel, names, forward, stop_at: int | None) -> Peak:  # type: ignore[no-untyped-def]
-    tracker = PeakTracker(kernel, names)
+def _run(step, external, weights, kernel, names, forward, stop_at: int | None, phase=None) -> Peak:  # type: ignore[no-untyped-def]
+    tracker = PeakTracker(kernel, names, phase)
     if stop_at is not None:
         original = tracker._update_peak_stats
 
@@ -258,6 +269,7 @@ def _run(step, external, weights, kernel, names, forward, stop_at: int | None) -
         pass
     peak = tracker.peak
     peak.after_forward = after_forward
+    peak.phases = dict(tracker.phase_peaks)
     return peak
 
 
@@ -340,7 +352,7 @@ class ModelShape:
     vocab_size: int
     attention_bias: bool = False
 
-    def config(self) -> Any:
+    def config(self, layers: int = 1) -> Any:
         from transformers import AutoConfig
 
         return AutoConfig.for_model(
@@ -352,7 +364,7 @@ class ModelShape:
             head_dim=self.head_dim,
             vocab_size=self.vocab_size,
             attention_bias=self.attention_bias,
-            num_hidden_layers=1,
+            num_hidden_layers=layers,
             max_position_embeddings=1 << 26,
             tie_word_embeddings=False,
             use_cache=False,
@@ -463,16 +475,16 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _patched_model(spec: StepSpec, group: dist.ProcessGroup) -> Iterator[torch.nn.Module]:
-    """A one-layer ``*ForCausalLM`` (fake weights) set up as the run sets it up; ALST's override of
-    transformers' attention registry is undone afterwards."""
+def _patched_model(spec: StepSpec, group: dist.ProcessGroup, layers: int = 1) -> Iterator[torch.nn.Module]:
+    """A ``*ForCausalLM`` of ``layers`` decoder layers (fake weights) set up as the run sets it up; ALST's
+    override of transformers' attention registry is undone afterwards."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     import hf_patches
 
     with _default_dtype(DTYPES[spec.dtype]):
-        model = AutoModelForCausalLM.from_config(spec.model.config())
+        model = AutoModelForCausalLM.from_config(spec.model.config(layers))
     original = ALL_ATTENTION_FUNCTIONS["sdpa"]
     try:
         if spec.attention == "alst":
@@ -600,6 +612,87 @@ def loss_step(spec: StepSpec, live: bool = False) -> Peak:
         weights = list(model.model.norm.parameters()) + list(model.lm_head.parameters())
         external = {"last hidden state h": [h], "labels": [labels]}
         return track(backward, external, weights, kernel=spec.kernel, names=_names(model), forward=forward, live=live)
+
+
+#: the phases of ``model_step``, in the order a step runs them
+STEP_PHASES = ("forward", "loss", "top layer", "bottom layer")
+
+
+@functools.lru_cache(maxsize=512)
+def model_step(spec: StepSpec, keep_gradients: bool = False, live: bool = False, layers: int = 2) -> Peak:
+    """Rank 0's peak over one whole training step of a two-layer model: both decoder layers' forward,
+    the final norm and the loss, and the backward through all of them, measured together, so what the
+    loss phase keeps is seen beside the layers' backward (and the other way round).  ``Peak.phases``
+    holds each phase's peak (``STEP_PHASES``: the forward; the loss phase, from the start of backward to
+    the top layer's; the top layer's backward, a checkpoint's replay included; the bottom layer's).
+    The planner adds, per phase, what the other ``layers - 2`` layers of a real model keep
+    (``planner.predict``); the embedding is outside (its output, the bottom layer's input, is alive
+    throughout, as the checkpoint DeepSpeed keeps of it).
+
+    ``spec.checkpointed``: the layers run under DeepSpeed's reentrant checkpoint with the recomputed
+    outputs released (``checkpointing.releasing``), as ``sp_setup.configure_activation_checkpointing``
+    installs it; on this fake CPU device every checkpoint stays where it is (what a GPU run keeps without
+    offload; with offload, the newest stays and the next one comes back during a layer's backward).
+    ``keep_gradients``: each parameter's gradient lives from its creation to the end (one forward +
+    backward from gradients set to None, what the CPU whole-step benchmark measures); otherwise it is
+    dropped once accumulated, as ZeRO moves it into its reduce bucket (counted by the planner)."""
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import hf_patches
+
+    dtype = DTYPES[spec.dtype]
+    s, hidden = spec.local_tokens, spec.model.hidden_size
+    phase = ["forward"]
+    with (
+        fake_world(spec.group_size) as group,
+        FakeTensorMode(),
+        _patched_model(spec, group, layers=layers) as model,
+        _backend_retention(spec.comm_backend),
+    ):
+        base = model.model
+        if spec.checkpointed:
+            model._set_gradient_checkpointing(
+                enable=True, gradient_checkpointing_func=releasing(ds_checkpointing.checkpoint)
+            )
+        if not keep_gradients:
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        x = torch.empty(spec.batch, s, hidden, dtype=dtype).requires_grad_(True)
+        pos = torch.arange(s).expand(spec.batch, s)
+        labels = torch.zeros(spec.batch, s, dtype=torch.long)
+        with torch.no_grad():
+            cos, sin = base.rotary_emb(x, pos)
+
+        def enters(name: str) -> Callable[[torch.Tensor], None]:
+            return lambda grad: phase.__setitem__(0, name)
+
+        def forward() -> torch.Tensor:
+            h = x
+            names = ["bottom layer", *(f"layer {i}" for i in range(1, layers - 1)), "top layer"]
+            for layer, name in zip(base.layers, names, strict=True):
+                h = layer(h, position_embeddings=(cos, sin), position_ids=pos)
+                h.register_hook(enters(name))  # the layer's backward starts when its output's gradient is there
+            h = base.norm(h)
+            if spec.tiled_loss:
+                return hf_patches.tiled_sequence_parallel_loss(model, h, labels, group)
+            return hf_patches.sequence_parallel_loss(model.lm_head(h), labels, group)
+
+        def backward(loss: torch.Tensor) -> None:
+            phase[0] = "loss"
+            loss.backward()
+
+        external = {"bottom layer's input x": [x], "cos/sin, position ids": [cos, sin, pos], "labels": [labels]}
+        return track(
+            backward,
+            external,
+            list(model.parameters()),
+            kernel=spec.kernel,
+            names=_names(model),
+            forward=forward,
+            live=live,
+            phase=lambda: phase[0],
+        )
 
 
 @functools.lru_cache(maxsize=512)

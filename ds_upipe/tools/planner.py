@@ -644,18 +644,19 @@ def step_spec(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_l
 
 
 def layer_peak(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_len: int, live: bool = False):
-    """The fake run of one decoder layer's forward + backward (``fake_run.Peak``)."""
+    """The fake run of one decoder layer's forward + backward (``fake_run.Peak``): what one layer saves
+    without checkpointing, and the per-layer calibration against MemTracker."""
     from ..integration import fake_run
 
     return fake_run.layer_step(step_spec(dims, setup, scheme, seq_len), live)
 
 
-def loss_peak(dims: ModelDims, setup: TrainSetup, seq_len: int, live: bool = False):
-    """The fake run of the loss phase (``fake_run.Peak``); the attention scheme plays no part."""
+def step_peak(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_len: int, live: bool = False):
+    """The fake run of a whole step of a two-layer model (``fake_run.model_step``: both layers, the
+    final norm and the loss, forward and backward, measured together; ``Peak.phases`` per phase)."""
     from ..integration import fake_run
 
-    # the loss runs over all sequence-parallel ranks, ring or not
-    return fake_run.loss_step(step_spec(dims, replace(setup, ring_size=1), AttentionScheme("ulysses"), seq_len), live)
+    return fake_run.model_step(step_spec(dims, setup, scheme, seq_len), keep_gradients=not setup.optimizer, live=live)
 
 
 # -- a whole training step on one GPU ------------------------------------------------------------
@@ -672,12 +673,15 @@ class Prediction:
     model_states_gib: float
     zero_buffers_gib: float
     reserve_gib: float
-    peak_phase: str  # "layer" (recompute + backward of the top layer) or "loss"
-    checkpoints_gib: float  # activation checkpoints on the GPU during that phase (analytic)
-    phase_gib: float  # the phase's fake-run peak without the weights (kernel workspace included)
+    #: the phase of the step at the peak (``fake_run.STEP_PHASES``: forward, loss, top layer, bottom layer)
+    peak_phase: str
+    #: what the model's other ``layers - 2`` layers add on the GPU in that phase (analytic, ``other_layers``)
+    other_layers_gib: float
+    other_layers_basis: str
+    phase_gib: float  # the two-layer step's fake-run peak in that phase without the weights (workspace included)
     workspace_gib: float  # of which the analytic kernel workspace
-    peak_at: str  # the allocation that set the phase's peak
-    phases_gib: dict[str, float] = field(default_factory=dict)  # checkpoints + fake-run peak, per phase
+    peak_at: str  # the allocation that set the two-layer step's peak
+    phases_gib: dict[str, float] = field(default_factory=dict)  # other layers + fake-run peak, per phase
     live_at_peak: list[tuple[str, float]] = field(default_factory=list)  # GiB by origin (with ``live``)
     host_gib: float = 0.0  # host memory of one node
     host_fits: bool = True
@@ -687,40 +691,58 @@ class Prediction:
     binding: str = ""
 
 
-def _checkpoint_bytes(dims: ModelDims, setup: TrainSetup, seq_len: int, saved_per_layer: int) -> dict[str, int]:
-    """Activation memory of the other layers during each phase (analytic residency)."""
-    x = hidden_state_bytes(dims, setup, seq_len)
-    layers = dims.num_layers
-    if not setup.checkpointing:
-        return {"layer": (layers - 1) * saved_per_layer, "loss": layers * saved_per_layer}
-    if setup.offload_checkpoints:
-        return {"layer": x, "loss": x}  # the checkpoint brought back (or sent out) next
-    # on the device: one input per layer below, one per pair instead of two (the top layer's backward)
-    pairs = setup.checkpoint_pairs
-    return {"layer": (layers - 1 - pairs) * x, "loss": (layers - pairs) * x}
+def other_layers(dims: ModelDims, setup: TrainSetup, seq_len: int, saved_per_layer: int) -> dict[str, tuple[int, str]]:
+    """Per phase of the two-layer step, what the other ``layers - 2`` layers of the model add on the GPU
+    (bytes, basis).  They sit below the two measured layers: in the forward, the loss phase and the top
+    layer's backward each keeps its checkpoint (the layer input DeepSpeed saves; a pair keeps one for
+    two layers), or without checkpointing what its forward saved for backward; with the checkpoints
+    offloaded none stays (the newest and the one coming back are the measured layers' own).  In the bottom
+    layer's backward their backward is done: without an optimizer (gradients kept from their creation
+    on) their weight gradients are alive; with one, ZeRO has moved them into its buckets."""
+    extra = max(0, dims.num_layers - 2)
+    if setup.checkpointing:
+        kept = max(0, extra - setup.checkpoint_pairs)
+        below = (
+            (0, "checkpoints of the layers below: offloaded to the host")
+            if setup.offload_checkpoints
+            else (
+                kept * hidden_state_bytes(dims, setup, seq_len),
+                f"{kept} more layer inputs kept as checkpoints (DeepSpeed keeps each checkpointed layer's input"
+                + (f"; {setup.checkpoint_pairs} pairs keep one for two layers)" if setup.checkpoint_pairs else ")"),
+            )
+        )
+    else:
+        below = (extra * saved_per_layer, f"{extra} more layers' saved activations (one layer's, measured, each)")
+    if setup.optimizer:
+        above = (0, "weight gradients of the layers above: in ZeRO's buckets (model states, ZeRO buffers)")
+    else:
+        grads = extra * dims.params_per_layer * setup.act_bytes
+        above = (grads, f"{extra} more layers' weight gradients (kept from their creation on: no optimizer)")
+    return {"forward": below, "loss": below, "top layer": below, "bottom layer": above}
 
 
 def predict(
     dims: ModelDims, setup: TrainSetup, method: AttentionScheme, seq_len: int, live: bool = False
 ) -> Prediction:
     """Peak memory of one GPU for one training step at ``seq_len`` tokens (the whole sequence, split
-    over ``setup.gpus`` sequence-parallel ranks).  ``live``: also the largest allocations at the peak."""
+    over ``setup.gpus`` sequence-parallel ranks).  ``live``: also the largest allocations at the peak.
+
+    The step of a two-layer model is measured whole (``step_peak``), phase by phase; each phase gets
+    what the other layers add there (``other_layers``), and the largest sum, with the model states,
+    ZeRO buffers and the reserve, is the prediction."""
     kept_checkpoints(dims, setup)  # checkpoint_pairs within the model's layers
-    layer = layer_peak(dims, setup, method, seq_len, live)
-    loss = loss_peak(dims, setup, seq_len, live)
-    x = hidden_state_bytes(dims, setup, seq_len)
-    rope = 2 * setup.batch * (seq_len // setup.gpus) * dims.head_dim * setup.act_bytes
-    # without checkpointing a layer keeps what it saved, its input among them (its output is the next one's)
-    saved = max(0, layer.after_forward - layer.weights - x - rope - 8 * setup.batch * (seq_len // setup.gpus))
-    resident = _checkpoint_bytes(dims, setup, seq_len, saved)
-    if not setup.optimizer:  # gradients from None: the lm_head's and final norm's exist in the layers' backward
-        resident["layer"] += (dims.embedding_params + dims.hidden_size) * setup.act_bytes
-    peaks = {"layer": layer, "loss": loss}
-    phases = {k: resident[k] + peaks[k].activations for k in peaks}
+    step = step_peak(dims, setup, method, seq_len, live)
+    saved = 0
+    if not setup.checkpointing:  # what one layer keeps from its forward to its backward, its input among them
+        layer = layer_peak(dims, setup, method, seq_len)
+        x = hidden_state_bytes(dims, setup, seq_len)
+        rope = 2 * setup.batch * (seq_len // setup.gpus) * dims.head_dim * setup.act_bytes
+        saved = max(0, layer.after_forward - layer.weights - x - rope - 8 * setup.batch * (seq_len // setup.gpus))
+    others = other_layers(dims, setup, seq_len, saved)
+    phases = {k: others[k][0] + v - step.weights for k, v in step.phases.items()}
     phase = max(phases, key=lambda k: phases[k])
     states, zero, reserve = model_state_bytes(dims, setup), zero_buffer_bytes(dims, setup), setup.reserve_gib * GiB
     total = states + zero + reserve + phases[phase]
-    p = peaks[phase]
     host = host_terms(dims, setup, seq_len)
     host_total = sum(host.values())
     gpu_fits = total <= setup.gpu_memory_gib * GiB
@@ -728,6 +750,7 @@ def predict(
     binding = (
         "" if gpu_fits and host_fits else "both" if not (gpu_fits or host_fits) else "GPU" if host_fits else "host"
     )
+    at_peak = phase == max(step.phases, key=lambda k: step.phases[k])
     return Prediction(
         method=method.label,
         seq_len=seq_len,
@@ -742,12 +765,13 @@ def predict(
         zero_buffers_gib=zero / GiB,
         reserve_gib=setup.reserve_gib,
         peak_phase=phase,
-        checkpoints_gib=resident[phase] / GiB,
-        phase_gib=p.activations / GiB,
-        workspace_gib=p.workspace / GiB,
-        peak_at=p.at,
+        other_layers_gib=others[phase][0] / GiB,
+        other_layers_basis=others[phase][1],
+        phase_gib=(step.phases[phase] - step.weights) / GiB,
+        workspace_gib=step.workspace / GiB if at_peak else 0.0,
+        peak_at=step.at if at_peak else f"the {phase} phase's peak (the step's own peak is in another phase)",
         phases_gib={k: v / GiB for k, v in phases.items()},
-        live_at_peak=[(label, b / GiB) for label, b in p.live],
+        live_at_peak=[(label, b / GiB) for label, b in step.live] if at_peak else [],
     )
 
 
@@ -829,7 +853,7 @@ def nothing_fits(dims: ModelDims, setup: TrainSetup, method: AttentionScheme) ->
             "model states": p.model_states_gib,
             "ZeRO buffers": p.zero_buffers_gib,
             "reserve": p.reserve_gib,
-            "checkpoints on the GPU": p.checkpoints_gib,
+            "the other layers": p.other_layers_gib,
             f"{p.peak_phase} phase": p.phase_gib,
         }
         top = max(gpu, key=lambda k: gpu[k])
@@ -946,10 +970,11 @@ def breakdown_report(dims: ModelDims, setup: TrainSetup, method: AttentionScheme
         f"  ZeRO buffers (analytic)                  {p.zero_buffers_gib:8.2f} GiB",
         f"  reserve (assumed: {RESERVE_BASIS})",
         f"                                           {p.reserve_gib:8.2f} GiB",
-        f"  activation checkpoints on the GPU        {p.checkpoints_gib:8.2f} GiB",
-        f"  {p.peak_phase} phase, fake-tensor run peak     {p.phase_gib:8.2f} GiB"
+        f"  {p.peak_phase} phase of a two-layer step, fake-tensor run   {p.phase_gib:8.2f} GiB"
         + (f"  (of which kernel workspace {p.workspace_gib:.2f}, analytic)" if p.workspace_gib else ""),
-        "  phases (checkpoints + run peak): " + ", ".join(f"{k} {v:.2f} GiB" for k, v in p.phases_gib.items()),
+        f"  the other {max(0, dims.num_layers - 2)} layers in that phase (analytic)   {p.other_layers_gib:8.2f} GiB"
+        f"  ({p.other_layers_basis})",
+        "  phases (two-layer run + other layers): " + ", ".join(f"{k} {v:.2f} GiB" for k, v in p.phases_gib.items()),
         f"  peak set by: {p.peak_at}",
         "  alive at the peak (by the operation that allocated it):",
     ]
