@@ -17,8 +17,11 @@ attributes of deepspeed, transformers and their classes, each named in ``enable`
    registration.  Either way the ds_config's ``activation_checkpointing`` section /
    ``upipe.offload_checkpoints`` then apply to the model's layers, as in ``ds_upipe.initialize``.
    Called directly (DeepSpeed's ALST recipe), it is ALST's registration, argument for argument,
-   unless an active plugin's ds_config has a ``"upipe"`` block: then that block's long-context stack
-   (``tiled_*``) applies to the model object, and UPipe too if the block enables it.
+   unless an active plugin's ds_config has a ``"upipe"`` block: then every key of that block reaches
+   the model (UPipe if the block enables it, the stack and checkpointing either way): at once for a
+   model object, and for a name or path when the model is given to ``deepspeed.initialize`` with the
+   returned mpu (point 3's wrapper); a training forward of a model they never reached is refused
+   naming them.  What a registration decided is a ``Registration`` kept with its group.
 2. The Trainer's loss and evaluation under sequence parallelism (``trainer_sp``): the training loss
    is the token-weighted mean of the whole gradient-accumulation window, as without SP (transformers
    takes the mean of the micro-batch means); the eval/test loaders are sharded over the sequence
@@ -29,7 +32,8 @@ attributes of deepspeed, transformers and their classes, each named in ``enable`
    eval too (``disable_in_eval=False``).  The training loaders check the ranks' batches together,
    pad rows of different lengths to the group's longest and drop TRL's varlen keys
    (``UPipeSPDataLoaderAdapter``).
-3. The engine built with that mpu averages gradients over all ranks (``ds_upipe.integration.engine``'s
+3. ``deepspeed.initialize`` given that mpu completes the registration on the model (above), and the
+   engine built with it averages gradients over all ranks (``ds_upipe.integration.engine``'s
    correction of DeepSpeed issue #5248), so ZeRO-1/2 gradients equal the non-SP run's as ZeRO-3's do.
 4. ``TrainingArguments(deepspeed=...)`` brings up ``deepspeed.comm`` on CPU, so that
    ``from_pretrained`` under ZeRO-3's ``zero.Init`` works there (``_wrap_trainer_config_process``).
