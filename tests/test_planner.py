@@ -105,11 +105,45 @@ def test_ds_config_sets_what_is_planned():
     assert not (setup.tiled_loss or setup.tiled_norm or setup.tiled_mlp)  # the config has no stack
     assert scheme == planner.AttentionScheme("upipe", None, True, False)
     stack = {**cfg, "upipe": {**cfg["upipe"], "enabled": False, "offload_checkpoints": True}}
-    stack["long_context"] = {"tiled_loss": True, "tiled_norm": True, "tiled_mlp": True, "mlp_tile_tokens": 512}
+    stack["upipe"].update(tiled_loss=True, tiled_norm=True, tiled_mlp={"tile_tokens": 512})
     setup, scheme, _ = planner.from_ds_config(stack)
     assert scheme.kind == "ulysses" and setup.offload_checkpoints and setup.tiled_loss and setup.mlp_tile_tokens == 512
     _, scheme, _ = planner.from_ds_config({**cfg, "upipe": {**cfg["upipe"], "accumulate_dtype": "input"}})
     assert scheme == planner.AttentionScheme("upipe", None, True, False, True)
+
+
+def test_planner_reads_the_runtimes_validated_settings():
+    """One config reader: ``from_ds_config`` plans what ``parse_config`` (the runtime's reader) returns:
+    tile sizes, ring size, checkpoint pairs, checkpoint and ZeRO offload survive, from a dict or from
+    the ``SPSettings`` object itself; an unknown upipe key is refused as the runtime refuses it."""
+    from ds_upipe.integration.config import parse_config
+
+    cfg = json.loads(open("ds_configs/upipe_long_context.json").read())
+    cfg["sequence_parallel_size"] = 8
+    cfg["zero_optimization"] = {**cfg["zero_optimization"], "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    cfg["upipe"] = {
+        **cfg["upipe"],
+        "ring_size": 2,
+        "checkpoint_pairs": 2,
+        "head_chunk_size": 4,
+        "tiled_loss": {"tile_tokens": 1024},
+        "tiled_norm": {"tile_tokens": 2048},
+        "tiled_mlp": {"tile_tokens": 4096},
+    }
+    settings = parse_config(cfg)
+    for given in (cfg, settings):
+        setup, scheme, _ = planner.from_ds_config(given)
+        assert (setup.loss_tile_tokens, setup.norm_tile_tokens, setup.mlp_tile_tokens) == (1024, 2048, 4096)
+        assert (setup.tiled_loss, setup.tiled_norm, setup.tiled_mlp) == (True, True, True)
+        assert (setup.gpus, setup.ring_size, setup.checkpoint_pairs) == (8, 2, 2)
+        assert (setup.checkpointing, setup.offload_checkpoints, setup.checkpoint_pinning) == (True, True, "exact")
+        assert (setup.offload_optimizer, setup.offload_pin_memory, setup.offload_param) == (True, True, False)
+        assert (setup.dtype, setup.zero_stage) == ("bf16", 3)
+        assert scheme == planner.AttentionScheme("upipe", 4, True, False, True, True)
+    plain = planner.from_ds_config({**cfg, "upipe": {**cfg["upipe"], "tiled_mlp": True}})[0]
+    assert plain.tiled_mlp and plain.mlp_tile_tokens is None  # on, with the stack's default tile
+    with pytest.raises(ValueError, match="upipe.tiled_mlps: unknown key"):
+        planner.from_ds_config({**cfg, "upipe": {**cfg["upipe"], "tiled_mlps": True}})
 
 
 def test_ring_layouts_are_planned_by_running_the_ring(capsys):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, model_validator
@@ -162,12 +162,24 @@ def parse_upipe_block(block: Any) -> UPipeConfig:
 
 @dataclass(frozen=True)
 class SPSettings:
-    """What ds_upipe reads from a ds_config (the rest is DeepSpeed's)."""
+    """What ds_upipe reads from a ds_config (the rest is DeepSpeed's): the one reader of a ds_config,
+    shared by the runtime (``ds_upipe.initialize``, the HF integration) and ``ds-upipe plan``."""
 
     sequence_parallel_size: int
     upipe: UPipeConfig
     zero_stage: int
     dtype_bytes: int  # of activations: 2 with bf16/fp16 enabled, else 4
+    #: "bf16", "fp16" or "fp32": the activations' dtype
+    dtype: str = "fp32"
+    #: the model's layers are checkpointed (``checkpoints_layers``)
+    checkpointing: bool = False
+    #: checkpointed layer inputs kept in host memory (``activation_checkpointing.cpu_checkpointing`` or
+    #: ``upipe.offload_checkpoints``; only where layers are checkpointed)
+    offload_checkpoints: bool = False
+    #: ``train_micro_batch_size_per_gpu`` as given (None: derived, ``micro_batch_size``)
+    micro_batch_size: int | None = None
+    #: ``zero_optimization`` as given (DeepSpeed validates it; the planner reads its offload settings)
+    zero_optimization: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ring_size(self) -> int:
@@ -218,8 +230,21 @@ def parse_config(ds_config: dict[str, Any]) -> SPSettings:
             "activations cannot be partitioned across them; use cpu_checkpointing or upipe.offload_checkpoints "
             "to move checkpoints off the device instead)"
         )
-    half = any((ds_config.get(k, {}) or {}).get("enabled", False) for k in ("bf16", "fp16", "bfloat16"))
-    return SPSettings(sequence_parallel_size=sp, upipe=upipe, zero_stage=zero_stage, dtype_bytes=2 if half else 4)
+    enabled = {k: bool((ds_config.get(k, {}) or {}).get("enabled", False)) for k in ("bf16", "bfloat16", "fp16")}
+    dtype = "bf16" if enabled["bf16"] or enabled["bfloat16"] else "fp16" if enabled["fp16"] else "fp32"
+    checkpointing = checkpoints_layers(ds_config, upipe)
+    mb = ds_config.get("train_micro_batch_size_per_gpu")
+    return SPSettings(
+        sequence_parallel_size=sp,
+        upipe=upipe,
+        zero_stage=zero_stage,
+        dtype_bytes=4 if dtype == "fp32" else 2,
+        dtype=dtype,
+        checkpointing=checkpointing,
+        offload_checkpoints=checkpointing and (bool(act.get("cpu_checkpointing", False)) or upipe.offload_checkpoints),
+        micro_batch_size=None if mb is None else int(mb),
+        zero_optimization=dict(zero),
+    )
 
 
 def checkpoints_layers(ds_config: dict[str, Any], upipe: UPipeConfig) -> bool:

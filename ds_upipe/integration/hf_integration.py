@@ -17,8 +17,11 @@ attributes of deepspeed, transformers and their classes, each named in ``enable`
    registration.  Either way the ds_config's ``activation_checkpointing`` section /
    ``upipe.offload_checkpoints`` then apply to the model's layers, as in ``ds_upipe.initialize``.
    Called directly (DeepSpeed's ALST recipe), it is ALST's registration, argument for argument,
-   unless an active plugin's ds_config has a ``"upipe"`` block: then that block's long-context stack
-   (``tiled_*``) applies to the model object, and UPipe too if the block enables it.
+   unless an active plugin's ds_config has a ``"upipe"`` block: then every key of that block reaches
+   the model (UPipe if the block enables it, the stack and checkpointing either way): at once for a
+   model object, and for a name or path when the model is given to ``deepspeed.initialize`` with the
+   returned mpu (point 3's wrapper); a training forward of a model they never reached is refused
+   naming them.  What a registration decided is a ``Registration`` kept with its group.
 2. The Trainer's loss and evaluation under sequence parallelism (``trainer_sp``): the training loss
    is the token-weighted mean of the whole gradient-accumulation window, as without SP (transformers
    takes the mean of the micro-batch means); the eval/test loaders are sharded over the sequence
@@ -29,7 +32,8 @@ attributes of deepspeed, transformers and their classes, each named in ``enable`
    eval too (``disable_in_eval=False``).  The training loaders check the ranks' batches together,
    pad rows of different lengths to the group's longest and drop TRL's varlen keys
    (``UPipeSPDataLoaderAdapter``).
-3. The engine built with that mpu averages gradients over all ranks (``ds_upipe.integration.engine``'s
+3. ``deepspeed.initialize`` given that mpu completes the registration on the model (above), and the
+   engine built with it averages gradients over all ranks (``ds_upipe.integration.engine``'s
    correction of DeepSpeed issue #5248), so ZeRO-1/2 gradients equal the non-SP run's as ZeRO-3's do.
 4. ``TrainingArguments(deepspeed=...)`` brings up ``deepspeed.comm`` on CPU, so that
    ``from_pretrained`` under ZeRO-3's ``zero.Init`` works there (``_wrap_trainer_config_process``).
@@ -42,8 +46,9 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import deepspeed
@@ -54,7 +59,7 @@ from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF,
 from ..heads import HeadLayout
 from . import trainer_sp
 from .agreement import agreed_settings, check_ranks_agree
-from .config import SPSettings, check_heads, choose_head_chunk_size, parse_config
+from .config import SPSettings, check_heads, choose_head_chunk_size, parse_config, tiled
 from .sp_setup import (
     apply_long_context,
     apply_upipe_settings,
@@ -64,10 +69,10 @@ from .sp_setup import (
     packed_rows_per_document,
 )
 
-#: what enable() replaced, to restore in disable(): (owner, attribute) -> original
+#: what enable() replaced, to restore in disable(): (owner, attribute) -> original.  enable() is a
+#: process-wide switch by design (it replaces attributes of deepspeed's and transformers' classes);
+#: everything a registration decides lives on its ``Registration`` and on the models it patched.
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
-#: the mpu our registration returned last (the engine built with it gets the gradient correction)
-_REGISTERED: dict[str, Any] = {}
 
 
 def enable() -> None:
@@ -85,9 +90,8 @@ def enable() -> None:
         _wrap_trainer_config_process(HfTrainerDeepSpeedConfig.trainer_config_process),
     )
     _patch(deepspeed, "initialize", _wrap_initialize(deepspeed.initialize))
-    ring_size = functools.partial(_REGISTERED.get, "ring_size", 1)
-    _patch(Trainer, "get_eval_dataloader", trainer_sp.wrap_eval_loader(Trainer.get_eval_dataloader, ring_size))
-    _patch(Trainer, "get_test_dataloader", trainer_sp.wrap_eval_loader(Trainer.get_test_dataloader, ring_size))
+    _patch(Trainer, "get_eval_dataloader", trainer_sp.wrap_eval_loader(Trainer.get_eval_dataloader, ring_size_of))
+    _patch(Trainer, "get_test_dataloader", trainer_sp.wrap_eval_loader(Trainer.get_test_dataloader, ring_size_of))
     _patch(Trainer, "evaluation_loop", trainer_sp.wrap_evaluation_loop(Trainer.evaluation_loop))
     _patch(Trainer, "compute_loss", trainer_sp.wrap_compute_loss(Trainer.compute_loss))
     _patch(Trainer, "get_batch_samples", trainer_sp.wrap_get_batch_samples(Trainer.get_batch_samples))
@@ -98,7 +102,6 @@ def disable() -> None:
     for (owner, name), original in _ORIGINALS.items():
         setattr(owner, name, original)
     _ORIGINALS.clear()
-    _REGISTERED.clear()
 
 
 def is_enabled() -> bool:
@@ -112,6 +115,113 @@ def _patch(owner: Any, name: str, value: Any) -> None:
 
 # ---------------------------------------------------------------------------------------------------
 # registration (point 1)
+
+
+@dataclass
+class Registration:
+    """What one ``register_with_transformers`` call of ours decided, kept with the sequence-parallel
+    group it set up (``registration_of(mpu)``), never in a process global: a later registration
+    (new groups) or a re-created group never sees it.  It applies the ds_config's model-level keys
+    to a model object (``apply_to_model``): at registration when given one, else when the model is
+    given to ``deepspeed.initialize`` with this mpu (DeepSpeed's ALST recipe by name or path)."""
+
+    mpu: Any
+    #: the validated ds_config (None: ALST's own registration, without a "upipe" block to honour)
+    settings: SPSettings | None
+    ds_config: dict[str, Any] | None
+    #: engines built with this mpu average gradients over all ranks (point 3)
+    corrects_gradients: bool
+    #: UPipe: U and the core attention implementation it registered under
+    head_chunk_size: int | None = None
+    core: str | None = None
+    disable_in_eval: bool = False
+
+    @property
+    def upipe(self) -> bool:
+        return self.settings is not None and self.settings.upipe.enabled
+
+    @property
+    def ring_size(self) -> int:
+        return self.settings.ring_size if self.upipe else 1
+
+    def model_keys(self) -> list[str]:
+        """The keys that are on and act on a model object (patching, the stack, checkpointing): on a
+        model given only by name or path they need ``apply_to_model``."""
+        if self.settings is None:
+            return []
+        upipe = self.settings.upipe
+        on = {
+            "upipe.fused_projections=true": self.upipe and upipe.fused_projections,
+            "upipe.recompute_attention_output=true": self.upipe and upipe.recompute_attention_output,
+            "upipe.tiled_loss": tiled(upipe.tiled_loss)[0],
+            "upipe.tiled_norm": tiled(upipe.tiled_norm)[0],
+            "upipe.tiled_mlp": tiled(upipe.tiled_mlp)[0],
+            "upipe.offload_checkpoints=true": upipe.offload_checkpoints,
+            "the activation_checkpointing section": (self.ds_config or {}).get("activation_checkpointing") is not None,
+            f"upipe.checkpoint_pairs={upipe.checkpoint_pairs}": upipe.checkpoint_pairs > 0,
+        }
+        return [key for key, value in on.items() if value]
+
+    def apply_to_model(self, model: torch.nn.Module) -> None:
+        """The ds_config's model-level keys on ``model``: UPipe patched in place (fused projections,
+        recompute, accumulation, U, kernel, overlap, ring), the long-context stack ("local": the
+        Trainer / accelerate / ALST's recipe combine the ranks' losses) and activation checkpointing.
+        Raises (the same on every rank) before any collective if the model cannot take them."""
+        assert self.settings is not None and self.ds_config is not None
+        check_model_settings(model, self.settings.upipe)
+        if self.upipe:
+            apply_upipe_settings(model, self.mpu.get_sequence_parallel_group(), self.head_chunk_size, self.settings)
+            if self.disable_in_eval:
+                _sequence_parallel_in_training_only(model, self.core)
+        apply_long_context(model, self.settings.upipe, "local", None)
+        configure_activation_checkpointing(model, self.ds_config, self.settings, self.mpu)
+        for module in model.modules():  # per model: its attention calls check this (_check_applied)
+            module.__dict__[_APPLIED] = True
+
+    def unapplied_error(self, module: torch.nn.Module) -> ValueError:
+        keys = ", ".join(self.model_keys())
+        return ValueError(
+            f"ds_upipe: {type(module).__name__} trains under a register_with_transformers registration by name or "
+            f"path (DeepSpeed's ALST recipe), but the accelerate plugin's ds_config \"upipe\" block sets {keys}, "
+            "which act on the model object, and this model was not given one: pass it to "
+            "deepspeed.initialize(model=model, mpu=mpu) with the mpu register_with_transformers returned (which "
+            "applies them), register with the model object (model_name_or_path=model), or turn them off in the "
+            "ds_config (e.g. upipe.fused_projections: false)"
+        )
+
+
+#: set on every module of a model a registration applied its model-level keys to
+_APPLIED = "_upipe_registration_applied"
+
+#: the sequence-parallel group -> the registration that set it up (weak keys: the entry goes with the
+#: group; a registration is found from the mpu the user holds, never from "the last one")
+_REGISTRATIONS: weakref.WeakKeyDictionary[Any, Registration] = weakref.WeakKeyDictionary()
+
+
+def registration_of(mpu: Any) -> Registration | None:
+    """The registration whose groups ``mpu`` (or a sequence-parallel group) carries now (None: none of ours)."""
+    group = mpu.get_sequence_parallel_group() if hasattr(mpu, "get_sequence_parallel_group") else mpu
+    try:
+        return _REGISTRATIONS.get(group) if group is not None else None
+    except TypeError:  # not weakly referenceable: not a group of ours
+        return None
+
+
+def ring_size_of(group: Any) -> int:
+    """The ring size UPipe was registered with on this sequence-parallel group (1: none, or ALST)."""
+    registration = registration_of(group)
+    return 1 if registration is None else registration.ring_size
+
+
+def _record(registration: Registration) -> Registration:
+    _REGISTRATIONS[registration.mpu.get_sequence_parallel_group()] = registration
+    return registration
+
+
+def _check_applied(module: torch.nn.Module, registration: Registration) -> None:
+    """Refuse a training forward of a model the registration's model-level keys never reached."""
+    if module.training and not module.__dict__.get(_APPLIED) and registration.model_keys():
+        raise registration.unapplied_error(module)
 
 
 def _active_ds_config() -> dict[str, Any] | None:
@@ -198,7 +308,7 @@ class UPipeSPDataLoaderAdapter(UlyssesSPDataLoaderAdapter):
     def __init__(self, dl: Any, sp_rank: int, sp_group: Any, sp_world_size: int, device: Any) -> None:
         from hf_patches.data import checked_loader
 
-        ring_size = _REGISTERED.get("ring_size", 1) if "mpu" in _REGISTERED else 1
+        ring_size = ring_size_of(sp_group)
         # hf_patches.sequence_parallel_dataloader (the eval loaders) passes a checked loader already,
         # and puts the zigzag shift_labels in place itself
         self.reorders = ring_size > 1 and not getattr(dl, "zigzag_ordered", False)
@@ -234,21 +344,25 @@ def _register_for_accelerate(args: dict[str, Any]) -> Any:
     # batches are sequence shards, so SP must stay on in evaluation (accelerate asks for
     # disable_in_eval=True because without enable() the Trainer's eval batches are not sharded)
     args = {**args, "disable_in_eval": False}
-    _REGISTERED.pop("ring_size", None)
-    model = args["model_name_or_path"]
+    model = args["model_name_or_path"]  # accelerate passes the model object
     check_model_settings(model, settings.upipe)  # before the registration's collectives (group creation)
-    if not settings.upipe.enabled:  # ALST from the ds_config: exact on packed rows with sdpa too
+    if settings.upipe.enabled:
+        mpu, head_chunk_size = _register_upipe(args, settings)
+    else:  # ALST from the ds_config: exact on packed rows with sdpa too
         packed_rows_per_document(args["core_attn_implementation"])
-    mpu = _register_upipe(args, settings) if settings.upipe.enabled else _alst_register(args)
-    # "local": the Trainer / accelerate combine the ranks' losses (deepspeed_sp_compute_loss)
-    apply_long_context(model, settings.upipe, "local", None)
-    configure_activation_checkpointing(model, ds_config, settings, mpu)
-    _REGISTERED["mpu"] = mpu
+        mpu, head_chunk_size = _alst_register(args), None
+    registration = Registration(
+        mpu, settings, ds_config, True, head_chunk_size, args["core_attn_implementation"], args["disable_in_eval"]
+    )
+    _record(registration).apply_to_model(model)
     return mpu
 
 
 def _register_direct(args: dict[str, Any]) -> Any:
-    """A direct call: ALST's registration unchanged unless the active plugin's "upipe" block enables UPipe."""
+    """A direct call: ALST's registration unchanged unless the active plugin's ds_config has a "upipe"
+    block.  Then its keys reach the model: at once for a model object, and for a name or path when
+    the model loaded from it is given to ``deepspeed.initialize`` with the returned mpu (a training
+    forward of a model they never reached is refused, ``_check_applied``)."""
     ds_config = _active_ds_config()
     settings = None
     if ds_config is not None and ds_config.get("upipe") is not None:
@@ -258,21 +372,47 @@ def _register_direct(args: dict[str, Any]) -> Any:
     is_module = isinstance(model, torch.nn.Module)
     if settings is not None and is_module:
         check_model_settings(model, settings.upipe)  # before the registration's collectives
-    if settings is None or not settings.upipe.enabled:
-        _REGISTERED.pop("mpu", None)  # the engine built with ALST's mpu keeps DeepSpeed's own gradient average
-        _REGISTERED.pop("ring_size", None)
-        mpu = _alst_register(args)
-    else:
+    if settings is not None and settings.upipe.enabled:
         _init_deepspeed_comm()
-        mpu = _register_upipe(args, settings)
-        if is_module:
-            configure_activation_checkpointing(model, ds_config, settings, mpu)
-        _REGISTERED["mpu"] = mpu
-    if settings is not None and is_module:
-        # the block's long-context stack applies to ALST too ("enabled": false), so that both run on the
-        # same stack; "local": ALST's recipe combines the ranks' losses itself
-        apply_long_context(model, settings.upipe, "local", None)
+        mpu, head_chunk_size = _register_upipe(args, settings)
+    else:
+        mpu, head_chunk_size = _alst_register(args), None
+    # the engine built with ALST's mpu keeps DeepSpeed's own gradient average (ALST's recipe's loss)
+    registration = _record(
+        Registration(
+            mpu,
+            settings,
+            ds_config if settings is not None else None,
+            corrects_gradients=settings is not None and settings.upipe.enabled,
+            head_chunk_size=head_chunk_size,
+            core=args["core_attn_implementation"],
+            disable_in_eval=args["disable_in_eval"],
+        )
+    )
+    if settings is None:
+        return mpu
+    if is_module:
+        # the block's long-context stack and checkpointing apply to ALST too ("enabled": false), so that
+        # both run on the same stack
+        registration.apply_to_model(model)
+    if not settings.upipe.enabled and registration.model_keys():
+        _guard_alst_function(registration)
     return mpu
+
+
+def _guard_alst_function(registration: Registration) -> None:
+    """ALST registered by name or path with a "upipe" block whose stack / checkpointing keys are on: its
+    attention function refuses a training forward of a model those keys never reached."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    core = registration.core
+    alst_function = ALL_ATTENTION_FUNCTIONS[core]
+
+    def attention(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        _check_applied(module, registration)
+        return alst_function(module, *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[core] = attention
 
 
 def _settings_agreed_by_all_ranks(ds_config: dict[str, Any], sequence_parallel_size: int) -> SPSettings:
@@ -291,17 +431,18 @@ def _settings_agreed_by_all_ranks(ds_config: dict[str, Any], sequence_parallel_s
     return settings
 
 
-def _register_upipe(args: dict[str, Any], settings: SPSettings) -> Any:
-    """UPipe where ALST's registration would put Ulysses; returns the mpu.
+def _register_upipe(args: dict[str, Any], settings: SPSettings) -> tuple[Any, int]:
+    """UPipe where ALST's registration would put Ulysses; returns (the mpu, U).
 
     ALST's own registration runs first, for its checks and messages (seq_length, eager and unknown
     implementations, the model's implementation against ``core_attn_implementation``, head counts),
     the hub-kernel loading and the sequence-parallel groups; its attention wrapper is then replaced.
     As in ALST, the function registered under ``core_attn_implementation`` runs sequence-parallel
-    attention (UPipe's stage loop, unfused) for every model using that implementation, and a model
-    or path given only for its config works.  A model object is moreover patched in place
-    (``hf_patches.apply_upipe``: fused projections, input checks).  ``disable_in_eval=True``: in
-    eval mode both run the plain core attention on the ranks' full inputs, as ALST's does."""
+    attention (UPipe's stage loop, unfused, with the block's U, kernel, overlap, ring and
+    accumulation) for every model using that implementation, and a model or path given only for
+    its config works.  A model object is moreover patched in place (``Registration.apply_to_model``:
+    ``hf_patches.apply_upipe``, fused projections, input checks).  ``disable_in_eval=True``: in eval
+    mode both run the plain core attention on the ranks' full inputs, as ALST's does."""
     model, core = args["model_name_or_path"], args["core_attn_implementation"]
     if settings.ring_size == 1:
         mpu, core_function = _alst_checks_and_groups(args)
@@ -328,16 +469,11 @@ def _register_upipe(args: dict[str, Any], settings: SPSettings) -> Any:
         dtype_bytes=settings.dtype_bytes,
     )
     group = mpu.get_sequence_parallel_group()
-    if isinstance(model, torch.nn.Module):
-        apply_upipe_settings(model, group, head_chunk_size, settings)
-        if args["disable_in_eval"]:
-            _sequence_parallel_in_training_only(model, core)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     state = _unfused_state(text, group, head_chunk_size, settings)
-    ALL_ATTENTION_FUNCTIONS[core] = _upipe_core_attention(state, core, core_function, args["disable_in_eval"])
-    _REGISTERED["ring_size"] = settings.ring_size
-    return mpu
+    ALL_ATTENTION_FUNCTIONS[core] = _upipe_core_attention(state, core, core_function, args["disable_in_eval"], group)
+    return mpu, head_chunk_size
 
 
 def _ring_groups_and_core(args: dict[str, Any]) -> tuple[Any, Callable[..., Any]]:
@@ -389,13 +525,16 @@ def _unfused_state(text_config: Any, group: Any, head_chunk_size: int, settings:
         overlap_comm=settings.upipe.overlap_comm,
         ring_group=ring_group,
         ring_size=settings.ring_size,
+        accumulate_in_input_dtype=settings.upipe.accumulate_dtype == "input",
     )
 
 
 def _upipe_core_attention(
-    state: Any, core: str, core_function: Callable[..., Any], disable_in_eval: bool
+    state: Any, core: str, core_function: Callable[..., Any], disable_in_eval: bool, group: Any
 ) -> Callable[..., Any]:
-    """The function registered under ``core``: what ALST's ``uattn_wrapper`` is to ALST, with UPipe."""
+    """The function registered under ``core``: what ALST's ``uattn_wrapper`` is to ALST, with UPipe.
+    ``group``: the registration's sequence-parallel group (its ``Registration``, looked up per call:
+    recorded once the registration is complete)."""
     from hf_patches.attention import upipe_attention_function
     from hf_patches.state import DOCUMENTS_KWARG
 
@@ -412,9 +551,12 @@ def _upipe_core_attention(
             # ALST's bypass: the core function on the local (full) sequence, without the 4-D mask
             # ALST drops (flex_attention's BlockMask is kept)
             return core_function(module, query, key, value, _alst_mask(core, attention_mask), *args, **kwargs)
-        documents = _check_global_positions(module, kwargs.get("position_ids"), state)
-        if getattr(module, "_upipe_state", None) is None:
+        if getattr(module, "_upipe_state", None) is None:  # a model the registration did not patch
+            registration = registration_of(group)
+            if registration is not None:
+                _check_applied(module, registration)
             module._upipe_state = state  # upipe_attention_function reads the plan, group and kernel here
+        documents = _check_global_positions(module, kwargs.get("position_ids"), state)
         # HF built the mask for the local shard; UPipe's kernel is causal over the gathered sequence
         return upipe_attention_function(
             module, query, key, value, None, *args, **{**kwargs, DOCUMENTS_KWARG: documents}
@@ -521,17 +663,33 @@ def _wrap_trainer_config_process(original: Callable[..., Any]) -> Callable[..., 
 
 
 def _wrap_initialize(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``deepspeed.initialize`` that completes the registration whose mpu it is given: the model gets
+    the ds_config's model-level keys if the registration could not apply them (a name or path, ALST's
+    recipe), and the engine the gradient average over all ranks."""
+
     @functools.wraps(original)
     def initialize(*args: Any, **kwargs: Any) -> Any:
+        registration = registration_of(kwargs.get("mpu")) if kwargs.get("mpu") is not None else None
+        model = kwargs.get("model")
         if kwargs.get("mpu") is None:
             _long_context_without_sp(kwargs)
+        elif registration is not None and registration.settings is not None and _unapplied(model):
+            registration.apply_to_model(model)
         result = original(*args, **kwargs)
-        mpu = _REGISTERED.get("mpu")
-        if mpu is not None and kwargs.get("mpu") is mpu:
+        if registration is not None and registration.corrects_gradients:
             average_gradients_over_all_ranks(result[0])
         return result
 
     return initialize
+
+
+def _unapplied(model: Any) -> bool:
+    """A model no registration (nor ``ds_upipe.initialize``) has applied a ds_config's keys to yet."""
+    from hf_patches import long_context_stack, upipe_state
+
+    if not isinstance(model, torch.nn.Module) or model.__dict__.get(_APPLIED):
+        return False
+    return upipe_state(model) is None and long_context_stack(model) is None
 
 
 def _long_context_without_sp(kwargs: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ from deepspeed.accelerator import get_accelerator
 from ..heads import HeadLayout
 from .checkpoint_pairs import check_pairs_fit, install_checkpoint_pairs
 from .checkpointing import install_exact_pinned_pool, releasing
-from .config import SPSettings, UPipeConfig, check_heads, checkpoints_layers, choose_head_chunk_size, tiled
+from .config import SPSettings, UPipeConfig, check_heads, choose_head_chunk_size, tiled
 
 #: attention functions ALST replaced in transformers' process-global registry, to restore them
 REPLACED_ATTENTION: dict[str, Callable[..., Any]] = {}
@@ -232,7 +232,7 @@ def configure_activation_checkpointing(
     the weights it saved while recomputing are released (emptied) by ZeRO-3 before the backward uses
     them.  The reentrant checkpoint runs the first forward without a graph."""
     offload = settings.upipe.offload_checkpoints
-    if not checkpoints_layers(ds_config, settings.upipe):
+    if not settings.checkpointing:
         return None
     from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 

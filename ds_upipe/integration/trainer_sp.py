@@ -167,7 +167,10 @@ class SequenceParallelEvalLoader:
     group in turn (ALST's ``UlyssesSPDataLoaderAdapter``); ``source_rank`` says whose batch the
     current micro-batch is."""
 
-    def __init__(self, loader: Any, sequence_parallel_size: int, device: torch.device, ring_size: int) -> None:
+    def __init__(
+        self, loader: Any, sequence_parallel_size: int, device: torch.device, ring_size: Callable[[Any], int]
+    ) -> None:
+        # ring_size: of the sequence-parallel group, asked when iterating (the group's registration)
         self.loader, self.sp, self.device, self.ring_size = loader, sequence_parallel_size, device, ring_size
         self.source_rank = -1
         self.own_loss: torch.Tensor | None = None
@@ -186,7 +189,8 @@ class SequenceParallelEvalLoader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         from hf_patches import sequence_parallel_dataloader
 
-        sharded = sequence_parallel_dataloader(self.loader, _sp_group(), device=self.device, ring_size=self.ring_size)
+        group = _sp_group()
+        sharded = sequence_parallel_dataloader(self.loader, group, device=self.device, ring_size=self.ring_size(group))
         self.own_loss = None
         for i, batch in enumerate(sharded):
             self.source_rank = i % self.sp
@@ -194,14 +198,14 @@ class SequenceParallelEvalLoader:
         self.source_rank = -1
 
 
-def wrap_eval_loader(original: Callable[..., Any], ring_size: Callable[[], int]) -> Callable[..., Any]:
+def wrap_eval_loader(original: Callable[..., Any], ring_size: Callable[[Any], int]) -> Callable[..., Any]:
     @functools.wraps(original)
     def get_loader(self: Any, *args: Any, **kwargs: Any) -> Any:
         loader = original(self, *args, **kwargs)
         pc = deepspeed_sp(self)
         if pc is None or isinstance(loader, SequenceParallelEvalLoader):
             return loader
-        return SequenceParallelEvalLoader(loader, pc.sp_size, self.args.device, ring_size())
+        return SequenceParallelEvalLoader(loader, pc.sp_size, self.args.device, ring_size)
 
     return get_loader
 

@@ -37,11 +37,14 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..heads import HeadLayout
 from ..layout import SequenceLayout
 from ..schedule import valid_head_chunk_sizes
+
+if TYPE_CHECKING:
+    from ..integration.config import SPSettings
 
 GiB = 2**30
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -377,47 +380,24 @@ def methods_for(
 
 # -- a ds_config ------------------------------------------------------------------------------------
 
-#: long-context stack keys, read from the "upipe" block or a "long_context" block when a config has them
-_STACK_KEYS = ("tiled_loss", "tiled_norm", "tiled_mlp", "loss_tile_tokens", "norm_tile_tokens", "mlp_tile_tokens")
-
 
 def from_ds_config(
-    ds_config: dict[str, Any], base: TrainSetup | None = None
+    config: dict[str, Any] | SPSettings, base: TrainSetup | None = None
 ) -> tuple[TrainSetup, AttentionScheme, int | None]:
     """(setup, the attention scheme it runs, upipe.seq_length) of a ds_config: what the run does.
 
-    The "upipe" block and the DeepSpeed keys are validated by ds_upipe.integration.config (the
-    runtime's own rules); the long-context stack keys are read where the config has them (in the
-    "upipe" block or a "long_context" block); absent ones are off."""
-    from ..integration.config import checkpoints_layers, parse_config
+    Reads the validated settings the runtime reads (``ds_upipe.integration.config.parse_config``,
+    given a ds_config dict, or its ``SPSettings``): the same rules, the same errors (an unknown
+    ``upipe`` key is refused, as ``ds_upipe.initialize`` refuses it), the tile sizes as configured."""
+    from ..integration.config import parse_config, tiled
 
-    raw = dict(ds_config)
-    upipe = dict(raw.get("upipe") or {})
-    stack = {k: v for k, v in (raw.get("long_context") or {}).items() if k in _STACK_KEYS}
-    stack.update({k: upipe.pop(k) for k in list(upipe) if k in _STACK_KEYS})
-    if "long_context" in raw and isinstance(raw["long_context"], dict):
-        stack.setdefault("tiled_loss", raw["long_context"].get("enabled", False))
-    raw["upipe"] = upipe
-    try:
-        settings = parse_config(raw)
-    except ValueError as err:
-        if "unknown key" not in str(err):
-            raise
-        keep = {k: v for k, v in upipe.items() if k in _known_upipe_keys()}
-        settings = parse_config({**raw, "upipe": keep})
-    act = raw.get("activation_checkpointing")
-    checkpointing = checkpoints_layers(raw, settings.upipe)
-    offload = bool((act or {}).get("cpu_checkpointing", False)) or settings.upipe.offload_checkpoints
-    zero = raw.get("zero_optimization") or {}
-    dtype = (
-        "bf16"
-        if (raw.get("bf16") or {}).get("enabled")
-        else "fp16"
-        if (raw.get("fp16") or {}).get("enabled")
-        else "fp32"
+    settings = parse_config(config) if isinstance(config, dict) else config
+    upipe = settings.upipe
+    (loss, loss_tiles), (norm, norm_tiles), (mlp, mlp_tiles) = (
+        tiled(v) for v in (upipe.tiled_loss, upipe.tiled_norm, upipe.tiled_mlp)
     )
+    zero = settings.zero_optimization
     base = base or TrainSetup()
-    offload = offload and checkpointing
     opt_offload, opt_pin = _offload_setting(zero, "offload_optimizer")
     param_offload, param_pin = _offload_setting(zero, "offload_param")
     setup = replace(
@@ -426,37 +406,37 @@ def from_ds_config(
         offload_param=param_offload,
         # a ds_config runs through ds_upipe.initialize / the HF integration, which install the
         # exact-size pinned checkpoint pool (integration.checkpointing.install_exact_pinned_pool)
-        checkpoint_pinning="exact" if offload else base.checkpoint_pinning,
+        checkpoint_pinning="exact" if settings.offload_checkpoints else base.checkpoint_pinning,
         offload_pin_memory=opt_pin or param_pin,
         gpus=settings.sequence_parallel_size,
         zero_stage=settings.zero_stage,
-        checkpointing=checkpointing,
-        offload_checkpoints=offload,
-        dtype=dtype,
-        batch=int(raw.get("train_micro_batch_size_per_gpu") or 1),
-        tiled_loss=bool(stack.get("tiled_loss", False)),
-        tiled_norm=bool(stack.get("tiled_norm", False)),
-        tiled_mlp=bool(stack.get("tiled_mlp", False)),
-        loss_tile_tokens=stack.get("loss_tile_tokens"),
-        norm_tile_tokens=stack.get("norm_tile_tokens"),
-        mlp_tile_tokens=stack.get("mlp_tile_tokens"),
+        checkpointing=settings.checkpointing,
+        offload_checkpoints=settings.offload_checkpoints,
+        dtype=settings.dtype,
+        batch=settings.micro_batch_size or 1,
+        tiled_loss=loss,
+        tiled_norm=norm,
+        tiled_mlp=mlp,
+        loss_tile_tokens=loss_tiles,
+        norm_tile_tokens=norm_tiles,
+        mlp_tile_tokens=mlp_tiles,
         zero_reduce_bucket=int(zero.get("reduce_bucket_size", base.zero_reduce_bucket)),
         ring_size=settings.ring_size,
-        checkpoint_pairs=settings.upipe.checkpoint_pairs,
+        checkpoint_pairs=upipe.checkpoint_pairs,
     )
-    if settings.upipe.enabled:
-        u = settings.upipe.head_chunk_size
+    if upipe.enabled:
+        u = upipe.head_chunk_size
         scheme = AttentionScheme(
             "upipe",
             None if u == "auto" else u,
-            settings.upipe.fused_projections,
-            settings.upipe.overlap_comm,
-            settings.upipe.accumulate_dtype == "input",
-            settings.upipe.recompute_attention_output,
+            upipe.fused_projections,
+            upipe.overlap_comm,
+            upipe.accumulate_dtype == "input",
+            upipe.recompute_attention_output,
         )
     else:
         scheme = AttentionScheme("ulysses")
-    return setup, scheme, settings.upipe.seq_length
+    return setup, scheme, upipe.seq_length
 
 
 _OFFLOAD_KEYS = {"device", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "nvme_path", "fast_init",
@@ -481,12 +461,6 @@ def _offload_setting(zero: dict[str, Any], key: str) -> tuple[bool, bool]:
             "(NVMe offload is not planned)"
         )
     return device == "cpu", bool(block.get("pin_memory", False))
-
-
-def _known_upipe_keys() -> set[str]:
-    from ..integration.config import UPipeConfig
-
-    return set(UPipeConfig.model_fields)
 
 
 # -- the analytic terms ---------------------------------------------------------------------------
