@@ -385,9 +385,10 @@ def window_sink_matrix(rank, world):
 
     failures, count = [], 0
     seq = 6 * world
-    windows = (1, 4, 6, 9, seq + 5)
-    for (name, (h, hkv)), u_factor, window, with_sinks in itertools.product(
-        (("gqa4", HEAD_CONFIGS["gqa4"]), ("kv_lt_c", HEAD_CONFIGS["kv_lt_c"])), (1, None), windows, (False, True)
+    # (window, sinks): below a shard, equal to it, crossing shard boundaries, beyond the sequence
+    windows = ((1, False), (4, True), (6, False), (6, True), (9, True), (seq + 5, False))
+    for (name, (h, hkv)), u_factor, (window, with_sinks) in itertools.product(
+        (("gqa4", HEAD_CONFIGS["gqa4"]), ("kv_lt_c", HEAD_CONFIGS["kv_lt_c"])), (1, None), windows
     ):
         u = h if u_factor is None else u_factor * world
         layout = count % 2
