@@ -412,7 +412,46 @@ def misc_cases(rank, world):
     results["right_padding_mask"] = right_padding_case(world)
     results["autocast_fallback"] = autocast_case(world)
     results["deepcopy"] = deepcopy_case(world)
+    results.update(sliding_window_cases(world))
     return results
+
+
+def sliding_window_cases(world):
+    """Sliding windows layer by layer against the unpatched model (transformers' own sliding-window mask),
+    float64, shards of 6 tokens: Mistral (config.sliding_window, every layer) below and above a shard, fused
+    and unfused; Qwen2 with use_sliding_window and max_window_layers=1 (layer 0 full, layer 1 sliding), fused
+    and unfused; Qwen3 with explicit layer_types (sliding first, then full) at U = H."""
+    cases = {
+        "window_mistral_fused_W5": ("mistral", True, None, dict(sliding_window=5)),
+        "window_mistral_unfused_W8": ("mistral", False, None, dict(sliding_window=8)),
+        "window_qwen2_unfused_layer_types": (
+            "qwen2",
+            False,
+            None,
+            dict(use_sliding_window=True, sliding_window=3, max_window_layers=1, num_hidden_layers=2),
+        ),
+        "window_qwen2_fused_layer_types": (
+            "qwen2",
+            True,
+            None,
+            dict(use_sliding_window=True, sliding_window=7, max_window_layers=1, num_hidden_layers=2),
+        ),
+        "window_qwen3_unfused_U=H": (
+            "qwen3",
+            False,
+            8,
+            dict(
+                use_sliding_window=True,
+                sliding_window=4,
+                layer_types=["sliding_attention", "full_attention"],
+                num_hidden_layers=2,
+            ),
+        ),
+    }
+    return {
+        name: parity_case(arch, fused, torch.float64, u=u, world=world, **overrides)
+        for name, (arch, fused, u, overrides) in cases.items()
+    }
 
 
 def deepcopy_case(world):
@@ -625,12 +664,8 @@ def refusal_cases(rank, world):
     messages = {}
     expect = error_recorder(messages)
 
-    expect("mistral_sliding_window", lambda: hf_patches.apply_upipe(build_model("mistral", sliding_window=16), group))
     expect(
-        "qwen2_sliding_window",
-        lambda: hf_patches.apply_upipe(
-            build_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0), group
-        ),
+        "mistral_sliding_window_zero", lambda: hf_patches.apply_upipe(build_model("mistral", sliding_window=0), group)
     )
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     expect("unsupported_arch", lambda: hf_patches.apply_upipe(gpt2, group))
