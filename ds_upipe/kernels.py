@@ -131,7 +131,8 @@ class _KernelFunction(torch.autograd.Function):
     @staticmethod
     def backward(fctx, dout: Tensor):
         q, k, v, out, lse, *aux = fctx.saved_tensors
-        dq, dk, dv = fctx.kernel.backward(dout.contiguous(), q, k, v, out, lse, tuple(aux))
+        # dout as it comes (a transposed view): the kernels here take any strides, a copy would be a q-sized buffer
+        dq, dk, dv = fctx.kernel.backward(dout, q, k, v, out, lse, tuple(aux))
         return dq, dk, dv, None
 
 

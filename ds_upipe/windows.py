@@ -27,14 +27,26 @@ ring attention needs for its zigzag chunk pairs (``ds_upipe.ring``).
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .kernels import AttentionKernel, CallableKernel, FlashAttnKernel, KernelAux, kernel_autograd
+from .kernels import (
+    AttentionKernel,
+    CallableKernel,
+    FlashAttnKernel,
+    KernelAux,
+    TorchSDPAKernel,
+    kernel_autograd,
+    sdpa_path,
+)
 
-#: queries per tile of the banded path: one tile's scores are tile x (tile + W - 1) per head
+#: queries per tile of the banded path: one tile's scores are tile x (tile + W - 1) per head on the
+#: band-mask path; on the fused-op path tiles hold min(tile, W - 1) queries and no scores
 DEFAULT_TILE = 128
+#: the fused-op path needs tiles of W - 1 >= this many queries (smaller windows: the band mask)
+MIN_FUSED_TILE = 8
 
 
 def check_window(window: object, where: str = "window") -> int | None:
@@ -167,6 +179,152 @@ def band_backward(
     return dq, dk, dv
 
 
+# -- banded tiles on torch's fused ops (no score matrix at all) ----------------------------------------
+#
+# A tile of n <= W - 1 queries at rows [a, a + n) sees keys [a - W + 1, a + n), split in three pieces
+# that torch's ops express with ``is_causal`` on equal lengths or no mask:
+#   A = keys [a - W + 1, a - W + 1 + n): row i sees key j iff j >= i, which is causal once the rows and
+#       the keys are both reversed (i' = n-1-i, j' = n-1-j: j' <= i');
+#   B = keys [a - W + 1 + n, a): visible to every row of the tile (no mask; empty when n = W - 1);
+#   C = keys [a, a + n): causal.
+# The pieces' (out, lse) merge exactly through their lse (as ring attention merges blocks), and each
+# piece's backward runs on the merged out and lse.  Tiles near the start (keys clipped at 0): A is
+# dropped when the window reaches before position 0 for every row, and the one tile where it is clipped
+# part-way runs the float32 band mask (``band_forward``) instead.
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One op call of a tile: key rows [k0, k1); ``kind`` "causal", "flipped" (A) or "full" (B)."""
+
+    kind: str
+    k0: int
+    k1: int
+
+
+def _tile_pieces(a: int, n: int, window: int) -> list[_Piece] | None:
+    """The pieces of the tile of rows [a, a + n), None for the tile that needs the band mask."""
+    lo = a - window + 1
+    if lo < 0 < lo + n:
+        return None
+    pieces = [_Piece("causal", a, a + n)]
+    if lo >= 0:
+        pieces.append(_Piece("flipped", lo, lo + n))
+    b0 = max(0, lo + n)
+    if b0 < a:
+        pieces.append(_Piece("full", b0, a))
+    return pieces
+
+
+def _flip(t: Tensor) -> Tensor:
+    return t.flip(2)
+
+
+def _lse_rows(lse: Tensor, rows: int) -> Tensor:
+    return lse[..., :rows]
+
+
+def _padded_lse(kernel: AttentionKernel, q: Tensor, lse: Tensor) -> Tensor:
+    """The merged lse of ``q``'s rows in the layout the kernel's backward reads (torch's memory-efficient
+    op reads it padded to 32 rows, as its forward returns it), contiguous."""
+    block = sdpa_path(q.device.type, q.dtype, q.shape[-1]).lse_block if isinstance(kernel, TorchSDPAKernel) else 1
+    pad = -q.shape[2] % block
+    return torch.nn.functional.pad(lse, (0, pad)).contiguous() if pad else lse.contiguous()
+
+
+def _fused_tile_plan(seq: int, window: int, tile: int) -> list[tuple[int, int, list[_Piece] | None]]:
+    n_max = min(tile, window - 1)
+    return [(a, min(seq, a + n_max), _tile_pieces(a, min(seq, a + n_max) - a, window)) for a in range(0, seq, n_max)]
+
+
+class _FusedBand:
+    """Forward and backward of the banded tiles on a kernel's own ops (``causal`` and ``unmasked`` copies)."""
+
+    def __init__(self, kernel: AttentionKernel, window: int, tile: int) -> None:
+        self.causal, self.unmasked = kernel, copy.copy(kernel)
+        self.unmasked.causal = False
+        self.window, self.tile = window, tile
+
+    def _kernel(self, piece: _Piece) -> AttentionKernel:
+        return self.unmasked if piece.kind == "full" else self.causal
+
+    def _inputs(self, piece: _Piece, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        kp, vp = k[:, :, piece.k0 : piece.k1], v[:, :, piece.k0 : piece.k1]
+        if piece.kind == "flipped":
+            return _flip(q), _flip(kp), _flip(vp)
+        return q, kp, vp
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, KernelAux]:
+        seq = q.shape[2]
+        acc = _compute_dtype(q.dtype)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
+        aux: list[Tensor | None] = []
+        for a, e, pieces in _fused_tile_plan(seq, self.window, self.tile):
+            rows = slice(a, e)
+            if pieces is None:
+                o, l_ = band_forward(q[:, :, rows], k, v, self.window, scale, q_start=a)
+                out[:, :, rows], lse[:, :, rows] = o, l_
+                continue
+            tile_out = tile_lse = None
+            for piece in pieces:
+                po, pl, paux = self._kernel(piece).forward(*self._inputs(piece, q[:, :, rows], k, v))
+                aux += paux
+                pl = _lse_rows(pl, e - a).to(acc)
+                if piece.kind == "flipped":
+                    po, pl = _flip(po), pl.flip(-1)
+                if tile_out is None:
+                    tile_out, tile_lse = po.to(acc), pl.clone()
+                else:
+                    weight = torch.sigmoid(pl - tile_lse).unsqueeze(-1)
+                    tile_out.addcmul_(po.to(acc) - tile_out, weight)
+                    tile_lse.sub_(torch.nn.functional.logsigmoid(tile_lse - pl))
+            out[:, :, rows], lse[:, :, rows] = tile_out.to(q.dtype), tile_lse
+        return out, lse, tuple(aux)
+
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: KernelAux, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        seq = q.shape[2]
+        acc = _compute_dtype(q.dtype)
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        plan = _fused_tile_plan(seq, self.window, self.tile)
+        calls = sum(len(pieces) for _, _, pieces in plan if pieces is not None)
+        per_call = len(aux) // calls if calls else 0  # every op call of one kernel returns as many aux entries
+        aux_at = 0
+        for a, e, pieces in plan:
+            rows = slice(a, e)
+            if pieces is None:
+                g_q, g_k, g_v = band_backward(
+                    dout[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows], self.window, scale, a
+                )
+                dq[:, :, rows] = g_q
+                dk += g_k
+                dv += g_v
+                continue
+            tile_dq = None
+            for piece in pieces:
+                kernel = self._kernel(piece)
+                piece_aux = tuple(aux[aux_at : aux_at + per_call])
+                aux_at += per_call
+                qp, kp, vp = self._inputs(piece, q[:, :, rows], k, v)
+                o_t, do_t, l_t = out[:, :, rows], dout[:, :, rows], lse[:, :, rows]
+                if piece.kind == "flipped":
+                    o_t, do_t, l_t = _flip(o_t), _flip(do_t), l_t.flip(-1)
+                # torch's ops return (and read) the lse in float32, float64 for float64 inputs: ``acc``
+                l_t = _padded_lse(kernel, qp, l_t)
+                g_q, g_k, g_v = kernel.backward(do_t.contiguous(), qp, kp, vp, o_t.contiguous(), l_t, piece_aux)
+                if piece.kind == "flipped":
+                    g_q, g_k, g_v = _flip(g_q), _flip(g_k), _flip(g_v)
+                tile_dq = g_q.to(acc) if tile_dq is None else tile_dq.add_(g_q)
+                dk[:, :, piece.k0 : piece.k1] += g_k
+                dv[:, :, piece.k0 : piece.k1] += g_v
+            dq[:, :, rows] = tile_dq.to(q.dtype)
+        return dq, dk, dv
+
+
 class SlidingWindowKernel(AttentionKernel):
     """Causal attention over the last ``window`` tokens (itself included) by banded query tiles (see
     the module docstring); the inner kernel gives only the scale (its own ops have no band mask).
@@ -175,7 +333,9 @@ class SlidingWindowKernel(AttentionKernel):
 
     name = "sliding_window"
 
-    def __init__(self, inner: AttentionKernel, window: int, tile: int = DEFAULT_TILE) -> None:
+    def __init__(
+        self, inner: AttentionKernel, window: int, tile: int = DEFAULT_TILE, fused: bool | None = None
+    ) -> None:
         check_window(window)
         if window is None:
             raise ValueError("SlidingWindowKernel needs a window (None is plain causal: use the kernel itself)")
@@ -188,15 +348,30 @@ class SlidingWindowKernel(AttentionKernel):
             raise ValueError(f"tile must be a positive int, got {tile!r}")
         super().__init__(True, inner.softmax_scale)
         self.inner, self.window, self.tile = inner, window, tile
+        if fused is None:
+            fused = isinstance(inner, TorchSDPAKernel) and window - 1 >= MIN_FUSED_TILE
+        if fused and (not isinstance(inner, TorchSDPAKernel) or window < 2):
+            raise ValueError(
+                f"the fused-op tiles need a TorchSDPAKernel and a window of at least 2, got {inner!r}, {window}"
+            )
+        #: tiles on the inner kernel's own ops (no score matrix) rather than the float32 band mask
+        self.fused = fused
+        self._band = _FusedBand(inner, window, tile) if fused else None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, KernelAux]:
+        if self._band is not None:
+            return self._band.forward(q, k, v, self.scale_for(q.shape[-1]))
         out, lse = band_forward(q, k, v, self.window, self.scale_for(q.shape[-1]), tile=self.tile)
         return out, lse, ()
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: KernelAux
     ) -> tuple[Tensor, Tensor, Tensor]:
-        dq, dk, dv = band_backward(dout, q, k, v, out, lse, self.window, self.scale_for(q.shape[-1]), tile=self.tile)
+        scale = self.scale_for(q.shape[-1])
+        if self._band is not None:
+            dq, dk, dv = self._band.backward(dout, q, k, v, out, lse, aux, scale)
+        else:
+            dq, dk, dv = band_backward(dout, q, k, v, out, lse, self.window, scale, tile=self.tile)
         return dq, dk.to(k.dtype), dv.to(v.dtype)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs) -> Tensor:
@@ -204,7 +379,7 @@ class SlidingWindowKernel(AttentionKernel):
         return kernel_autograd(self, q, k, v)
 
     def __repr__(self) -> str:
-        return f"SlidingWindowKernel({self.inner!r}, window={self.window}, tile={self.tile})"
+        return f"SlidingWindowKernel({self.inner!r}, window={self.window}, tile={self.tile}, fused={self.fused})"
 
 
 def windowed(kernel: AttentionKernel, window: int | None, tile: int = DEFAULT_TILE) -> AttentionKernel:

@@ -379,8 +379,9 @@ def window_sink_case(rank, world, layout, heads, kv_heads, u, window, with_sinks
 
 def window_sink_matrix(rank, world):
     """Windows smaller than, equal to and larger than a shard (6 tokens), crossing shard boundaries, and
-    covering the whole sequence; with and without sinks; GQA and KV < C; U in {C, H}; both layouts; the
-    sdpa and math kernels (banded tiles of 4 queries, so tiles cross shards too); packed rows."""
+    covering the whole sequence; with and without sinks; GQA and KV < C; U in {C, H}; both layouts; both
+    banded paths (the band mask on the math kernel in tiles of 4 queries, torch's ops in tiles of 3, so
+    tiles cross shards too); packed rows."""
     from ds_upipe.windows import SlidingWindowKernel
 
     failures, count = [], 0
@@ -392,7 +393,13 @@ def window_sink_matrix(rank, world):
     ):
         u = h if u_factor is None else u_factor * world
         layout = count % 2
-        kernel = TorchSDPAKernel() if count % 3 else SlidingWindowKernel(MathKernel(), window, tile=4)
+        # sdpa as given (``windowed``: the band mask below W = 9, torch's ops from there), the band mask on the
+        # math kernel, and torch's ops in tiles of 3 queries (every tile kind, the clipped first ones included)
+        kernel = (
+            TorchSDPAKernel(),
+            SlidingWindowKernel(MathKernel(), window, tile=4),
+            SlidingWindowKernel(TorchSDPAKernel(), window, tile=3, fused=window >= 2),
+        )[count % 3]
         errs = window_sink_case(rank, world, layout, h, hkv, u, window, with_sinks, False, kernel, seed=count)
         count += 1
         if max(errs.values()) > 1e-10:
@@ -400,7 +407,8 @@ def window_sink_matrix(rank, world):
     for (name, (h, hkv)), window, with_sinks in itertools.product(
         (("gqa4", HEAD_CONFIGS["gqa4"]), ("kv_lt_c", HEAD_CONFIGS["kv_lt_c"])), (3, 8), (False, True)
     ):
-        errs = window_sink_case(rank, world, 0, h, hkv, world, window, with_sinks, True, TorchSDPAKernel(), seed=count)
+        kernel = SlidingWindowKernel(TorchSDPAKernel(), window, tile=3, fused=True) if with_sinks else TorchSDPAKernel()
+        errs = window_sink_case(rank, world, 0, h, hkv, world, window, with_sinks, True, kernel, seed=count)
         count += 1
         if max(errs.values()) > 1e-10:
             failures.append(("packed", name, window, with_sinks, errs))

@@ -791,6 +791,31 @@ def test_document_kernel_on_torch_cuda_paths(as_cuda, dtype, op):
     )
 
 
+@pytest.mark.parametrize("dtype, op", [(torch.bfloat16, "flash"), (torch.float32, "efficient")])
+def test_sliding_window_tiles_on_torch_cuda_paths(as_cuda, dtype, op):
+    """``SlidingWindowKernel`` on TorchSDPAKernel's CUDA ops (CPU stand-ins; without flash-attn this is the
+    CUDA window): every tile's pieces are causal or unmasked calls on the ops, the efficient op's NaN-padded
+    lse is sliced in forward and padded again for its backward, and the result is transformers' sliding
+    window under an explicit mask."""
+    from ds_upipe.windows import SlidingWindowKernel
+
+    window = 7
+    kernel = SlidingWindowKernel(TorchSDPAKernel(causal=True), window, tile=4)
+    assert kernel.fused is False  # W - 1 < MIN_FUSED_TILE: the band mask unless asked
+    kernel = SlidingWindowKernel(TorchSDPAKernel(causal=True), window, tile=4, fused=True)
+    q, k, v, dout = _inputs(4, 2, dtype)
+    out, lse, aux = kernel.forward(q, k, v)
+    grads = kernel.backward(dout, q, k, v, out, lse, aux)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for got, want in zip((out, *grads), _windowed_reference(q, k, v, dout, window)):
+        assert got.dtype == q.dtype
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    forwards, backwards = as_cuda.of(op), as_cuda.of(f"{op}_backward")
+    assert len(forwards) == len(backwards) > 3 * (40 // 4 - 2)  # three pieces per tile past the first ones
+    is_causal = 4 if op == "flash" else 6  # where each forward op takes its causal flag
+    assert {args[is_causal] for args, _, _ in forwards} == {True, False}  # causal and unmasked pieces
+
+
 #: flash-attn releases whose varlen signatures differ (see _varlen_signatures), and the pinned ones
 _VARLEN_VERSIONS = ["2.6.0", "2.6.1", "2.6.3", "2.7.0", "2.7.4.post1", "2.8.3"]
 
