@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ds_upipe.pipeline import UPipeAttentionFunction
+from ds_upipe.sinks import check_sinks
 from ds_upipe.windows import check_window
 
 from .fused import FusedProjections, FusedUPipeAttention
@@ -115,9 +116,18 @@ def upipe_attention_function(
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else query.dtype
     # [b, h, s, d] -> [b, s, h, d] views: the layout UPipeAttentionFunction takes (batch_dim_idx=0)
     q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))
-    # the layer's sliding window as the module passes it (Mistral: config.sliding_window; Qwen2/3: per layer)
-    ctx = state.context(q.device, kwargs.get(DOCUMENTS_KWARG), check_window(sliding_window, "sliding_window"))
-    out = UPipeAttentionFunction.apply(q, k, v, ctx)
+    # the layer's sliding window as the module passes it (Mistral: config.sliding_window; Qwen2/3: per layer),
+    # and attention sinks as GPT-OSS passes them (s_aux: module.sinks, one logit per query head): an input
+    # of the autograd node, so their gradient reaches the module's parameter through autograd
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        check_sinks(sinks, query.shape[1])
+    window = check_window(sliding_window, "sliding_window")
+    ctx = state.context(q.device, kwargs.get(DOCUMENTS_KWARG), window, sinks)
+    if sinks is None:
+        out = UPipeAttentionFunction.apply(q, k, v, ctx)
+    else:
+        out = UPipeAttentionFunction.apply(q, k, v, ctx, 0, sinks)
     return out, None
 
 

@@ -413,6 +413,63 @@ def misc_cases(rank, world):
     results["autocast_fallback"] = autocast_case(world)
     results["deepcopy"] = deepcopy_case(world)
     results.update(sliding_window_cases(world))
+    results.update(sinks_function_cases(world))
+    return results
+
+
+class _GptOssLike(torch.nn.Module):
+    """What GPT-OSS's ``eager_attention_forward`` reads of its attention module: sinks and the GQA ratio."""
+
+    def __init__(self, sinks, num_key_value_groups):
+        super().__init__()
+        self.sinks = torch.nn.Parameter(sinks)
+        self.num_key_value_groups = num_key_value_groups
+
+
+def sinks_function_cases(world):
+    """The "upipe" attention function with GPT-OSS's attention sinks (``s_aux``, as GptOssAttention passes
+    them), on a patched Llama layer's attention module, against transformers' own GPT-OSS
+    ``eager_attention_forward`` on the whole sequence with an explicit causal (and sliding-window)
+    additive mask, float64: output, dq, dk, dv and the sinks' gradient (summed over the ranks)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from hf_patches.attention import upipe_attention_function
+
+    group, rank = dist.group.WORLD, dist.get_rank()
+    model = build_model("llama")  # H = 8, KV = 2
+    patch_model(model, group, None, False, False, False)
+    module = model.model.layers[0].self_attn
+    heads, kv_heads, head_dim = 8, 2, module.head_dim
+    seq, shard = 6 * world, 6
+    results = {}
+    for window in (None, 5):
+        gen = torch.Generator().manual_seed(window or 0)
+        q, dout = (torch.randn(2, heads, seq, head_dim, generator=gen, dtype=torch.float64) for _ in range(2))
+        k, v = (torch.randn(2, kv_heads, seq, head_dim, generator=gen, dtype=torch.float64) for _ in range(2))
+        sinks = torch.randn(heads, generator=gen, dtype=torch.float64)
+        ref_module = _GptOssLike(sinks.clone(), heads // kv_heads).eval()
+        full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        i, j = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+        visible = (j <= i) & ((j > i - window) if window else True)
+        mask = torch.zeros(seq, seq, dtype=torch.float64).masked_fill(~visible, float("-inf"))
+        ref, _ = eager_attention_forward(ref_module, *full, mask[None, None], module.scaling)
+        ref.backward(dout.transpose(1, 2))
+        local = [t[:, :, rank * shard : (rank + 1) * shard].clone().requires_grad_(True) for t in (q, k, v)]
+        my_sinks = torch.nn.Parameter(sinks.clone())
+        out, _ = upipe_attention_function(
+            module, *local, None, scaling=module.scaling, sliding_window=window, s_aux=my_sinks
+        )
+        out.backward(dout[:, :, rank * shard : (rank + 1) * shard].transpose(1, 2))
+        sink_grad = my_sinks.grad.clone()
+        dist.all_reduce(sink_grad)
+        part = slice(rank * shard, (rank + 1) * shard)
+        errors = {
+            "out": relative_error(out, ref.detach()[:, part]),
+            "dsinks": relative_error(sink_grad, ref_module.sinks.grad),
+        }
+        for name, loc, glob in zip("qkv", local, full):
+            errors[f"d{name}"] = relative_error(loc.grad, glob.grad[:, :, part])
+        results[f"sinks_function_window={window}"] = errors
     return results
 
 
