@@ -986,6 +986,15 @@ def ring_cases_for(layout):
             dict(arch="qwen3", fused=True, u=2 * cu, overlap=True, recompute=True),
         ),
     ]
+    # sliding windows on zigzag shards (chunks of 6 tokens): below a chunk on every layer (Mistral, fused), and
+    # across chunks on layer 1 only (Qwen2 max_window_layers=1, unfused)
+    cases += [
+        ("mistral fused window=5", dict(arch="mistral", fused=True, sliding_window=5)),
+        (
+            "qwen2 unfused layer 1 window=8",
+            dict(arch="qwen2", fused=False, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+        ),
+    ]
     if cu > 1:
         kv = dict(num_key_value_heads=cu // 2)
         cases += [
