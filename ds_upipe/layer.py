@@ -52,6 +52,14 @@ class UPipeDistributedAttention(DistributedAttention):
     (``ds_upipe.packing.DocumentKernel`` around the local kernel), the same on every rank; it needs
     an ``AttentionKernel`` and no ring.
 
+    Sliding windows and sinks: ``window`` (constructor, or ``forward(..., window=...)`` per call) restricts
+    every stage to causal attention over the last W tokens, itself included (transformers'
+    ``sliding_window``; ``ds_upipe.windows.windowed`` around the kernel: flash-attn's own window, banded
+    tiles otherwise; inside each document, and over the ring's zigzag chunks); ``sinks`` (a [H] tensor, one
+    logit per query head, e.g. GPT-OSS's ``module.sinks``; constructor or per call) adds attention sinks
+    (``ds_upipe.sinks.SinkKernel``), each stage with its own heads' sinks, the gradient returned to the
+    tensor through autograd.  Both need an ``AttentionKernel`` (a window a causal one).
+
     ``validate_inputs`` exchanges every rank's shapes, dtypes and settings (head_chunk_size,
     overlap_comm, scatter_idx, the kernel's causal and softmax_scale) once per forward (one tiny
     all_gather) so a bad input, or ranks configured differently, raise the same ValueError on all
