@@ -20,6 +20,9 @@ _LAZY = {
     "make_kernel": "kernels",
     "UPipeDistributedAttention": "layer",
     "DocumentKernel": "packing",
+    "SinkKernel": "sinks",
+    "SlidingWindowKernel": "windows",
+    "windowed": "windows",
     "documents_from_positions": "packing",
     "StagePlan": "schedule",
     "build_plan": "schedule",
@@ -33,6 +36,8 @@ __all__ = [
     "DocumentKernel",
     "FlashAttnKernel",
     "MathKernel",
+    "SinkKernel",
+    "SlidingWindowKernel",
     "StagePlan",
     "TorchSDPAKernel",
     "UPipeDistributedAttention",
@@ -42,6 +47,7 @@ __all__ = [
     "initialize",
     "make_kernel",
     "valid_head_chunk_sizes",
+    "windowed",
 ]
 __version__ = "0.1.0"
 
@@ -52,6 +58,8 @@ if TYPE_CHECKING:
     from .layer import UPipeDistributedAttention
     from .packing import DocumentKernel, documents_from_positions
     from .schedule import StagePlan, build_plan, valid_head_chunk_sizes
+    from .sinks import SinkKernel
+    from .windows import SlidingWindowKernel, windowed
 
 
 #: public submodules under a short name: ``from ds_upipe import hf_integration`` (the Trainer hook)

@@ -85,10 +85,18 @@ class AttentionKernel(abc.ABC):
     #: whether ``backward`` uses the forward output ``out`` (an lse-based backward does; a recompute
     #: does not, and gets ``out=None``): the pipeline gathers the stage output in backward only then
     needs_output_in_backward: bool = True
+    #: whether the kernel has per-head state (attention sinks): the pipeline then runs each stage with
+    #: ``for_heads(this rank's global query heads of the stage)``
+    per_head: bool = False
 
     def __init__(self, causal: bool = True, softmax_scale: float | None = None) -> None:
         self.causal = causal
         self.softmax_scale = softmax_scale
+
+    def for_heads(self, heads: Tensor) -> AttentionKernel:
+        """This kernel for a stage whose query heads are ``heads`` (global indices, in the order of the
+        stage's [b, n, S, d] tensors); a kernel without per-head state is the same for every stage."""
+        return self
 
     def scale_for(self, head_dim: int) -> float:
         return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -108,6 +116,31 @@ class AttentionKernel(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(causal={self.causal}, softmax_scale={self.softmax_scale})"
+
+
+class _KernelFunction(torch.autograd.Function):
+    """Autograd through a kernel's own forward and backward, on [b, h, S, d] tensors."""
+
+    @staticmethod
+    def forward(fctx, q: Tensor, k: Tensor, v: Tensor, kernel: AttentionKernel) -> Tensor:
+        out, lse, aux = kernel.forward(q, k, v)
+        fctx.kernel, fctx.num_aux = kernel, len(aux)
+        fctx.save_for_backward(q, k, v, out, lse, *aux)
+        return out
+
+    @staticmethod
+    def backward(fctx, dout: Tensor):
+        q, k, v, out, lse, *aux = fctx.saved_tensors
+        # dout as it comes (a transposed view): the kernels here take any strides, a copy would be a q-sized buffer
+        dq, dk, dv = fctx.kernel.backward(dout, q, k, v, out, lse, tuple(aux))
+        return dq, dk, dv, None
+
+
+def kernel_autograd(kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """DistributedAttention's local-attention contract ([b, S, h, d] in and out) through ``kernel``'s own
+    forward/backward: for kernels whose mask torch's SDPA cannot express (a sliding window)."""
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    return _KernelFunction.apply(qh, kh, vh, kernel).transpose(1, 2)
 
 
 class CallableKernel(AttentionKernel):
@@ -520,13 +553,35 @@ class FlashAttnKernel(AttentionKernel):
 
     name = "flash_attn"
 
-    def __init__(self, causal: bool = True, softmax_scale: float | None = None) -> None:
+    def __init__(self, causal: bool = True, softmax_scale: float | None = None, window: int | None = None) -> None:
         super().__init__(causal, softmax_scale)
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be a positive int or None, got {window!r}")
+        if window is not None and not causal:
+            raise ValueError("a sliding window is causal: FlashAttnKernel(window=...) needs causal=True")
+        #: sliding window (``ds_upipe.windows``: key j visible to query i iff i - W < j <= i), None = none
+        self.window = window
         self._fa, self.release = _load_flash_attn()
 
     def _window(self) -> dict[str, object]:
-        """No sliding window, in the release's own argument names."""
-        return {"window_size": (-1, -1)} if self.release < (2, 7) else {"window_size_left": -1, "window_size_right": -1}
+        """The sliding window in the release's own argument names: flash-attn's (W - 1, 0) is query i
+        seeing keys i - W + 1 ... i (transformers' sliding_window W); (-1, -1) is none."""
+        left, right = (-1, -1) if self.window is None else (self.window - 1, 0)
+        return (
+            {"window_size": (left, right)}
+            if self.release < (2, 7)
+            else {"window_size_left": left, "window_size_right": right}
+        )
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs) -> Tensor:
+        """DistributedAttention's contract; with a window through this kernel (SDPA has no window)."""
+        if self.window is None:
+            return super().__call__(q, k, v, *args, **kwargs)
+        return kernel_autograd(self, q, k, v)
+
+    def __repr__(self) -> str:
+        extra = "" if self.window is None else f", window={self.window}"
+        return f"FlashAttnKernel(causal={self.causal}, softmax_scale={self.softmax_scale}{extra})"
 
     @staticmethod
     def _check_inputs(q: Tensor) -> None:
@@ -669,8 +724,16 @@ class FlashAttnKernel(AttentionKernel):
 KERNELS: dict[str, type[AttentionKernel]] = {k.name: k for k in (TorchSDPAKernel, MathKernel, FlashAttnKernel)}
 
 
-def make_kernel(name: str, causal: bool = True, softmax_scale: float | None = None) -> AttentionKernel:
-    """Build a kernel by config name ('sdpa', 'math', 'flash_attn')."""
+def make_kernel(
+    name: str, causal: bool = True, softmax_scale: float | None = None, window: int | None = None
+) -> AttentionKernel:
+    """Build a kernel by config name ('sdpa', 'math', 'flash_attn'); ``window`` restricts it to a sliding
+    window (``ds_upipe.windows.windowed``: flash-attn's own, banded tiles for the others)."""
     if name not in KERNELS:
         raise ValueError(f"unknown attention kernel {name!r}; choose one of {sorted(KERNELS)}")
-    return KERNELS[name](causal=causal, softmax_scale=softmax_scale)
+    kernel = KERNELS[name](causal=causal, softmax_scale=softmax_scale)
+    if window is None:
+        return kernel
+    from .windows import windowed  # windows imports this module
+
+    return windowed(kernel, window)

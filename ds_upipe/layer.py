@@ -15,7 +15,9 @@ from .packing import DocumentBoundaries, DocumentKernel
 from .pipeline import PipelineContext, UPipeAttentionFunction, plan_indices
 from .ring import RingAttentionKernel, SequenceLayout, zigzag_positions
 from .schedule import StagePlan, build_plan
-from .validation import CheckedInputs, LayerSettings, check_packing_supported
+from .sinks import SinkKernel, check_sinks, sinks_shape_code
+from .validation import CheckedInputs, LayerSettings, check_packing_supported, check_window_and_sinks
+from .windows import check_window, windowed
 
 
 class UPipeDistributedAttention(DistributedAttention):
@@ -50,6 +52,14 @@ class UPipeDistributedAttention(DistributedAttention):
     (``ds_upipe.packing.DocumentKernel`` around the local kernel), the same on every rank; it needs
     an ``AttentionKernel`` and no ring.
 
+    Sliding windows and sinks: ``window`` (constructor, or ``forward(..., window=...)`` per call) restricts
+    every stage to causal attention over the last W tokens, itself included (transformers'
+    ``sliding_window``; ``ds_upipe.windows.windowed`` around the kernel: flash-attn's own window, banded
+    tiles otherwise; inside each document, and over the ring's zigzag chunks); ``sinks`` (a [H] tensor, one
+    logit per query head, e.g. GPT-OSS's ``module.sinks``; constructor or per call) adds attention sinks
+    (``ds_upipe.sinks.SinkKernel``), each stage with its own heads' sinks, the gradient returned to the
+    tensor through autograd.  Both need an ``AttentionKernel`` (a window a causal one).
+
     ``validate_inputs`` exchanges every rank's shapes, dtypes and settings (head_chunk_size,
     overlap_comm, scatter_idx, the kernel's causal and softmax_scale) once per forward (one tiny
     all_gather) so a bad input, or ranks configured differently, raise the same ValueError on all
@@ -71,6 +81,8 @@ class UPipeDistributedAttention(DistributedAttention):
         ring_group: dist.ProcessGroup | None = None,
         ring_overlap: bool | None = None,
         accumulate_in_input_dtype: bool = False,
+        window: int | None = None,
+        sinks: Tensor | None = None,
     ) -> None:
         # DeepSpeed's overlap handles belong to its own forward; UPipe runs its own loop.
         super().__init__(local_attention, sequence_process_group, scatter_idx, gather_idx, None, num_kv_heads)
@@ -89,7 +101,13 @@ class UPipeDistributedAttention(DistributedAttention):
         del sp_stream  # accepted for DistributedAttention's signature; UPipe's async collectives need no stream
         self.ring_group = ring_group
         self.ring_overlap = overlap_comm if ring_overlap is None else ring_overlap
-        self._ring_kernel: RingAttentionKernel | None = None
+        self._ring_kernels: dict[int | None, RingAttentionKernel] = {}
+        #: sliding window of every call (``forward(window=...)`` overrides it): ``ds_upipe.windows``
+        self.window = check_window(window)
+        if sinks is not None:
+            check_sinks(sinks)
+        #: attention sinks of every call (``forward(sinks=...)`` overrides): one logit per query head
+        self.sinks = sinks
         #: number of stages this module has run (forward + backward)
         self.stage_runs = [0]
 
@@ -106,20 +124,25 @@ class UPipeDistributedAttention(DistributedAttention):
         return SequenceLayout(self.group_size, self.ring_size)
 
     def attention_kernel(
-        self, batch_dim_idx: int = 0, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        self,
+        batch_dim_idx: int = 0,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        window: int | None = None,
     ) -> AttentionKernel:
-        """What each stage runs: the local attention kernel, or ring attention around it when there is a
-        ring.  A plain local-attention function runs as a ``CallableKernel`` with this call's layout
-        and extra arguments."""
+        """What each stage runs: the local attention kernel (restricted to ``window``), or ring attention
+        around it when there is a ring.  A plain local-attention function runs as a ``CallableKernel``
+        with this call's layout and extra arguments (and cannot be windowed)."""
         if not isinstance(self.local_attn, AttentionKernel):
             return CallableKernel(self.local_attn, batch_dim_idx, args, kwargs)
+        local = windowed(self.local_attn, window)
         if self.ring_size == 1:
-            return self.local_attn
-        if self._ring_kernel is None:
-            self._ring_kernel = RingAttentionKernel(self.local_attn, self.ring_group, overlap=self.ring_overlap)
-        return self._ring_kernel
+            return local
+        if window not in self._ring_kernels:
+            self._ring_kernels[window] = RingAttentionKernel(local, self.ring_group, overlap=self.ring_overlap)
+        return self._ring_kernels[window]
 
-    def layer_settings(self) -> LayerSettings:
+    def layer_settings(self, window: int | None = None, sinks: Tensor | None = None) -> LayerSettings:
         """What the ranks of the group must agree on (checked in the input exchange)."""
         # a CallableKernel passed in directly counts as the callable it wraps: no lse, recompute
         is_kernel = isinstance(self.local_attn, AttentionKernel) and not isinstance(self.local_attn, CallableKernel)
@@ -134,6 +157,8 @@ class UPipeDistributedAttention(DistributedAttention):
             ring_size=self.ring_size,
             ring_overlap=self.ring_overlap and self.ring_size > 1,  # moot without a ring
             accumulate_in_input_dtype=self.accumulate_in_input_dtype,
+            window=window,
+            sinks=sinks_shape_code(sinks),
         )
 
     def plan_for(self, num_heads: int, num_kv_heads: int) -> StagePlan:
@@ -148,9 +173,13 @@ class UPipeDistributedAttention(DistributedAttention):
         rotary_pos_emb: tuple[Tensor, Tensor] | None = None,
         *args: Any,
         cu_seqlens: DocumentBoundaries | Tensor | list[int] | list[list[int]] | None = None,
+        window: int | None = None,
+        sinks: Tensor | None = None,
         **kwargs: Any,
     ) -> Tensor:
         documents = None if cu_seqlens is None else DocumentBoundaries.of(cu_seqlens)
+        window = self.window if window is None else check_window(window)
+        sinks = self.sinks if sinks is None else sinks
         if self.validate_inputs:
             # one host read per new layout per module, not per call (validation.CheckedInputs)
             num_heads, num_kv_heads, _ = self.checked_inputs(
@@ -158,7 +187,7 @@ class UPipeDistributedAttention(DistributedAttention):
                 key,
                 value,
                 batch_dim_idx,
-                self.layer_settings(),
+                self.layer_settings(window, sinks),
                 self.spg,
                 ring_group=self.ring_group,
                 documents=None if documents is None else documents.fingerprint(),
@@ -166,7 +195,11 @@ class UPipeDistributedAttention(DistributedAttention):
             )
         else:
             num_heads, num_kv_heads = query.shape[2], key.shape[2]
-        attention = self.attention_kernel(batch_dim_idx, args, kwargs)
+        # local checks again for validate_inputs=False (the exchange raised them on every rank already)
+        check_window_and_sinks(self.layer_settings(window, sinks), num_heads)
+        attention = self.attention_kernel(batch_dim_idx, args, kwargs, window)
+        if sinks is not None:
+            attention = SinkKernel(attention, sinks)
         if documents is not None:
             # the same boundaries on every rank (checked above), so the same error everywhere
             seq_dim = 1 - batch_dim_idx
@@ -187,7 +220,9 @@ class UPipeDistributedAttention(DistributedAttention):
             overlap_comm=self.overlap_comm,
             accumulate_in_input_dtype=self.accumulate_in_input_dtype,
         )
-        return UPipeAttentionFunction.apply(query, key, value, pctx, batch_dim_idx)
+        if sinks is None:
+            return UPipeAttentionFunction.apply(query, key, value, pctx, batch_dim_idx)
+        return UPipeAttentionFunction.apply(query, key, value, pctx, batch_dim_idx, sinks)
 
     def _apply_local_rotary(
         self, query: Tensor, key: Tensor, batch_dim_idx: int, rotary_pos_emb: tuple[Tensor, Tensor]

@@ -126,6 +126,19 @@ class DocumentKernel(AttentionKernel):
         self._varlen_cache: dict[tuple[int, int, torch.device], tuple[Tensor, int]] = {}
 
     @property
+    def per_head(self) -> bool:  # type: ignore[override]
+        return self.inner.per_head
+
+    def for_heads(self, heads: Tensor) -> AttentionKernel:
+        """Per-head state (attention sinks) of the inner kernel bound to a stage's heads, per document."""
+        inner = self.inner.for_heads(heads)
+        if inner is self.inner:
+            return self
+        bound = DocumentKernel(inner, self.boundaries)
+        bound._varlen_cache = self._varlen_cache  # shared: built once per call, not per stage
+        return bound
+
+    @property
     def varlen(self) -> bool:
         """Whether each stage is one flash-attn varlen call (else one inner call per document)."""
         return isinstance(self.inner, FlashAttnKernel)

@@ -32,6 +32,7 @@ from .comm import (
 )
 from .kernels import AttentionKernel
 from .schedule import StagePlan
+from .sinks import find_sink_kernel
 
 
 class StageCounter:
@@ -175,6 +176,15 @@ class PipelineContext:
     #: forward (``RecomputedOutput``).  One hidden state less per layer, one more kernel forward per stage
     recompute_output: bool = False
 
+    def stage_attention(self, q_idx: Tensor) -> AttentionKernel:
+        """The kernel of the stage whose query heads are ``q_idx`` (every rank's, concatenated as the plan
+        lists them): a kernel with per-head state (attention sinks, ``ds_upipe.sinks``) bound to the
+        heads this rank attends in the stage."""
+        if not self.attention.per_head:
+            return self.attention
+        rank = dist.get_rank(self.group) if self.plan.group_size > 1 else 0
+        return self.attention.for_heads(q_idx.view(self.plan.group_size, -1)[rank])
+
     def accumulate_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype gradients of ``dtype`` are summed in over the stages."""
         if dtype == torch.float64 or (self.accumulate_in_input_dtype and dtype in (torch.float16, torch.bfloat16)):
@@ -236,7 +246,7 @@ def pipeline_forward(ctx: PipelineContext, source: StageSource, out: Tensor) -> 
         k_full, v_full = ctx.gather(key_value), ctx.gather(key_value)
         stages = ctx.indices.query[round_idx]
         for q_idx, (q_full,) in ctx.prefetched(stages, lambda idx: (ctx.start_gather([source.query(idx)]),)):
-            o_full, lse, aux = ctx.attention.forward(q_full, k_full, v_full)
+            o_full, lse, aux = ctx.stage_attention(q_idx).forward(q_full, k_full, v_full)
             saved += (lse, *aux)
             del q_full
             owner = [o_full]  # the only reference: scatter_by_rank frees it once it is copied to send
@@ -297,8 +307,9 @@ def pipeline_backward(
 
         for q_idx, (q_full, dout_full, *o_full) in ctx.prefetched(ctx.indices.query[round_idx], start_stage):
             # [dq, dk, dv], the only references: each is freed as soon as it is on its way back
+            attention = ctx.stage_attention(q_idx)
             if recomputed is not None:
-                o_stage, lse, aux = ctx.attention.forward(q_full, k_full, v_full)
+                o_stage, lse, aux = attention.forward(q_full, k_full, v_full)
                 # before the kernel's backward, whose gradients would otherwise sit beside these buffers
                 o_local = ctx.scatter_by_rank([o_stage], dtype)
                 _hand_over(recomputed.take, q_idx, (o_local,), True)
@@ -306,7 +317,7 @@ def pipeline_backward(
             else:
                 lse, *aux = saved[stage_number * per_stage : (stage_number + 1) * per_stage]
                 o_stage = o_full.pop() if o_full else None
-            grads = list(ctx.attention.backward(dout_full, q_full, k_full, v_full, o_stage, lse, tuple(aux)))
+            grads = list(attention.backward(dout_full, q_full, k_full, v_full, o_stage, lse, tuple(aux)))
             del o_full, o_stage, lse, aux
             del q_full, dout_full  # free the stage's inputs before its gradients travel
             dq_local = ctx.scatter_by_rank(grads, dtype)
@@ -396,8 +407,16 @@ class UPipeAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        fctx, query: Tensor, key: Tensor, value: Tensor, pctx: PipelineContext, batch_dim_idx: int = 0
+        fctx,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        pctx: PipelineContext,
+        batch_dim_idx: int = 0,
+        sinks: Tensor | None = None,
     ) -> Tensor:
+        # ``sinks`` ([H]) is the input whose values pctx.attention's SinkKernel holds: an input here so
+        # that its gradient (summed by the kernel over the stages) reaches the parameter through autograd
         b_dim = batch_dim_idx
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         source = LocalTensorSource(_as_bshd(query, b_dim), _as_bshd(key, b_dim), _as_bshd(value, b_dim))
@@ -419,10 +438,12 @@ class UPipeAttentionFunction(torch.autograd.Function):
         def to_layout(g: Tensor | None) -> Tensor | None:
             return None if g is None else _as_bshd(g, b_dim)  # the transpose is its own inverse
 
+        sink_kernel = find_sink_kernel(pctx.attention)
         return (
             to_layout(source.grad_q),
             to_layout(source.grad_k),
             to_layout(source.grad_v),
             None,
             None,
+            None if sink_kernel is None else sink_kernel.grad,
         )

@@ -31,6 +31,7 @@ from torch import Tensor
 from . import kernels
 from .kernels import AttentionKernel, CallableKernel, KernelAux, TorchSDPAKernel
 from .layout import SequenceLayout, sequence_layout  # also imported from here by callers
+from .windows import band_backward, band_forward, visible_products, window_of
 
 # -- the two-level layout (``ds_upipe.layout``; re-exported here) ---------------------------------------
 
@@ -143,6 +144,36 @@ def block_pair(query_rank: int, key_rank: int, ring_size: int, causal: bool, blo
     )
 
 
+@dataclass(frozen=True)
+class ChunkPair:
+    """Under a sliding window: query rows and key rows of one zigzag chunk pair that see each other,
+    and the global positions of their first rows."""
+
+    query: slice
+    key: slice
+    query_start: int
+    key_start: int
+
+
+def window_chunk_pairs(query_rank: int, key_rank: int, ring_size: int, block_len: int, window: int) -> list[ChunkPair]:
+    """The chunk pairs of a block pair that a causal window of ``window`` tokens leaves any visible
+    key in (diagonal chunks first, so the rank's own block starts its running output with every query
+    row): a key chunk after the query chunk, or wholly before the window of its first query, is skipped."""
+    chunk = block_len // 2
+    q_chunks = (query_rank, 2 * ring_size - 1 - query_rank)
+    k_chunks = (key_rank, 2 * ring_size - 1 - key_rank)
+    pairs = []
+    for i, a in enumerate(q_chunks):
+        for j, b in enumerate(k_chunks):
+            q0, k0 = a * chunk, b * chunk
+            # visible keys exist iff the key chunk starts at or before the last query and ends after the
+            # first query's window start (k > q0 - W for some key k <= k0 + chunk - 1)
+            if k0 <= q0 + chunk - 1 and k0 + chunk - 1 > q0 - window:
+                pairs.append(ChunkPair(slice(i * chunk, (i + 1) * chunk), slice(j * chunk, (j + 1) * chunk), q0, k0))
+    pairs.sort(key=lambda p: p.query_start != p.key_start)
+    return pairs
+
+
 def unmasked_products(pair: BlockPair, block_len: int) -> int:
     """Query-key products a block pair's call keeps (per batch row and head)."""
     rows = len(range(block_len)[pair.query])
@@ -224,6 +255,11 @@ class RingAttentionKernel(AttentionKernel):
         self.ring_group = ring_group
         self.overlap = overlap
         self.work = [0]
+        #: sliding window of the inner kernel (``ds_upipe.windows``): chunk pairs wholly outside it are
+        #: not computed, the others by banded tiles at their global positions
+        self.window = window_of(inner)
+        if self.window is not None and not inner.causal:
+            raise ValueError(f"a sliding window is causal; got a non-causal kernel {inner!r}")
 
     @property
     def ring_rank(self) -> int:
@@ -259,7 +295,88 @@ class RingAttentionKernel(AttentionKernel):
             if has_next and not self.overlap:
                 pending = start_ring_exchange((k, v), self.ring_group, _KV_TAGS)
 
+    def _window_pairs(self, step: int, block_len: int) -> list[ChunkPair]:
+        rank, size = self.ring_rank, self.ring_size
+        if block_len % 2:
+            raise ValueError(f"zigzag ring blocks hold two equal chunks; got a block of {block_len} tokens")
+        return window_chunk_pairs(rank, (rank - step) % size, size, block_len, self.window)
+
+    def _count_window(self, q: Tensor, pair: ChunkPair) -> None:
+        rows = pair.query.stop - pair.query.start
+        products = visible_products(rows, pair.key.stop - pair.key.start, self.window, pair.query_start, pair.key_start)
+        self.work[0] += q.shape[0] * q.shape[1] * products
+
+    def _forward_windowed(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, KernelAux]:
+        """Every chunk pair a window leaves visible, by banded tiles at global positions, merged by lse;
+        steps whose pairs are all outside the window compute nothing (the K/V block still passes on)."""
+        block_len = q.shape[2]
+        scale = self.scale_for(q.shape[-1])
+        out = torch.zeros(q.shape, dtype=_accumulation_dtype(q.dtype), device=q.device)
+        lse = None
+        for step, k_block, v_block, _, _ in self._steps(k, v, block_len):
+            for pair in self._window_pairs(step, block_len):
+                block_out, block_lse = band_forward(
+                    q[:, :, pair.query],
+                    k_block[:, :, pair.key],
+                    v_block[:, :, pair.key],
+                    self.window,
+                    scale,
+                    pair.query_start,
+                    pair.key_start,
+                )
+                self._count_window(q, pair)
+                if lse is None:
+                    lse = torch.full(q.shape[:3], float("-inf"), dtype=block_lse.dtype, device=q.device)
+                rows_lse = lse[:, :, pair.query]
+                if step == 0 and pair.query_start == pair.key_start:  # a diagonal: the rows' first block
+                    out[:, :, pair.query] = block_out.to(out.dtype)
+                    rows_lse.copy_(block_lse)
+                else:
+                    _merge(out[:, :, pair.query], rows_lse, block_out, block_lse)
+        return out.to(q.dtype), lse, ()
+
+    def _backward_windowed(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        block_len = q.shape[2]
+        scale = self.scale_for(q.shape[-1])
+        acc = _accumulation_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        pending_grad = None
+        for step, k_block, v_block, _, _ in self._steps(k, v, block_len):
+            if step == 0:
+                dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+                dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+            else:
+                dk, dv = pending_grad.wait()
+            for pair in self._window_pairs(step, block_len):
+                rows = pair.query
+                dq_b, dk_b, dv_b = band_backward(
+                    dout[:, :, rows],
+                    q[:, :, rows],
+                    k_block[:, :, pair.key],
+                    v_block[:, :, pair.key],
+                    out[:, :, rows],
+                    lse[:, :, rows],
+                    self.window,
+                    scale,
+                    pair.query_start,
+                    pair.key_start,
+                )
+                self._count_window(q, pair)
+                dq[:, :, rows] += dq_b
+                dk[:, :, pair.key] += dk_b
+                dv[:, :, pair.key] += dv_b
+            pending_grad = start_ring_exchange((dk, dv), self.ring_group, _GRAD_TAGS)
+            del dk, dv
+            if not self.overlap:
+                pending_grad = _Done(pending_grad.wait())
+        dk, dv = pending_grad.wait()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, KernelAux]:
+        if self.window is not None:
+            return self._forward_windowed(q, k, v)
         block_len = q.shape[2]
         out = lse = None
         aux: list[Tensor | None] = []
@@ -280,6 +397,8 @@ class RingAttentionKernel(AttentionKernel):
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: KernelAux
     ) -> tuple[Tensor, Tensor, Tensor]:
+        if self.window is not None:
+            return self._backward_windowed(dout, q, k, v, out, lse)
         size, block_len = self.ring_size, q.shape[2]
         per_step = len(aux) // size
         acc = _accumulation_dtype(q.dtype)

@@ -44,6 +44,10 @@ class LayerSettings:
     ring_overlap: bool = False
     #: 16-bit dK/dV summed in their own dtype and sent per stage (the order of the all-to-alls changes)
     accumulate_in_input_dtype: bool = False
+    #: sliding window of the call (None: full causal), and its attention sinks' ``sinks_shape_code``
+    #: (-1: none): both change the result, and sinks the autograd inputs
+    window: int | None = None
+    sinks: int = -1
 
     def encode(self) -> list[int]:
         scale = _NONE if self.softmax_scale is None else struct.unpack("<q", struct.pack("<d", self.softmax_scale))[0]
@@ -58,11 +62,26 @@ class LayerSettings:
             self.ring_size,
             int(self.ring_overlap),
             int(self.accumulate_in_input_dtype),
+            _NONE if self.window is None else self.window,
+            self.sinks,
         ]
 
     @staticmethod
     def decode(row: list[int]) -> LayerSettings:
-        u, scatter_idx, overlap, kernel, causal, has_scale, scale, ring_size, ring_overlap, accumulate = row
+        (
+            u,
+            scatter_idx,
+            overlap,
+            kernel,
+            causal,
+            has_scale,
+            scale,
+            ring_size,
+            ring_overlap,
+            accumulate,
+            window,
+            sinks,
+        ) = row
         return LayerSettings(
             head_chunk_size=None if u == _NONE else u,
             scatter_idx=scatter_idx,
@@ -73,6 +92,8 @@ class LayerSettings:
             ring_size=ring_size,
             ring_overlap=bool(ring_overlap),
             accumulate_in_input_dtype=bool(accumulate),
+            window=None if window == _NONE else window,
+            sinks=sinks,
         )
 
 
@@ -228,6 +249,8 @@ def check_settings(rows: list[RankInputs]) -> LayerSettings:
         "ring_size": "ring_size (ranks of the ring group)",
         "ring_overlap": "ring_overlap",
         "accumulate_in_input_dtype": "accumulate_in_input_dtype",
+        "window": "the sliding window",
+        "sinks": "the attention sinks' shape (-1: none)",
     }
     for field, label in names.items():
         values = [getattr(row.settings, field) for row in rows]
@@ -306,6 +329,7 @@ def check_inputs(rows: list[RankInputs], ulysses_size: int | None = None) -> tup
     if len(heads) != 1:
         raise ValueError(f"head counts differ across ranks: {sorted(heads)}")
     num_heads, num_kv_heads = heads.pop()
+    check_window_and_sinks(settings, num_heads)
     u = resolve_ulysses_head_chunk_size(
         num_heads, num_kv_heads, group_size, settings.ring_size, settings.head_chunk_size
     )
@@ -324,6 +348,39 @@ def _check_documents(rows: list[RankInputs], settings: LayerSettings) -> None:
             "ds_upipe.packing.documents_from_positions)"
         )
     check_packing_supported(settings.uses_kernel, settings.ring_size)
+
+
+def check_window_and_sinks(settings: LayerSettings, num_heads: int) -> None:
+    """A sliding window needs a causal AttentionKernel; sinks need an AttentionKernel (their backward
+    reads its lse) and one floating logit per query head."""
+    if settings.window is not None:
+        if settings.window < 1:
+            raise ValueError(
+                f"window must be a positive int (tokens a query sees, itself included), got {settings.window}"
+            )
+        if not settings.uses_kernel:
+            raise ValueError(
+                f"a sliding window (window={settings.window}) needs an AttentionKernel as local_attention (ds_upipe "
+                "runs the window itself); a generic callable cannot be restricted to a window"
+            )
+        if not settings.causal:
+            raise ValueError(
+                f"a sliding window (window={settings.window}) is causal (key j visible to query i iff i - W < j <= i), "
+                "but the kernel is not causal"
+            )
+    if settings.sinks == -1:
+        return
+    if not settings.uses_kernel:
+        raise ValueError(
+            "attention sinks need an AttentionKernel as local_attention (they rescale its output by its lse); a "
+            "generic callable returns no lse"
+        )
+    if settings.sinks != num_heads:
+        got = "not a floating-point 1-D tensor" if settings.sinks == -2 else f"{settings.sinks} values"
+        raise ValueError(
+            f"sinks must be a floating-point tensor of shape [{num_heads}] (one logit per query head, the global "
+            f"num_heads), got {got}"
+        )
 
 
 def check_packing_supported(uses_kernel: bool, ring_size: int) -> None:

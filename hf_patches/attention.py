@@ -20,6 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from ds_upipe.pipeline import UPipeAttentionFunction
+from ds_upipe.sinks import check_sinks
+from ds_upipe.windows import check_window
 
 from .fused import FusedProjections, FusedUPipeAttention
 from .state import DOCUMENTS_KWARG, UPipeState
@@ -76,9 +78,20 @@ def fused_attention_forward(
         raise ValueError(f"{type(self).__name__}: position_embeddings (cos, sin) are required")
     cos, sin = position_embeddings
     proj = FusedProjections.of(self)
-    ctx = state.context(hidden_states.device, kwargs.get(DOCUMENTS_KWARG))
+    ctx = state.context(hidden_states.device, kwargs.get(DOCUMENTS_KWARG), module_sliding_window(self))
     out = FusedUPipeAttention.apply(hidden_states, cos, sin, ctx, proj, *proj.params())
     return out, None
+
+
+def module_sliding_window(module: nn.Module) -> int | None:
+    """The sliding window an attention module passes to its attention function: its own
+    ``sliding_window`` where it has one (Qwen2/Qwen3 set it per layer from ``config.layer_types``, None on
+    full-attention layers), else its config's (Mistral reads ``config.sliding_window`` at call time)."""
+    if hasattr(module, "sliding_window"):
+        window = module.sliding_window
+    else:
+        window = getattr(getattr(module, "config", None), "sliding_window", None)
+    return check_window(window, f"{type(module).__name__}.sliding_window")
 
 
 def upipe_attention_function(
@@ -95,8 +108,6 @@ def upipe_attention_function(
     """transformers attention-interface function: [b, h, s, d] local q/k/v in, [b, s, h, d] out."""
     state = _state(module)
     _check_call(module, attention_mask, None, dropout)
-    if sliding_window is not None:
-        raise ValueError(f"{type(module).__name__}: sliding_window={sliding_window} is not supported by UPipe")
     if scaling is not None and abs(scaling - state.kernel.scale_for(query.shape[-1])) > 1e-12 * scaling:
         raise ValueError(f"{type(module).__name__}: scaling {scaling} differs from the kernel's softmax scale")
     # one dtype for the kernel: under autocast RoPE promotes q/k to float32 while v stays 16-bit, and
@@ -105,7 +116,18 @@ def upipe_attention_function(
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else query.dtype
     # [b, h, s, d] -> [b, s, h, d] views: the layout UPipeAttentionFunction takes (batch_dim_idx=0)
     q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))
-    out = UPipeAttentionFunction.apply(q, k, v, state.context(q.device, kwargs.get(DOCUMENTS_KWARG)))
+    # the layer's sliding window as the module passes it (Mistral: config.sliding_window; Qwen2/3: per layer),
+    # and attention sinks as GPT-OSS passes them (s_aux: module.sinks, one logit per query head): an input
+    # of the autograd node, so their gradient reaches the module's parameter through autograd
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        check_sinks(sinks, query.shape[1])
+    window = check_window(sliding_window, "sliding_window")
+    ctx = state.context(q.device, kwargs.get(DOCUMENTS_KWARG), window, sinks)
+    if sinks is None:
+        out = UPipeAttentionFunction.apply(q, k, v, ctx)
+    else:
+        out = UPipeAttentionFunction.apply(q, k, v, ctx, 0, sinks)
     return out, None
 
 

@@ -13,7 +13,12 @@ from ds_upipe.heads import HeadLayout
 from ds_upipe.kernels import make_kernel
 from ds_upipe.schedule import StagePlan, build_plan
 
-from .attention import ATTN_IMPLEMENTATION, fused_attention_forward, register_attention_function
+from .attention import (
+    ATTN_IMPLEMENTATION,
+    fused_attention_forward,
+    module_sliding_window,
+    register_attention_function,
+)
 from .fused import FusedProjections
 from .inputs import GENERATION_UNSUPPORTED, check_and_prepare
 from .rope import use_global_positions
@@ -79,20 +84,10 @@ def _check_config(arch: str, config: Any, attentions: list[nn.Module]) -> None:
     dropout = getattr(config, "attention_dropout", 0.0) or 0.0
     if dropout:
         raise ValueError(f"config.attention_dropout={dropout} is not supported by UPipe; it must be 0.0")
-    windows = sorted({w for w in (_sliding_window(arch, config, a) for a in attentions) if w is not None})
-    if windows:
-        raise ValueError(
-            f"sliding-window attention (sliding_window={windows[0]}, {arch}) is not supported by UPipe, whose "
-            "kernel is causal over the whole sequence. Disable it in the config before patching (Mistral: "
-            "config.sliding_window = None; Qwen2/Qwen3: load with use_sliding_window=False); it is the same "
-            "attention for sequences not longer than the window"
-        )
-
-
-def _sliding_window(arch: str, config: Any, attention: nn.Module) -> int | None:
-    if arch == "mistral":  # MistralAttention reads config.sliding_window at call time
-        return getattr(config, "sliding_window", None)
-    return getattr(attention, "sliding_window", None)  # Qwen2/Qwen3 fix it per layer at init
+    # sliding windows (Mistral's config.sliding_window, Qwen2/Qwen3 per layer) are honoured layer by layer:
+    # each call's window reaches the kernel (hf_patches.attention.module_sliding_window, ds_upipe.windows)
+    for attn in attentions:
+        module_sliding_window(attn)  # a bad value is refused here, before any collective
 
 
 def _fused_blocker(attentions: list[nn.Module], norm_class: type | None) -> str | None:

@@ -14,6 +14,8 @@ from ds_upipe.packing import DocumentBoundaries, DocumentKernel
 from ds_upipe.pipeline import PipelineContext, plan_indices
 from ds_upipe.ring import RingAttentionKernel, SequenceLayout
 from ds_upipe.schedule import StagePlan
+from ds_upipe.sinks import SinkKernel
+from ds_upipe.windows import windowed
 
 #: The keyword argument that carries one forward's packed-sequence boundaries (``DocumentBoundaries``,
 #: or None) from the model-level input check to every attention module of that forward.  It travels
@@ -83,19 +85,30 @@ class UPipeState:
     def layout(self) -> SequenceLayout:
         return SequenceLayout(self.group_size, self.ring_size)
 
-    def attention(self, documents: DocumentBoundaries | None = None) -> AttentionKernel:
+    def attention(
+        self, documents: DocumentBoundaries | None = None, window: int | None = None, sinks: torch.Tensor | None = None
+    ) -> AttentionKernel:
         """What each stage runs: the kernel, or ring attention around it over the ring group (a new one
         per call, so it follows ``overlap_comm`` as set now; forward and backward share the call's).
         With packed sequences (``documents``: this forward's boundaries, ``DOCUMENTS_KWARG``), the kernel
         runs per document (``DocumentKernel``: one flash-attn varlen call per stage around
-        ``flash_attn``, one call per document otherwise; the input check refuses packing with a ring)."""
-        if documents is not None:
-            return DocumentKernel(self.kernel, documents)
-        if self.ring_size == 1:
-            return self.kernel
-        return RingAttentionKernel(self.kernel, self.ring_group, overlap=self.overlap_comm)
+        ``flash_attn``, one call per document otherwise; the input check refuses packing with a ring).
+        ``window``: the layer's sliding window (``ds_upipe.windows``), inside each document and ring block;
+        ``sinks``: the call's attention sinks (``ds_upipe.sinks``), on the ring's merged lse, per document."""
+        kernel = windowed(self.kernel, window)
+        if documents is None and self.ring_size > 1:
+            kernel = RingAttentionKernel(kernel, self.ring_group, overlap=self.overlap_comm)
+        if sinks is not None:
+            kernel = SinkKernel(kernel, sinks)
+        return kernel if documents is None else DocumentKernel(kernel, documents)
 
-    def context(self, device: torch.device, documents: DocumentBoundaries | None = None) -> PipelineContext:
+    def context(
+        self,
+        device: torch.device,
+        documents: DocumentBoundaries | None = None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> PipelineContext:
         """One attention call's pipeline context; ``documents`` are that call's packed-sequence
         boundaries (the autograd node keeps the context, so its backward sees the same ones)."""
         self.last_documents_per_row = None if documents is None else tuple(len(r) - 1 for r in documents.rows)
@@ -103,7 +116,7 @@ class UPipeState:
             plan=self.plan,
             indices=plan_indices(self.plan, device),
             group=self.group,
-            attention=self.attention(documents),
+            attention=self.attention(documents, window, sinks),
             stage_counter=self.stage_runs,
             overlap_comm=self.overlap_comm,
             accumulate_in_input_dtype=self.accumulate_in_input_dtype,

@@ -158,8 +158,14 @@ def packed_matrix(rank, world):
 
 
 def other_attention_and_packing(rank, world):
-    """One spawn: ``other_attention_matrix`` and ``packed_matrix``."""
-    return {"other": other_attention_matrix(rank, world), "packed": packed_matrix(rank, world)}
+    """One spawn: ``other_attention_matrix``, ``packed_matrix``, ``window_sink_matrix`` and
+    ``window_sink_errors``."""
+    return {
+        "other": other_attention_matrix(rank, world),
+        "packed": packed_matrix(rank, world),
+        "windows": window_sink_matrix(rank, world),
+        "window_errors": window_sink_errors(rank, world),
+    }
 
 
 class _Generic:
@@ -306,3 +312,152 @@ def memory_by_head_chunk(rank, world, seq_per_rank=64, batch=1, heads=32, kv_hea
     callable_attn = UPipeDistributedAttention(gqa_native_sdpa, dist.group.WORLD, head_chunk_size=world)
     results["upipe_callable"] = measure_attention(callable_attn, q, k, v, dout, 0)
     return {key: (m.intermediate_bytes, m.peak_bytes, m.seconds) for key, m in results.items()}
+
+
+# -- sliding windows and attention sinks --------------------------------------------------------------
+
+
+def masked_reference(q, k, v, window=None, sinks=None, rows=None):
+    """Single-process attention in float64 ([b, S, h, d]) with an explicit S x S mask: causal, restricted
+    to transformers' sliding window (key j visible to query i iff i - W < j <= i) and to each document of
+    ``rows`` (cu_seqlens per batch row); with ``sinks`` as GPT-OSS's eager_attention_forward adds them (one
+    logit per head appended to the scores, softmaxed with them, its column dropped)."""
+    b, seq, h, d = q.shape
+    g = h // k.shape[2]
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(g, 1), v.transpose(1, 2).repeat_interleave(g, 1)
+    i, j = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+    mask = (j <= i).expand(b, seq, seq).clone()
+    if window is not None:
+        mask &= j > i - window
+    if rows is not None:
+        for r, cu in enumerate(rows):
+            doc = torch.zeros(seq, dtype=torch.long)
+            for n, (s, e) in enumerate(zip(cu, cu[1:])):
+                doc[s:e] = n
+            mask[r] &= doc[:, None] == doc[None, :]
+    scores = (qh @ kh.transpose(-1, -2)) / d**0.5
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    if sinks is not None:
+        column = sinks.reshape(1, -1, 1, 1).expand(b, -1, seq, 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return (probs @ vh).transpose(1, 2)
+
+
+def _error(got, want):
+    """Max abs difference relative to the reference's scale, at least 1: with W = 1 (a query sees itself
+    only) dq and dk are exactly 0, where a plain relative error would divide rounding noise by 0."""
+    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1.0)).item()
+
+
+def window_sink_case(rank, world, layout, heads, kv_heads, u, window, with_sinks, packed, kernel, seed=0, batch=2):
+    """UPipe with ``window`` / sinks (and packed rows) vs ``masked_reference``, float64: relative errors of
+    the output, dq, dk, dv and (summed over the ranks, each holding its heads' share) the sinks' gradient."""
+    seq = 6 * world
+    q, k, v, dout = make_inputs(seed, batch, seq, heads, kv_heads, 8, torch.float64)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    rows = [packed_documents(seq, world, seed + r) for r in range(batch)] if packed else None
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref_sinks = sinks.clone().requires_grad_(True) if with_sinks else None
+    ref_out = masked_reference(*full, window, ref_sinks, rows)
+    ref_out.backward(dout)
+    locals_ = [local_shard(t, rank, world, layout).requires_grad_(True) for t in (q, k, v)]
+    my_sinks = torch.nn.Parameter(sinks.clone()) if with_sinks else None
+    attn = UPipeDistributedAttention(kernel, dist.group.WORLD, head_chunk_size=u, window=window)
+    out = attn(*locals_, layout, cu_seqlens=rows, sinks=my_sinks)
+    out.backward(local_shard(dout, rank, world, layout))
+    errors = {"out": _error(out, local_shard(ref_out.detach(), rank, world, layout))}
+    for name, loc, ref in zip("qkv", locals_, full):
+        errors[f"d{name}"] = _error(loc.grad, local_shard(ref.grad, rank, world, layout))
+    if with_sinks:
+        total = my_sinks.grad.clone()
+        dist.all_reduce(total)
+        errors["dsinks"] = _error(total, ref_sinks.grad)
+    return errors
+
+
+def window_sink_matrix(rank, world):
+    """Windows smaller than, equal to and larger than a shard (6 tokens), crossing shard boundaries, and
+    covering the whole sequence; with and without sinks; GQA and KV < C; U in {C, H}; both layouts; both
+    banded paths (the band mask on the math kernel in tiles of 4 queries, torch's ops in tiles of 3, so
+    tiles cross shards too); packed rows."""
+    from ds_upipe.windows import SlidingWindowKernel
+
+    failures, count = [], 0
+    seq = 6 * world
+    # (window, sinks): below a shard, equal to it, crossing shard boundaries, beyond the sequence
+    windows = ((1, False), (4, True), (6, False), (6, True), (9, True), (seq + 5, False))
+    for (name, (h, hkv)), u_factor, (window, with_sinks) in itertools.product(
+        (("gqa4", HEAD_CONFIGS["gqa4"]), ("kv_lt_c", HEAD_CONFIGS["kv_lt_c"])), (1, None), windows
+    ):
+        u = h if u_factor is None else u_factor * world
+        layout = count % 2
+        # sdpa as given (``windowed``: the band mask below W = 9, torch's ops from there), the band mask on the
+        # math kernel, and torch's ops in tiles of 3 queries (every tile kind, the clipped first ones included)
+        kernel = (
+            TorchSDPAKernel(),
+            SlidingWindowKernel(MathKernel(), window, tile=4),
+            SlidingWindowKernel(TorchSDPAKernel(), window, tile=3, fused=window >= 2),
+        )[count % 3]
+        errs = window_sink_case(rank, world, layout, h, hkv, u, window, with_sinks, False, kernel, seed=count)
+        count += 1
+        if max(errs.values()) > 1e-10:
+            failures.append((name, u, window, with_sinks, layout, errs))
+    for (name, (h, hkv)), window, with_sinks in itertools.product(
+        (("gqa4", HEAD_CONFIGS["gqa4"]), ("kv_lt_c", HEAD_CONFIGS["kv_lt_c"])), (3, 8), (False, True)
+    ):
+        kernel = SlidingWindowKernel(TorchSDPAKernel(), window, tile=3, fused=True) if with_sinks else TorchSDPAKernel()
+        errs = window_sink_case(rank, world, 0, h, hkv, world, window, with_sinks, True, kernel, seed=count)
+        count += 1
+        if max(errs.values()) > 1e-10:
+            failures.append(("packed", name, window, with_sinks, errs))
+    # sinks alone (no window), and the mutations the matrix must catch: an off-by-one window and the sinks
+    # of other heads give a reference that differs from the right one by far more than the tolerance
+    errs = window_sink_case(rank, world, 1, 16, 4, 2 * world, None, True, False, TorchSDPAKernel(), seed=count)
+    count += 1
+    if max(errs.values()) > 1e-10:
+        failures.append(("sinks only", errs))
+    q, k, v, _ = make_inputs(0, 1, seq, 16, 4, 8, torch.float64)
+    sinks = torch.randn(16, dtype=torch.float64)
+    right = masked_reference(q, k, v, 6, sinks)
+    sensitivity = {
+        "window+1": relative_error(masked_reference(q, k, v, 7, sinks), right),
+        "window-1": relative_error(masked_reference(q, k, v, 5, sinks), right),
+        "sinks rolled": relative_error(masked_reference(q, k, v, 6, sinks.roll(1)), right),
+    }
+    return failures, count, sensitivity
+
+
+def window_sink_errors(rank, world):
+    """Bad windows and sinks raise the same ValueError on every rank (a barrier follows every case)."""
+
+    def attempt(window=None, sinks=None, kernel=None, heads=16, construct_window=None):
+        try:
+            attn = UPipeDistributedAttention(kernel or TorchSDPAKernel(), dist.group.WORLD, window=construct_window)
+            q = torch.randn(2, 6, heads, 8, requires_grad=True)
+            k, v = (torch.randn(2, 6, 4, 8, requires_grad=True) for _ in range(2))
+            attn(q, k, v, 0, window=window, sinks=sinks).sum().backward()
+            result = "no error"
+        except ValueError as err:
+            result = str(err)
+        dist.barrier()
+        return result
+
+    def generic(q, k, v, *args, **kwargs):
+        return reference_attention(q, k, v, True)
+
+    return {
+        "window_zero": attempt(window=0),
+        "window_negative_in_constructor": attempt(construct_window=-3),
+        "window_bool": attempt(window=True),
+        "window_differs": attempt(window=4 + rank),
+        "window_non_causal": attempt(window=4, kernel=TorchSDPAKernel(causal=False)),
+        "window_generic": attempt(window=4, kernel=generic),
+        "sinks_wrong_length": attempt(sinks=torch.zeros(8)),
+        "sinks_2d": attempt(sinks=torch.zeros(16, 1)),
+        "sinks_int": attempt(sinks=torch.zeros(16, dtype=torch.long)),
+        "sinks_on_one_rank": attempt(sinks=torch.zeros(16) if rank == 0 else None),
+        "sinks_generic": attempt(sinks=torch.zeros(16), kernel=generic),
+        "ok_after_errors": attempt(window=4, sinks=torch.zeros(16)),
+    }

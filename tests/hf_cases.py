@@ -412,7 +412,103 @@ def misc_cases(rank, world):
     results["right_padding_mask"] = right_padding_case(world)
     results["autocast_fallback"] = autocast_case(world)
     results["deepcopy"] = deepcopy_case(world)
+    results.update(sliding_window_cases(world))
+    results.update(sinks_function_cases(world))
     return results
+
+
+class _GptOssLike(torch.nn.Module):
+    """What GPT-OSS's ``eager_attention_forward`` reads of its attention module: sinks and the GQA ratio."""
+
+    def __init__(self, sinks, num_key_value_groups):
+        super().__init__()
+        self.sinks = torch.nn.Parameter(sinks)
+        self.num_key_value_groups = num_key_value_groups
+
+
+def sinks_function_cases(world):
+    """The "upipe" attention function with GPT-OSS's attention sinks (``s_aux``, as GptOssAttention passes
+    them), on a patched Llama layer's attention module, against transformers' own GPT-OSS
+    ``eager_attention_forward`` on the whole sequence with an explicit causal (and sliding-window)
+    additive mask, float64: output, dq, dk, dv and the sinks' gradient (summed over the ranks)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from hf_patches.attention import upipe_attention_function
+
+    group, rank = dist.group.WORLD, dist.get_rank()
+    model = build_model("llama")  # H = 8, KV = 2
+    patch_model(model, group, None, False, False, False)
+    module = model.model.layers[0].self_attn
+    heads, kv_heads, head_dim = 8, 2, module.head_dim
+    seq, shard = 6 * world, 6
+    results = {}
+    for window in (None, 5):
+        gen = torch.Generator().manual_seed(window or 0)
+        q, dout = (torch.randn(2, heads, seq, head_dim, generator=gen, dtype=torch.float64) for _ in range(2))
+        k, v = (torch.randn(2, kv_heads, seq, head_dim, generator=gen, dtype=torch.float64) for _ in range(2))
+        sinks = torch.randn(heads, generator=gen, dtype=torch.float64)
+        ref_module = _GptOssLike(sinks.clone(), heads // kv_heads).eval()
+        full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        i, j = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+        visible = (j <= i) & ((j > i - window) if window else True)
+        mask = torch.zeros(seq, seq, dtype=torch.float64).masked_fill(~visible, float("-inf"))
+        ref, _ = eager_attention_forward(ref_module, *full, mask[None, None], module.scaling)
+        ref.backward(dout.transpose(1, 2))
+        local = [t[:, :, rank * shard : (rank + 1) * shard].clone().requires_grad_(True) for t in (q, k, v)]
+        my_sinks = torch.nn.Parameter(sinks.clone())
+        out, _ = upipe_attention_function(
+            module, *local, None, scaling=module.scaling, sliding_window=window, s_aux=my_sinks
+        )
+        out.backward(dout[:, :, rank * shard : (rank + 1) * shard].transpose(1, 2))
+        sink_grad = my_sinks.grad.clone()
+        dist.all_reduce(sink_grad)
+        part = slice(rank * shard, (rank + 1) * shard)
+        errors = {
+            "out": relative_error(out, ref.detach()[:, part]),
+            "dsinks": relative_error(sink_grad, ref_module.sinks.grad),
+        }
+        for name, loc, glob in zip("qkv", local, full):
+            errors[f"d{name}"] = relative_error(loc.grad, glob.grad[:, :, part])
+        results[f"sinks_function_window={window}"] = errors
+    return results
+
+
+def sliding_window_cases(world):
+    """Sliding windows layer by layer against the unpatched model (transformers' own sliding-window mask),
+    float64, shards of 6 tokens: Mistral (config.sliding_window, every layer) below and above a shard, fused
+    and unfused; Qwen2 with use_sliding_window and max_window_layers=1 (layer 0 full, layer 1 sliding), fused
+    and unfused; Qwen3 with explicit layer_types (sliding first, then full) at U = H."""
+    cases = {
+        "window_mistral_fused_W5": ("mistral", True, None, dict(sliding_window=5)),
+        "window_mistral_unfused_W8": ("mistral", False, None, dict(sliding_window=8)),
+        "window_qwen2_unfused_layer_types": (
+            "qwen2",
+            False,
+            None,
+            dict(use_sliding_window=True, sliding_window=3, max_window_layers=1, num_hidden_layers=2),
+        ),
+        "window_qwen2_fused_layer_types": (
+            "qwen2",
+            True,
+            None,
+            dict(use_sliding_window=True, sliding_window=7, max_window_layers=1, num_hidden_layers=2),
+        ),
+        "window_qwen3_unfused_U=H": (
+            "qwen3",
+            False,
+            8,
+            dict(
+                use_sliding_window=True,
+                sliding_window=4,
+                layer_types=["sliding_attention", "full_attention"],
+                num_hidden_layers=2,
+            ),
+        ),
+    }
+    return {
+        name: parity_case(arch, fused, torch.float64, u=u, world=world, **overrides)
+        for name, (arch, fused, u, overrides) in cases.items()
+    }
 
 
 def deepcopy_case(world):
@@ -625,12 +721,8 @@ def refusal_cases(rank, world):
     messages = {}
     expect = error_recorder(messages)
 
-    expect("mistral_sliding_window", lambda: hf_patches.apply_upipe(build_model("mistral", sliding_window=16), group))
     expect(
-        "qwen2_sliding_window",
-        lambda: hf_patches.apply_upipe(
-            build_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0), group
-        ),
+        "mistral_sliding_window_zero", lambda: hf_patches.apply_upipe(build_model("mistral", sliding_window=0), group)
     )
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     expect("unsupported_arch", lambda: hf_patches.apply_upipe(gpt2, group))
@@ -892,6 +984,15 @@ def ring_cases_for(layout):
         (
             "qwen3 fused recompute U=2C_u overlap",
             dict(arch="qwen3", fused=True, u=2 * cu, overlap=True, recompute=True),
+        ),
+    ]
+    # sliding windows on zigzag shards (chunks of 6 tokens): below a chunk on every layer (Mistral, fused), and
+    # across chunks on layer 1 only (Qwen2 max_window_layers=1, unfused)
+    cases += [
+        ("mistral fused window=5", dict(arch="mistral", fused=True, sliding_window=5)),
+        (
+            "qwen2 unfused layer 1 window=8",
+            dict(arch="qwen2", fused=False, use_sliding_window=True, sliding_window=8, max_window_layers=1),
         ),
     ]
     if cu > 1:

@@ -265,6 +265,8 @@ def world_suite(
     then optionally memory, bad-layout errors, the CUDA adapters' stand-ins, and the patched HF models'
     compact ring case set (``tests.hf_cases.ring_cases_compact``) on ``hf_compact_layouts``."""
     out = {"parity": parity_matrix(rank, world, parity_layouts), "balance": load_balance(rank, world, parity_layouts)}
+    if (2, 2) in parity_layouts:
+        out["windows"] = window_sink_ring_matrix(rank, world)
     if hf_compact_layouts:
         from tests import hf_cases
 
@@ -277,3 +279,56 @@ def world_suite(
         out["cuda_adapters"] = cuda_adapter_parity(rank, world)
         out["bench"] = bench_with_ring(rank, world)
     return out
+
+
+def window_sink_ring_case(groups, heads, kv_heads, u, window, with_sinks, batch_dim_idx, seed=0):
+    """UPipe x Ring with a sliding window and/or sinks on zigzag shards vs ``core_cases.masked_reference``
+    on the whole sequence, float64: errors of out, dq, dk, dv, the sinks' gradient (summed over all ranks),
+    and the query-key products the ring kernel computed (forward + backward)."""
+    from tests.core_cases import _error, masked_reference
+
+    seq = SHARD[(groups.layout.ulysses_size, groups.layout.ring_size)] * groups.layout.sp_size
+    q, k, v, dout = make_inputs(seed, 2, seq, heads, kv_heads, HEAD_DIM, torch.float64)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref_sinks = sinks.clone().requires_grad_(True) if with_sinks else None
+    ref = masked_reference(*full, window, ref_sinks)
+    ref.backward(dout)
+    local = [groups.shard(t, batch_dim_idx).requires_grad_(True) for t in (q, k, v)]
+    my_sinks = torch.nn.Parameter(sinks.clone()) if with_sinks else None
+    attn = UPipeDistributedAttention(
+        TorchSDPAKernel(), groups.ulysses, head_chunk_size=u, ring_group=groups.ring, window=window
+    )
+    out = attn(*local, batch_dim_idx, sinks=my_sinks)
+    out.backward(groups.shard(dout, batch_dim_idx))
+    errors = {"out": _error(out, groups.shard(ref.detach(), batch_dim_idx))}
+    for name, loc, glob in zip("qkv", local, full):
+        errors[f"d{name}"] = _error(loc.grad, groups.shard(glob.grad, batch_dim_idx))
+    if with_sinks:
+        total = my_sinks.grad.clone()
+        dist.all_reduce(total)
+        errors["dsinks"] = _error(total, ref_sinks.grad)
+    ring = attn.attention_kernel(window=window)
+    return errors, ring.work[0]
+
+
+def window_sink_ring_matrix(rank, world, layout=(2, 2)):
+    """Windows below, equal to and beyond a zigzag chunk (5 tokens at 2 x 2), crossing chunk and ring-block
+    boundaries, and beyond the sequence; sinks with and without a window; GQA and KV < C_u, U in {C_u, H}.
+    Returns (failures, count, {window: products computed}) with the products of full causal as None."""
+    groups = Groups(*layout)
+    seq = SHARD[layout] * groups.layout.sp_size
+    failures, count, work = [], 0, {}
+    cases = ((1, False), (3, True), (5, False), (7, True), (12, False), (seq + 3, True), (None, True))
+    for (name, (h, hkv)), u, (window, with_sinks) in itertools.product(
+        (("gqa", head_configs(layout[0])["gqa"]), ("kv_lt_cu", head_configs(layout[0])["kv_lt_cu"])),
+        (layout[0], HEADS),
+        cases,
+    ):
+        errs, products = window_sink_ring_case(groups, h, hkv, u, window, with_sinks, count % 2, seed=count)
+        count += 1
+        if (name, u) == ("gqa", HEADS):
+            work[window] = products
+        if max(errs.values()) > 1e-10:
+            failures.append((name, u, window, with_sinks, errs))
+    return failures, count, work

@@ -33,7 +33,7 @@ def test_bench_command_writes_sane_json_and_png(tmp_path):
     ]
     cmd += ["bench", "--world", "2", "--seq", "512,1024", "--heads", "8", "--kv-heads", "2", "--head-dim", "16"]
     cmd += ["--head-chunk-sizes", "2,8", "--repeats", "1", "--warmup", "0", "--device", "cpu", "--out", str(out)]
-    cmd += ["--no-progress", "--documents", "4"]
+    cmd += ["--no-progress", "--documents", "4", "--window", "64"]
     proc = _run(cmd, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[core level] ratios (x) vs deepspeed" in proc.stdout and "[layer level] ratios (x) vs alst" in proc.stdout
@@ -45,9 +45,17 @@ def test_bench_command_writes_sane_json_and_png(tmp_path):
     layer = [r for r in rows if r["level"] == "layer"]
     # core: deepspeed, alst, upipe at U = 2, 8, and with 4 packed documents per row deepspeed (per-document
     # local attention: the reference of their maxdiff) and upipe at U = 2, 8; layer: alst, fused and
-    # unfused at each U; two lengths
-    assert len(core) == 7 * 2 and len(layer) == 5 * 2
-    assert [r["documents"] for r in core[:7]] == [1, 1, 1, 1, 4, 4, 4]
+    # unfused at each U; two lengths; then with a sliding window of 64 deepspeed (ds_upipe's windowed kernel
+    # as its local attention: their reference) and upipe at U = 2, 8
+    assert len(core) == 10 * 2 and len(layer) == 5 * 2
+    assert [r["documents"] for r in core[:10]] == [1, 1, 1, 1, 4, 4, 4, 1, 1, 1]
+    assert [r["window"] for r in core[:10]] == [None] * 7 + [64] * 3
+    assert "[sliding window] fwd+bwd time and intermediate memory" in proc.stdout
+    windows = data["windows"]  # time and memory against the same method on full causal attention
+    assert [(w["method"], w["seq_len"]) for w in windows] == [
+        (m, seq) for seq in (512, 1024) for m in ("deepspeed window=64", "upipe[U=2] window=64", "upipe[U=8] window=64")
+    ]
+    assert all(w["time_vs_causal"] > 0 and w["intermediate_vs_causal"] > 0 for w in windows)
     assert "[packed rows] fwd+bwd time of N equal documents" in proc.stdout
     packed = data["packing"]  # the time of 4 documents against one, per method and length (not bounded here)
     assert [(p["method"], p["seq_len"]) for p in packed] == [

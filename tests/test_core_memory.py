@@ -40,3 +40,31 @@ def test_metric_refuses_a_broadcast_output_gradient():
         measure_attention(attention, q, k, v, torch.ones(()).expand(1, 8, 4, 8), 0)
     mem = measure_attention(attention, q, k, v, torch.randn(1, 8, 4, 8), 0)
     assert mem.grads[1].shape == k.shape and mem.intermediate_bytes >= 0
+
+
+def test_banded_window_memory_is_linear_in_the_sequence():
+    """The CPU banded paths of ``SlidingWindowKernel`` at W = 256 hold O(S x (W + tile)) beyond their inputs
+    and outputs, never S x S: at S = 4096 under 10% of one dense S x S float32 score matrix (what an explicit
+    band mask through SDPA's math path allocates per head; measured 6.0 MB on torch's fused ops, 4.2 MB with
+    the float32 band mask, against 64 MiB), and doubling S at most doubles it (plus 10%)."""
+    import torch
+
+    from ds_upipe.kernels import TorchSDPAKernel
+    from ds_upipe.tools.memory import measure_attention
+    from ds_upipe.windows import SlidingWindowKernel
+
+    window, heads, kv_heads, head_dim = 256, 4, 2, 64
+    measured = {}
+    for seq, fused in ((2048, True), (4096, True), (4096, False)):
+        gen = torch.Generator().manual_seed(0)
+        q, dout = (torch.randn(1, seq, heads, head_dim, generator=gen) for _ in range(2))
+        k, v = (torch.randn(1, seq, kv_heads, head_dim, generator=gen) for _ in range(2))
+        kernel = SlidingWindowKernel(TorchSDPAKernel(), window, fused=fused)
+        mem = measure_attention(lambda q, k, v, batch_dim_idx, kernel=kernel: kernel(q, k, v), q, k, v, dout, 0)
+        measured[seq, fused] = mem.intermediate_bytes
+        if seq == 4096:
+            assert mem.intermediate_bytes < 0.10 * seq * seq * 4, (fused, mem.intermediate_bytes)
+            # the windowed attention: the last query sees exactly the last W keys
+            last = TorchSDPAKernel()(q[:, -window:], k[:, -window:], v[:, -window:])[:, -1]
+            torch.testing.assert_close(mem.out[:, -1], last)
+    assert measured[4096, True] <= 2.2 * measured[2048, True], measured

@@ -14,14 +14,65 @@ def test_sdpa_kernel_matrix(world):
         assert not failures, f"rank {rank}: {failures[:5]}"
 
 
+@pytest.fixture(scope="module")
+def other_and_packed():
+    """One spawn per world size (2 and 4) of ``core_cases.other_attention_and_packing``, run on first use."""
+
+    class Spawns(dict):
+        def __missing__(self, world):
+            self[world] = run_ranks(core_cases.other_attention_and_packing, world)
+            return self[world]
+
+    return Spawns()
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_math_kernel_generic_callable_and_packed_rows(world):
+def test_math_kernel_generic_callable_and_packed_rows(world, other_and_packed):
     """Also packed rows (cu_seqlens, random document lengths crossing the shards, a one-token
     document) against every document attended alone, in the same spawn."""
-    for rank, result in enumerate(run_ranks(core_cases.other_attention_and_packing, world)):
+    for rank, result in enumerate(other_and_packed[world]):
         failures, count = result["other"]
         assert count == 4 * 2 * 3 * 2 * 2
         assert not failures, f"rank {rank}: {failures[:5]}"
         failures, count = result["packed"]
         assert count == 2 * 2 * 2 * 2 * 2
         assert not failures, f"rank {rank} packed: {failures[:5]}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sliding_windows_and_sinks(world, other_and_packed):
+    """Windows below, equal to and beyond a shard and the sequence, crossing shards, with and without
+    GPT-OSS sinks (their gradient summed over the ranks), packed rows, vs an explicit-mask eager
+    reference; the mutations the cases must catch (window off by one, sinks on other heads) change the
+    reference by far more than the tolerance."""
+    for rank, result in enumerate(other_and_packed[world]):
+        failures, count, sensitivity = result["windows"]
+        assert count == 2 * 2 * 6 + 2 * 2 * 2 + 1
+        assert not failures, f"rank {rank} windows: {failures[:5]}"
+        assert min(sensitivity.values()) > 0.1, sensitivity
+
+
+WINDOW_ERRORS = {
+    "window_zero": "window must be a positive int (the W tokens a query sees, itself included",
+    "window_negative_in_constructor": "or None for full causal attention, got -3",
+    "window_bool": "got True",
+    "window_differs": "the sliding window differs across the ranks of the sequence-parallel group (rank 0: 4",
+    "window_non_causal": "a sliding window (window=4) is causal",
+    "window_generic": "a sliding window (window=4) needs an AttentionKernel as local_attention",
+    "sinks_wrong_length": "sinks must be a floating-point tensor of shape [16] (one logit per query head, the global "
+    "num_heads), got 8 values",
+    "sinks_2d": "got not a floating-point 1-D tensor",
+    "sinks_int": "got not a floating-point 1-D tensor",
+    "sinks_on_one_rank": "the attention sinks' shape (-1: none) differs across the ranks",
+    "sinks_generic": "attention sinks need an AttentionKernel as local_attention",
+    "ok_after_errors": "no error",
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bad_windows_and_sinks_fail_on_every_rank(world, other_and_packed):
+    results = other_and_packed[world]
+    for case, fragment in WINDOW_ERRORS.items():
+        messages = {res["window_errors"][case] for res in results}
+        assert len(messages) == 1, f"{case}: ranks disagree: {messages}"
+        assert fragment in messages.pop(), case

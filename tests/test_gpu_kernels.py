@@ -18,12 +18,12 @@ REPO = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _check(kernel, dtype, tol, hkv):
+def _check(kernel, dtype, tol, hkv, ref=None):
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 8, 256, 64, device="cuda", generator=gen, dtype=dtype)
     k, v = (torch.randn(2, hkv, 256, 64, device="cuda", generator=gen, dtype=dtype) for _ in range(2))
     dout = torch.randn_like(q)
-    ref = MathKernel(causal=True)
+    ref = ref or MathKernel(causal=True)
     out_ref, lse_ref, aux_ref = ref.forward(q.double(), k.double(), v.double())
     grads_ref = ref.backward(dout.double(), q.double(), k.double(), v.double(), out_ref, lse_ref, aux_ref)
     out, lse, aux = kernel.forward(q, k, v)
@@ -45,6 +45,19 @@ def test_torch_sdpa_cuda(dtype, tol, hkv):
 @pytest.mark.parametrize("hkv", [2, 8])
 def test_flash_attn(hkv):
     _check(FlashAttnKernel(causal=True), torch.bfloat16, 2e-2, hkv)
+
+
+@cuda
+@pytest.mark.parametrize("window", [1, 40, 300])
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+def test_sliding_window_cuda(window, dtype, tol):
+    """The windowed kernel ``windowed`` builds on CUDA (flash-attn's window where installed, else tiles on
+    torch's flash / memory-efficient ops, or the band mask below W = 9) against the float64 band mask."""
+    from ds_upipe.windows import SlidingWindowKernel, windowed
+
+    base = FlashAttnKernel(causal=True) if flash_attn_available() and dtype == torch.bfloat16 else TorchSDPAKernel()
+    ref = SlidingWindowKernel(MathKernel(causal=True), window, fused=False)
+    _check(windowed(base, window), dtype, tol, 2, ref)
 
 
 @cuda

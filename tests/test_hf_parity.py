@@ -11,8 +11,7 @@ F64 = hf_cases.TOLERANCE[hf_cases.torch.float64]
 NUM_PARITY_CASES = 2 * len(hf_cases.ARCH_CONFIGS) + 9
 
 REFUSALS = {  # case -> words its message must contain (the offending value and the rule)
-    "mistral_sliding_window": ["sliding_window=16", "sliding-window", "config.sliding_window = None"],
-    "qwen2_sliding_window": ["sliding_window=16", "use_sliding_window=False"],
+    "mistral_sliding_window_zero": ["MistralAttention.sliding_window must be a positive int", "got 0"],
     "unsupported_arch": ["GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3Model"],
     "bad_head_chunk": ["head_chunk_size=3", "Valid values"],
     "attention_dropout": ["attention_dropout=0.1", "must be 0.0"],

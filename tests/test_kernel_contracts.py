@@ -501,6 +501,20 @@ def _per_head(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(0, 1).unsqueeze(0)  # [L, h, d] -> [1, h, L, d]
 
 
+def _fa_reference(a: dict) -> MathKernel:
+    """The float64 reference of one fake flash-attn call, honouring its window as flash-attn documents it:
+    with ``causal``, query i sees keys i - window_size[0] ... i (a window of left + 1 tokens; -1: none)."""
+    ref = _reference(a["causal"], a["softmax_scale"])
+    left, right = a.get("window_size", (a.get("window_size_left", -1), a.get("window_size_right", -1)))
+    if left < 0:
+        assert right < 0, "a right window without a left one"
+        return ref
+    from ds_upipe.windows import SlidingWindowKernel
+
+    assert a["causal"] and right == 0, f"causal sliding windows only, got ({left}, {right})"
+    return SlidingWindowKernel(ref, left + 1, tile=8)
+
+
 def _fake_flash_attn(version: str, rec: Recorder) -> types.ModuleType:
     """flash_attn with ``__version__`` and an interface whose private functions bind their arguments
     with the release's signature, record them, and compute exact attention on [b, S, h, d] (varlen:
@@ -515,7 +529,7 @@ def _fake_flash_attn(version: str, rec: Recorder) -> types.ModuleType:
         q, k, v = a["q"], a["k"], a["v"]
         assert q.dtype in (torch.float16, torch.bfloat16) and q.shape[2] % k.shape[2] == 0
         _check_last_dim_contiguous(q, k, v)
-        out, lse, _ = _reference(a["causal"], a["softmax_scale"]).forward(*(t.transpose(1, 2) for t in (q, k, v)))
+        out, lse, _ = _fa_reference(a).forward(*(t.transpose(1, 2) for t in (q, k, v)))
         out = out.transpose(1, 2)
         rng_state = torch.tensor([5, 6], dtype=torch.int64)
         res = (
@@ -532,7 +546,7 @@ def _fake_flash_attn(version: str, rec: Recorder) -> types.ModuleType:
         a = a.arguments
         rec.calls.append(("fa_backward", (), a, None))
         q, k, v, out, dout = (a[n].transpose(1, 2) for n in ("q", "k", "v", "out", "dout"))
-        grads = _reference(a["causal"], a["softmax_scale"]).backward(dout, q, k, v, out, a["softmax_lse"], ())
+        grads = _fa_reference(a).backward(dout, q, k, v, out, a["softmax_lse"], ())
         for buf, g in zip((a["dq"], a["dk"], a["dv"]), grads):
             assert buf.shape == g.transpose(1, 2).shape  # dk, dv: the hkv heads of k, v
             buf.copy_(g.transpose(1, 2))  # the real kernels fill the buffers they are given
@@ -547,7 +561,7 @@ def _fake_flash_attn(version: str, rec: Recorder) -> types.ModuleType:
         _check_last_dim_contiguous(q, k, v)
         docs = _documents_of(a["cu_seqlens_q"])
         assert docs[-1][1] == q.shape[0] and _documents_of(a["cu_seqlens_k"])[-1][1] == k.shape[0]
-        ref = _reference(a["causal"], a["softmax_scale"])
+        ref = _fa_reference(a)
         out = torch.empty_like(q)  # mha_varlen_fwd: empty_like(q), so q's strides
         lse = torch.full((q.shape[1], q.shape[0]), float("nan"), dtype=torch.float32)  # {num_heads, total_q}
         for s, e in docs:
@@ -567,7 +581,7 @@ def _fake_flash_attn(version: str, rec: Recorder) -> types.ModuleType:
         q, k, v, out, dout, lse = (a[n] for n in ("q", "k", "v", "out", "dout", "softmax_lse"))
         _check_last_dim_contiguous(q, k, v, out, dout, a["dq"], a["dk"], a["dv"])
         assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32 and lse.is_contiguous()
-        ref = _reference(a["causal"], a["softmax_scale"])
+        ref = _fa_reference(a)
         for s, e in _documents_of(a["cu_seqlens_q"]):
             grads = ref.backward(*(_per_head(t[s:e]) for t in (dout, q, k, v, out)), lse[None, :, s:e], ())
             for buf, g in zip((a["dq"], a["dk"], a["dv"]), grads):
@@ -624,6 +638,54 @@ def test_flash_attn_adapter_matches_release_signature(install_flash_attn, versio
         "deterministic": False,
     }  # fmt: skip
     _assert_matches_reference((q, k, v, dout), (out, *grads), SCALE, tol=2e-2)
+
+
+def _windowed_reference(q, k, v, dout, window, documents=None):
+    """float64 out, dq, dk, dv of [b, h, S, d] tensors under an explicit S x S mask: causal, key j visible to
+    query i iff i - window < j <= i (transformers' sliding_window), within each document of ``documents``."""
+    from tests.core_cases import masked_reference
+
+    leaves = [t.detach().double().transpose(1, 2).requires_grad_(True) for t in (q, k, v)]
+    out = masked_reference(*leaves, window, None, documents)
+    out.backward(dout.double().transpose(1, 2))
+    return [t.transpose(1, 2) for t in (out.detach(), *(x.grad for x in leaves))]
+
+
+@pytest.mark.parametrize("version", ["2.6.3", "2.7.4.post1", "2.8.3"])
+def test_flash_attn_window_is_flash_attns_own(install_flash_attn, version):
+    """``FlashAttnKernel(window=W)`` passes flash-attn's ``window_size=(W - 1, 0)`` (query i sees keys
+    i - W + 1 ... i) to forward and backward, dense and varlen (``DocumentKernel``), and the result is
+    transformers' sliding window under an explicit mask."""
+    from ds_upipe.packing import DocumentBoundaries, DocumentKernel
+
+    rec = install_flash_attn(version)
+    old = version.startswith("2.6")
+    window = 5
+    expected = {"window_size": (window - 1, 0)} if old else {"window_size_left": window - 1, "window_size_right": 0}
+    kernel = kernels.make_kernel("flash_attn", softmax_scale=None, window=window)
+    assert isinstance(kernel, FlashAttnKernel) and kernel.window == window
+    q, k, v, dout = _inputs(4, 2, torch.bfloat16, d=16)
+    out, lse, aux = kernel.forward(q, k, v)
+    grads = kernel.backward(dout, q, k, v, out, lse, aux)
+    for name in ("fa_forward", "fa_backward"):
+        args = rec.of(name)[0][1]
+        assert {n: args[n] for n in expected} == expected, (name, args)
+    dense = _windowed_reference(q, k, v, dout, window)
+    for got, want in zip((out, *grads), dense):
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+    # DistributedAttention's contract ([b, S, h, d], autograd) keeps the window too
+    qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
+    torch.testing.assert_close(kernel(qb, kb, vb).transpose(1, 2).double(), dense[0], rtol=2e-2, atol=2e-2)
+    # the window per document, in one varlen call
+    docs = DocumentKernel(kernel, DocumentBoundaries(_DOCUMENTS))
+    out, lse, aux = docs.forward(q, k, v)
+    grads = docs.backward(dout, q, k, v, out, lse, aux)
+    for name in ("fa_varlen_forward", "fa_varlen_backward"):
+        args = rec.of(name)[0][1]
+        assert {n: args[n] for n in expected} == expected, (name, args)
+    want = _windowed_reference(q, k, v, dout, window, _DOCUMENTS)
+    for got, w in zip((out, *grads), want):
+        torch.testing.assert_close(got.double(), w, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("version", ["2.5.9", "2.9.0", "3.0.0b1", "unknown"])
@@ -727,6 +789,31 @@ def test_document_kernel_on_torch_cuda_paths(as_cuda, dtype, op):
     assert not any(
         DocumentKernel(kernel, DocumentBoundaries(_DOCUMENTS)).varlen for kernel in (TorchSDPAKernel(), MathKernel())
     )
+
+
+@pytest.mark.parametrize("dtype, op", [(torch.bfloat16, "flash"), (torch.float32, "efficient")])
+def test_sliding_window_tiles_on_torch_cuda_paths(as_cuda, dtype, op):
+    """``SlidingWindowKernel`` on TorchSDPAKernel's CUDA ops (CPU stand-ins; without flash-attn this is the
+    CUDA window): every tile's pieces are causal or unmasked calls on the ops, the efficient op's NaN-padded
+    lse is sliced in forward and padded again for its backward, and the result is transformers' sliding
+    window under an explicit mask."""
+    from ds_upipe.windows import SlidingWindowKernel
+
+    window = 7
+    kernel = SlidingWindowKernel(TorchSDPAKernel(causal=True), window, tile=4)
+    assert kernel.fused is False  # W - 1 < MIN_FUSED_TILE: the band mask unless asked
+    kernel = SlidingWindowKernel(TorchSDPAKernel(causal=True), window, tile=4, fused=True)
+    q, k, v, dout = _inputs(4, 2, dtype)
+    out, lse, aux = kernel.forward(q, k, v)
+    grads = kernel.backward(dout, q, k, v, out, lse, aux)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for got, want in zip((out, *grads), _windowed_reference(q, k, v, dout, window)):
+        assert got.dtype == q.dtype
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    forwards, backwards = as_cuda.of(op), as_cuda.of(f"{op}_backward")
+    assert len(forwards) == len(backwards) > 3 * (40 // 4 - 2)  # three pieces per tile past the first ones
+    is_causal = 4 if op == "flash" else 6  # where each forward op takes its causal flag
+    assert {args[is_causal] for args, _, _ in forwards} == {True, False}  # causal and unmasked pieces
 
 
 #: flash-attn releases whose varlen signatures differ (see _varlen_signatures), and the pinned ones

@@ -293,3 +293,27 @@ def test_bad_layouts_fail_identically_on_every_rank(world4):
         assert len(messages) == 1, f"{case}: ranks disagree: {messages}"
         message = messages.pop()
         assert fragment in message, f"{case}: {message!r}"
+
+
+def test_windows_and_sinks_in_the_ring(world4):
+    """UPipe x Ring (2 x 2, zigzag chunks of 5 tokens) with sliding windows below, equal to and beyond a
+    chunk, crossing chunk and ring-block boundaries, and sinks: float64 parity with the explicit-mask
+    reference (sinks' gradient summed over the ranks); and the ring kernels compute exactly the in-window
+    query-key products (forward + backward), so chunk pairs outside the window cost nothing."""
+    from ds_upipe.windows import dense_products, visible_products
+
+    seq = ring_cases.SHARD[(2, 2)] * 4
+    per_window: dict = {}
+    for rank, res in enumerate(world4):
+        failures, count, work = res["windows"]
+        assert count == 2 * 2 * 7
+        assert not failures, f"rank {rank}: {failures[:3]}"
+        for window, products in work.items():
+            per_window.setdefault(window, {})[rank] = products
+    for window, by_rank in per_window.items():
+        # U = H: every Ulysses rank of a ring rank attends H / C_u heads of 2 rows over its ring block
+        want = (
+            2 * 2 * ring_cases.HEADS * (dense_products(seq) if window is None else visible_products(seq, seq, window))
+        )
+        assert sum(by_rank.values()) == want, (window, by_rank, want)
+    assert sum(per_window[1].values()) < 0.1 * sum(per_window[None].values())

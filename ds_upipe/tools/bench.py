@@ -51,6 +51,8 @@ class Method:
     documents: int = 1
     #: layer level, fused: ``apply_upipe(recompute_attention_output=True)``
     recompute_attention_output: bool = False
+    #: core level: sliding window of W tokens (None: full causal)
+    window: int | None = None
 
 
 @dataclass
@@ -84,6 +86,8 @@ class BenchSpec:
     recompute_attention_output: bool = False
     #: layer level: the decoder's architecture, "llama" or "qwen3" (per-head q/k RMSNorms)
     arch: str = "llama"
+    #: core level: also run DeepSpeed and UPipe with a sliding window of this many tokens (None: not)
+    window: int | None = None
 
     def __post_init__(self) -> None:
         from ..schedule import valid_head_chunk_sizes
@@ -100,6 +104,10 @@ class BenchSpec:
                 f"documents={self.documents} with ring_size={self.ring_size}: packed rows are not supported with a "
                 "ring (docs/core.md); bench them with ring_size 1"
             )
+        if self.window is not None:
+            from ..windows import check_window
+
+            check_window(self.window, "window")
         if self.arch not in ("llama", "qwen3"):
             raise ValueError(f"arch={self.arch!r}: choose 'llama' or 'qwen3'")
         if self.dtype not in DTYPES:
@@ -154,7 +162,13 @@ class BenchSpec:
         if self.ring_size > 1:  # U = H (Ulysses x Ring) is the baseline
             us = [self.heads] + [u for u in us if u != self.heads]
             if level == "core":
-                return [Method(f"upipe-ring{self.ring_size}[U={u}]", "upipe", u) for u in us]
+                methods = [Method(f"upipe-ring{self.ring_size}[U={u}]", "upipe", u) for u in us]
+                if self.window is not None:  # the windowed ring: chunk pairs outside the window skipped
+                    w = self.window
+                    methods += [
+                        Method(f"upipe-ring{self.ring_size}[U={u}] window={w}", "upipe", u, window=w) for u in us
+                    ]
+                return methods
             return [Method(f"upipe-fused-ring{self.ring_size}[U={u}]", "upipe", u, True) for u in us] + [
                 Method(f"upipe-unfused-ring{self.ring_size}[U={u}]", "upipe", u, False) for u in us
             ]
@@ -165,6 +179,10 @@ class BenchSpec:
                 n = self.documents
                 methods += [Method(f"deepspeed docs={n}", "deepspeed", documents=n)]
                 methods += [Method(f"upipe[U={u}] docs={n}", "upipe", u, documents=n) for u in us]
+            if self.window is not None:  # sliding window: DeepSpeed with the windowed kernel first (reference)
+                w = self.window
+                methods += [Method(f"deepspeed window={w}", "deepspeed", window=w)]
+                methods += [Method(f"upipe[U={u}] window={w}", "upipe", u, window=w) for u in us]
             return methods
         return (
             [Method("alst", "alst")]
@@ -193,6 +211,7 @@ class Measurement:
     intermediate_ratio: float = math.nan
     time_ratio: float = math.nan
     documents: int = 1  # core level: equal documents packed per row
+    window: int | None = None  # core level: sliding window (None: full causal)
 
 
 def packing_ratios(rows: list[Measurement]) -> list[dict[str, Any]]:
@@ -209,6 +228,26 @@ def packing_ratios(rows: list[Measurement]) -> list[dict[str, Any]]:
                     "seq_len": r.seq_len,
                     "documents": r.documents,
                     "time_vs_one_document": r.time_s / one.time_s,
+                }
+            )
+    return out
+
+
+def window_ratios(rows: list[Measurement]) -> list[dict[str, Any]]:
+    """Per method with a sliding window: its time and intermediate memory over the same method's on full
+    causal attention (same sequence length)."""
+    full = {(r.level, r.seq_len, r.kind, r.head_chunk_size): r for r in rows if r.window is None and r.documents == 1}
+    out = []
+    for r in rows:
+        if r.window is not None:
+            one = full[(r.level, r.seq_len, r.kind, r.head_chunk_size)]
+            out.append(
+                {
+                    "method": r.method,
+                    "seq_len": r.seq_len,
+                    "window": r.window,
+                    "time_vs_causal": r.time_s / one.time_s,
+                    "intermediate_vs_causal": r.intermediate_bytes / one.intermediate_bytes,
                 }
             )
     return out
@@ -273,10 +312,13 @@ def _core_attention(method: Method, spec: BenchSpec, group: Any, pos: torch.Tens
 
     from ..kernels import TorchSDPAKernel, gqa_native_sdpa
     from ..layer import UPipeDistributedAttention
+    from ..windows import windowed
 
     seq = pos.shape[-1] * spec.world
     cu_seqlens = list(range(0, seq + 1, seq // method.documents))  # equal documents
     if method.kind == "deepspeed":
+        if method.window is not None:  # DeepSpeed with ds_upipe's windowed kernel as its local attention
+            return DistributedAttention(windowed(TorchSDPAKernel(causal=True), method.window), group)
         local = gqa_native_sdpa if method.documents == 1 else _per_document(gqa_native_sdpa, cu_seqlens)
         return DistributedAttention(local, group)
     if method.kind == "upipe":
@@ -287,6 +329,7 @@ def _core_attention(method: Method, spec: BenchSpec, group: Any, pos: torch.Tens
             head_chunk_size=method.head_chunk_size,
             overlap_comm=spec.overlap_comm,
             ring_group=ring,
+            window=method.window,
         )
         if method.documents == 1:
             return upipe
@@ -502,10 +545,11 @@ def _rank_main(rank: int, world: int, spec: BenchSpec) -> list[tuple]:
     for level in spec.levels:
         runner = run_core_case if level == "core" else run_layer_case
         for seq in spec.seq_lens:
-            references: dict[int, dict[str, torch.Tensor]] = {}  # per documents per row: the first method's
+            # per (documents per row, window): the first method's
+            references: dict[tuple[int, int | None], dict[str, torch.Tensor]] = {}
             for method in spec.methods(level):
                 res = runner(method, spec, seq, rank, device)
-                reference = references.setdefault(method.documents, res["values"])
+                reference = references.setdefault((method.documents, method.window), res["values"])
                 diff = _max_abs_diff(res["values"], reference)
                 rows.append((level, method, seq, res["peak"], res["intermediate"], res["time"], diff))
                 del res
@@ -554,6 +598,7 @@ def combine_ranks(per_rank: list[list[tuple]]) -> list[Measurement]:
                 time_s=max(c[5] for c in cases),
                 max_abs_diff=max(c[6] for c in cases),
                 documents=method.documents,
+                window=method.window,
             )
         )
     baselines = {(m.level, m.seq_len): m for m in rows if _is_first(m, rows)}
@@ -610,6 +655,14 @@ def format_table(rows: list[Measurement]) -> str:
         lines.append("[packed rows] fwd+bwd time of N equal documents per row / one document of the full row length")
         lines += [f"{p['method']:<22}{p['seq_len']:>9}{p['time_vs_one_document']:>8.3f}" for p in packed]
         lines.append("")
+    windows = window_ratios(rows)
+    if windows:
+        lines.append("[sliding window] fwd+bwd time and intermediate memory / the same method on full causal attention")
+        lines += [
+            f"{w['method']:<28}{w['seq_len']:>9}{w['time_vs_causal']:>8.3f}{w['intermediate_vs_causal']:>8.3f}"
+            for w in windows
+        ]
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -632,6 +685,7 @@ def write_json(path: str | Path, spec: BenchSpec, rows: list[Measurement], extra
         "core_local_attention": CORE_LOCAL_ATTENTION,
         "results": [asdict(r) for r in rows],
         "packing": packing_ratios(rows),
+        "windows": window_ratios(rows),
         **(extra or {}),
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)

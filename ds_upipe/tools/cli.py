@@ -177,6 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="core level: also run rows of N equal packed documents (DeepSpeed per document, UPipe with cu_seqlens)",
     )
+    bench.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="core level: also run DeepSpeed (with ds_upipe's windowed kernel) and UPipe with a sliding window of W "
+        "tokens, with their time and memory against full causal",
+    )
     bench.add_argument("--repeats", type=int, default=2, help="timed repetitions (median reported)")
     bench.add_argument("--warmup", type=int, default=1)
     bench.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
@@ -299,6 +306,7 @@ def _bench(args: argparse.Namespace) -> int:
         arch=args.arch,
         batch=args.batch,
         documents=args.documents,
+        window=args.window,
         dtype=dtype,
         head_chunk_sizes=args.head_chunk_sizes,
         repeats=args.repeats,
