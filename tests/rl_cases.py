@@ -278,7 +278,10 @@ def grpo_case(seed, rows=3, prompt_len=7, completion_len=9, **cfg):
         num_items_in_batch=cfg["num_items_in_batch"],
     )
     loss.backward()
-    clipped = (old_logps - token_logps.detach()).abs().max().item()  # ratios far enough from 1 to clip
+    # ratios far enough from 1 to be clipped somewhere in the rows (the shards' largest |log-ratio|)
+    clipped = (old_logps - token_logps.detach()).abs().max()
+    dist.all_reduce(clipped, op=dist.ReduceOp.MAX, group=group)
+    clipped = clipped.item()
     return {
         "loss": relative_error(loss.detach(), want_loss),
         "row_logps": relative_error(row_logps, want_row_logps),
@@ -290,16 +293,98 @@ def grpo_case(seed, rows=3, prompt_len=7, completion_len=9, **cfg):
 # ---------------------------------------------------------------------------------------------------
 
 
+NUM_CASES = {2: 7, 4: 2}
+
+
+def check_cases(per_rank: list[dict], world: int) -> None:
+    """Every rank's errors within tolerance (the test side of ``cases``)."""
+    for rank, cases in enumerate(per_rank):
+        assert len(cases) == NUM_CASES[world]
+        for case, errors in cases.items():
+            for name, error in errors.items():  # f32_: against TRL's own (float32) fused LM head
+                tolerance = F32 if name.startswith("f32_") else F64
+                assert error <= tolerance, f"C={world} rank {rank} {case} {name}: {errors}"
+
+
+def in_spawn_of_four(rank: int, world: int) -> dict | None:
+    """The C=4 cases for test_hf_parity's spawn of four (None without TRL, whose collator they use)."""
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return None
+    return cases(rank, world)["cases"]
+
+
+def _grpo_sequence():
+    return grpo_case(3, loss_type="grpo", importance_sampling_level="sequence", delta=1.02)
+
+
 def cases(rank, world):
     """{case: errors} for the group of cases run at this world size (one spawn)."""
+    if world == 4:  # test time: a subset at C=4 (in test_hf_parity's C=4 spawn)
+        return {"cases": {"dpo_sigmoid": dpo_case(0), "grpo_grpo_sequence": _grpo_sequence()}}
     out = {
         "dpo_sigmoid": dpo_case(0),
         "dpo_ipo_precomputed": dpo_case(1, loss_type="ipo", precomputed=True, pairs=3),
         "grpo_dapo_token": grpo_case(2),
-        "grpo_grpo_sequence": grpo_case(3, loss_type="grpo", importance_sampling_level="sequence", delta=1.02),
+        "grpo_grpo_sequence": _grpo_sequence(),
     }
     if world == 2:
         out["dpo_hinge_untiled"] = dpo_case(4, loss_type="hinge", beta=0.05, tile_tokens=10_000)
         out["grpo_bnpo_no_kl"] = grpo_case(5, loss_type="bnpo", beta=0.0)
         out["grpo_dr_grpo_sequence"] = grpo_case(6, loss_type="dr_grpo", importance_sampling_level="sequence")
-    return out
+        return {"cases": out, "memory": memory_case(rank, world)}
+    return {"cases": out}
+
+
+# ---------------------------------------------------------------------------------------------------
+# memory
+
+
+def memory_case(rank, world, seq=1024, pairs=1, vocab=4096):
+    """Peak bytes (MemTracker) of one forward + backward of a DPO pair's summed completion log-probs,
+    float32, a 1-layer Llama with a 4,096-token vocabulary: the whole rows in one process vs this rank's
+    shard under UPipe, each from the full logits (``token_logprobs``) and tiled (``model_token_logprobs``).
+    """
+    from ds_upipe.tools.memory import measure_peak
+    from hf_patches.logprobs import token_logprobs
+
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, vocab, (2 * pairs, seq), generator=gen)
+    mask = torch.zeros_like(ids)
+    mask[:, seq // 4 :] = 1
+    batch = {"input_ids": ids, "completion_mask": mask}
+    model = build_model("llama", torch.float32, seed=0, vocab_size=vocab, num_hidden_layers=1)
+    whole = {  # the whole rows (what shard_batch gives a group of one)
+        "input_ids": ids,
+        "position_ids": torch.arange(seq).expand(2 * pairs, seq),
+        "shift_labels": hf_patches.shift_labels(rl_loss.completion_labels(ids, mask)),
+    }
+
+    def step(m, shard, tiled, sp):
+        def run():
+            m.zero_grad(set_to_none=True)
+            if tiled:
+                logps = model_token_logprobs(m, shard)
+            else:
+                inputs = {k: shard[k] for k in ("input_ids", "position_ids")}
+                logps = token_logprobs(m(**inputs).logits, shard["shift_labels"])
+            sums, _ = sequence_logprobs(logps, shard["shift_labels"], group if sp else None)
+            sums.sum().backward()
+
+        return run
+
+    peaks = {}
+    for tiled in (False, True):
+        peaks[f"no_sp_{'tiled' if tiled else 'logits'}"] = measure_peak(
+            step(model, whole, tiled, False), [model], torch.device("cpu")
+        )
+    patched = hf_patches.apply_upipe(copy.deepcopy(model), group)
+    shard = rl_loss.shard_completions(batch, group)
+    for tiled in (False, True):
+        peaks[f"sp_{'tiled' if tiled else 'logits'}"] = measure_peak(
+            step(patched, shard, tiled, True), [patched], torch.device("cpu")
+        )
+    peaks["logits_bytes_whole"] = 2 * pairs * seq * vocab * 4
+    return peaks
