@@ -94,6 +94,15 @@ def completion_rows(
     return {"input_ids": input_ids, "attention_mask": attention, "completion_mask": completion}
 
 
+def completion_logps(
+    model: nn.Module, shard: dict[str, Any], group: dist.ProcessGroup | None, *, tile_tokens: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """(every row's summed log-prob of its completion tokens [batch], their count [batch]) of ``model``
+    on this rank's shard (``shard_completions``), over the whole rows: the same on every rank (one
+    all_reduce; run it under ``torch.no_grad()`` for a reference or to precompute)."""
+    return sequence_logprobs(model_token_logprobs(model, shard, tile_tokens=tile_tokens), shard["shift_labels"], group)
+
+
 # ---------------------------------------------------------------------------------------------------
 # DPO
 
@@ -176,11 +185,10 @@ def sequence_parallel_dpo_loss(
     labels = shard["shift_labels"]
     if labels.shape[0] % 2:
         raise ValueError(f"a preference batch has [chosen; rejected] rows, an even number; got {labels.shape[0]}")
-    logps, tokens = sequence_logprobs(model_token_logprobs(model, shard, tile_tokens=tile_tokens), labels, group)
+    logps, tokens = completion_logps(model, shard, group, tile_tokens=tile_tokens)
     if ref_model is not None:
         with torch.no_grad():
-            ref_token_logps = model_token_logprobs(ref_model, shard, tile_tokens=tile_tokens)
-            ref_chosen, ref_rejected = sequence_logprobs(ref_token_logps, labels, group)[0].chunk(2)
+            ref_chosen, ref_rejected = completion_logps(ref_model, shard, group, tile_tokens=tile_tokens)[0].chunk(2)
     else:
         ref_chosen, ref_rejected = (t.to(logps) for t in ref_logps)
     chosen, rejected = logps.chunk(2)
