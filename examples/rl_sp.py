@@ -4,8 +4,9 @@
     torchrun --nproc_per_node 2 examples/rl_sp.py --sp_size 2 --algo dpo    # UPipe, SP 2, ZeRO-3
     torchrun --nproc_per_node 1 examples/rl_sp.py --sp_size 1 --algo dpo    # the same without SP
 
-(``--algo grpo`` for the GRPO-style loop.)  Both runs print the same per-step losses and gradient
-norms (float32, to about 1e-6).  On a machine without GPUs this runs on the CPU over gloo.
+(``--algo grpo`` for the GRPO-style loop, ``--algo both`` for DPO then GRPO.)  Both runs print the
+same per-step losses and gradient norms (float32, to about 1e-6).  On a machine without GPUs this
+runs on the CPU over gloo.
 
 TRL's DPOTrainer / GRPOTrainer compute their losses from whole sequences, so under sequence
 parallelism ds_upipe refuses them; this is the loop a TRL user writes instead, with the functions of
@@ -108,7 +109,7 @@ def rewards_of(completion: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--algo", choices=["dpo", "grpo"], default="dpo")
+    parser.add_argument("--algo", choices=["dpo", "grpo", "both"], default="dpo", help="both: DPO, then GRPO")
     parser.add_argument("--sp_size", type=int, default=2)
     parser.add_argument("--zero", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
@@ -134,26 +135,24 @@ def main() -> None:
     )
     group = engine.seq_parallel_group if opts.sp_size > 1 else None
     record = {
-        "algo": opts.algo,
         "sp_size": opts.sp_size,
         "world_size": dist.get_world_size(),
-        "losses": [],
-        "grad_norms": [],
+        **{algo: {"losses": [], "grad_norms": []} for algo in ("dpo", "grpo") if opts.algo in (algo, "both")},
     }
 
-    def update(loss: torch.Tensor) -> None:
+    def update(loss: torch.Tensor, algo: str) -> None:
         engine.backward(loss)
         engine.step()
-        record["losses"].append(loss.item())
-        record["grad_norms"].append(float(engine.get_global_grad_norm()))
+        record[algo]["losses"].append(loss.item())
+        record[algo]["grad_norms"].append(float(engine.get_global_grad_norm()))
 
-    if opts.algo == "dpo":
+    if "dpo" in record:
         shards = [rl_loss.shard_completions(preference_batch(s, 2, opts.seq_len), group) for s in range(opts.steps)]
         with torch.no_grad():  # the reference: the initial policy, precomputed (TRL's precompute_ref_log_probs)
             refs = [rl_loss.completion_logps(engine, shard, group)[0].chunk(2) for shard in shards]
         for shard, ref in zip(shards, refs):
-            update(rl_loss.sequence_parallel_dpo_loss(engine, shard, group, ref_logps=ref, beta=0.1).loss)
-    else:
+            update(rl_loss.sequence_parallel_dpo_loss(engine, shard, group, ref_logps=ref, beta=0.1).loss, "dpo")
+    if "grpo" in record:
         rows, prompt_len, new_tokens = 4, opts.seq_len // 2, opts.seq_len // 2
         for step in range(opts.steps):
             g = torch.Generator().manual_seed(step)
@@ -175,7 +174,7 @@ def main() -> None:
                     logps, shard["shift_labels"], advantages, group, old_token_logps=old, epsilon_low=0.2,
                     epsilon_high=0.28, loss_type="dapo", num_items_in_batch=sample["completion_mask"].sum(),
                 )  # fmt: skip
-                update(loss)
+                update(loss, "grpo")
     state = upipe_state(engine.module)  # UPipe's stages ran on this rank (0 without SP)
     record["stage_runs"] = 0 if state is None else state.stage_runs[0]
     report_metrics(record, opts.metrics_out, dist.get_rank() == 0)
