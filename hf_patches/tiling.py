@@ -160,12 +160,11 @@ def _forward_function(module: nn.Module) -> Callable:
 
 
 class TiledPerToken(torch.autograd.Function):
-    """``fn(x)`` of a per-token module (RMSNorm, MLP) on sequence tiles of [batch, seq, hidden] x,
-    (``fn(x, *extras)`` with per-token ``extras`` of [batch, seq, ...] sliced alike, e.g. the labels
-    of ``hf_patches.logprobs``; no gradient flows into them)
-    recomputed tile by tile in backward: DeepSpeed's ``SequenceTiledCompute`` for this one case,
-    except that x is kept with ``save_for_backward`` instead of on the context.  A saved tensor is
-    released as soon as this
+    """``fn(x)`` of a per-token module (RMSNorm, MLP) on sequence tiles of [batch, seq, hidden] x
+    (``fn(x, *extras)`` with per-token ``extras`` [batch, seq, ...] cut into the same tiles, e.g. the
+    labels of ``hf_patches.logprobs``; no gradient flows into them), recomputed tile by tile in
+    backward: DeepSpeed's ``SequenceTiledCompute`` for this one case, except that x is kept with
+    ``save_for_backward`` instead of on the context.  A saved tensor is released as soon as this
     node's backward has run (and goes through saved-tensor hooks), while a context attribute lives as
     long as the graph: in a decoder layer that was the residual sum feeding the post-attention norm,
     one hidden state kept through the attention's backward (measured on the Llama3-8B plan).
