@@ -3,6 +3,10 @@ definitions: float64, tiny Llama models, in-process ranks over gloo, one spawn p
 bodies and the reference in tests/rl_cases.py).  The C=4 cases (DPO sigmoid, GRPO "grpo" with
 sequence-level weights) run in test_hf_parity's spawn of four.
 
+Launches (torchrun, CPU, float32, marked slow): examples/rl_sp.py at SP 2 against its non-SP run; TRL's
+DPOTrainer refused under SP; ds_upipe's SequenceParallelDPOTrainer at SP 2 against TRL's DPOTrainer
+without SP.
+
 Per case, on every rank: the loss, the per-row summed completion log-probs (policy and reference) and
 every parameter gradient (averaged over the ranks, as DeepSpeed does) within 1e-10 relative of the
 non-SP computation on the whole rows; the log-probs also within 1e-5 of TRL's own fused LM head (which
