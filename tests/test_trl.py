@@ -133,7 +133,11 @@ def test_sequence_level_trl_trainers_are_refused_under_sp():
         trainer.accelerator = types.SimpleNamespace(parallelism_config=sp)
         with pytest.raises(ValueError) as refused:
             trainer_sp.refuse_sequence_level_trl_losses(trainer)
-        for words in (f"{cls.__name__} under sequence parallelism (sp_size=2) is not supported", "hf_patches.rl_loss"):
+        for words in (
+            f"{cls.__name__} under sequence parallelism (sp_size=2) is not supported",
+            "SequenceParallelDPOTrainer",
+            "hf_patches.rl_loss",
+        ):
             assert words in str(refused.value)
     sft = SFTTrainer.__new__(SFTTrainer)
     sft.accelerator = types.SimpleNamespace(parallelism_config=sp)
