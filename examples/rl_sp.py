@@ -9,7 +9,8 @@ same per-step losses and gradient norms (float32, to about 1e-6).  On a machine 
 runs on the CPU over gloo.
 
 TRL's DPOTrainer / GRPOTrainer compute their losses from whole sequences, so under sequence
-parallelism ds_upipe refuses them; this is the loop a TRL user writes instead, with the functions of
+parallelism ds_upipe refuses them (DPO through TRL: ``ds_upipe.integration.trl_dpo.
+SequenceParallelDPOTrainer``); this is the loop of one's own, with the functions of
 ``hf_patches.rl_loss`` (docs/trainer_accelerate.md, "Preference and RL training under SP"):
 
 - DPO: every rank of the group holds the same preference batch ([chosen; rejected] rows with a

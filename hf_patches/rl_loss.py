@@ -118,11 +118,12 @@ class DPOOutput:
     ref_rejected_logps: Tensor
 
     @property
-    def chosen_rewards(self) -> Tensor:  # beta is applied by the caller's logging, as TRL's rewards/chosen
+    def chosen_logratios(self) -> Tensor:
+        """log pi(chosen) - log pi_ref(chosen) per pair, detached (TRL's ``rewards/chosen`` is beta times it)."""
         return (self.chosen_logps - self.ref_chosen_logps).detach()
 
     @property
-    def rejected_rewards(self) -> Tensor:
+    def rejected_logratios(self) -> Tensor:
         return (self.rejected_logps - self.ref_rejected_logps).detach()
 
 

@@ -115,7 +115,7 @@ class SequenceParallelDPOTrainer(DPOTrainer):
         loss = out.loss * self.loss_weights[0]
         # TRL's metrics of whole rows: every rank of a group holds the same values, so the means gathered
         # over all processes are the non-SP run's
-        chosen_rewards, rejected_rewards = self.beta * out.chosen_rewards, self.beta * out.rejected_rewards
+        chosen_rewards, rejected_rewards = self.beta * out.chosen_logratios, self.beta * out.rejected_logratios
         gather = self.accelerator.gather
         metrics = self._metrics[mode]
         metrics["rewards/chosen"].append(gather(chosen_rewards).mean().item())
