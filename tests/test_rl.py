@@ -117,3 +117,33 @@ def test_trl_sequence_parallel_dpo_trainer(tmp_path):
         assert len(sp[key]) == len(ref[key]) == 3, (key, sp[key], ref[key])
         worst = max(abs(g - w) / abs(w) for g, w in zip(sp[key], ref[key]))
         assert worst <= rtol, f"{key}: {sp[key]} vs {ref[key]}"
+
+
+def test_sequence_parallel_dpo_trainer_refusals():
+    """What SequenceParallelDPOTrainer cannot run under SP is named at construction (checked on the
+    trainer's settings; the class is built without a model, only its attributes are read)."""
+    from ds_upipe.integration.trl_dpo import SequenceParallelDPOTrainer
+
+    def trainer(**settings):
+        t = SequenceParallelDPOTrainer.__new__(SequenceParallelDPOTrainer)
+        defaults = dict(ref_model=object(), precompute_ref_logps=False, loss_types=["sigmoid"], ld_alpha=None)
+        defaults.update(use_weighting=False, f_divergence_type="reverse_kl", aux_loss_enabled=False)
+        for key, value in {**defaults, **settings}.items():
+            setattr(t, key, value)
+        return t._unsupported_under_sp()
+
+    assert trainer() == [] and trainer(loss_types=["ipo"]) == []
+    problems = trainer(
+        ref_model=None,
+        precompute_ref_logps=True,
+        loss_types=["sigmoid", "sft"],
+        ld_alpha=0.5,
+        use_weighting=True,
+        f_divergence_type="js_divergence",
+        aux_loss_enabled=True,
+    )
+    words = ["ref_model=", "precompute_ref_log_probs=True", "['sigmoid', 'sft']", "ld_alpha=0.5"]
+    words += ["use_weighting=True", "'js_divergence'", "router aux loss"]
+    assert len(problems) == len(words)
+    for problem, word in zip(problems, words):
+        assert word in problem, (problem, word)
