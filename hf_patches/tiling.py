@@ -160,10 +160,11 @@ def _forward_function(module: nn.Module) -> Callable:
 
 
 class TiledPerToken(torch.autograd.Function):
-    """``fn(x)`` of a per-token module (RMSNorm, MLP) on sequence tiles of [batch, seq, hidden] x,
-    recomputed tile by tile in backward: DeepSpeed's ``SequenceTiledCompute`` for this one case,
-    except that x is kept with ``save_for_backward`` instead of on the context.  A saved tensor is
-    released as soon as this
+    """``fn(x)`` of a per-token module (RMSNorm, MLP) on sequence tiles of [batch, seq, hidden] x
+    (``fn(x, *extras)`` with per-token ``extras`` [batch, seq, ...] cut into the same tiles, e.g. the
+    labels of ``hf_patches.logprobs``; no gradient flows into them), recomputed tile by tile in
+    backward: DeepSpeed's ``SequenceTiledCompute`` for this one case, except that x is kept with
+    ``save_for_backward`` instead of on the context.  A saved tensor is released as soon as this
     node's backward has run (and goes through saved-tensor hooks), while a context attribute lives as
     long as the graph: in a decoder layer that was the residual sum feeding the post-attention norm,
     one hidden state kept through the attention's backward (measured on the Llama3-8B plan).
@@ -173,17 +174,19 @@ class TiledPerToken(torch.autograd.Function):
     SequenceTiledCompute does.  The output is written tile by tile into one buffer (no list + cat)."""
 
     @staticmethod
-    def forward(ctx, fn: Callable, hidden_states: Tensor, tiles: int, params: Sequence[nn.Parameter]) -> Tensor:
+    def forward(
+        ctx, fn: Callable, hidden_states: Tensor, tiles: int, params: Sequence[nn.Parameter], *extras: Tensor
+    ) -> Tensor:
         ctx.fn = fn
         ctx.params = [p for p in params if p.requires_grad]
         seq = hidden_states.shape[1]
         ctx.step = math.ceil(seq / tiles)
-        ctx.save_for_backward(hidden_states)
+        ctx.save_for_backward(hidden_states, *extras)
         source = hidden_states.detach()
         out: Tensor | None = None
         with torch.no_grad():
             for start in range(0, seq, ctx.step):
-                tile = fn(source[:, start : start + ctx.step])
+                tile = fn(source[:, start : start + ctx.step], *(e[:, start : start + ctx.step] for e in extras))
                 if out is None:
                     out = tile.new_empty((tile.shape[0], seq, *tile.shape[2:]))
                 out[:, start : start + ctx.step] = tile
@@ -191,8 +194,8 @@ class TiledPerToken(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[None, Tensor | None, None, None]:
-        (hidden_states,) = ctx.saved_tensors
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        hidden_states, *extras = ctx.saved_tensors
         needs_x = ctx.needs_input_grad[1]
         source = hidden_states.detach()
         grad_x = torch.empty_like(source) if needs_x else None
@@ -202,12 +205,12 @@ class TiledPerToken(torch.autograd.Function):
                 param.ds_grad_is_ready = i + 1 == len(starts)
             tile = source[:, start : start + ctx.step].detach().requires_grad_(needs_x)
             with torch.enable_grad():
-                out = ctx.fn(tile)
+                out = ctx.fn(tile, *(e[:, start : start + ctx.step] for e in extras))
             torch.autograd.backward(out, grad[:, start : start + ctx.step])
             del out
             if grad_x is not None:
                 grad_x[:, start : start + ctx.step] = tile.grad
-        return None, grad_x, None, None
+        return None, grad_x, None, None, *(None for _ in extras)
 
 
 def tiled_norm(module: nn.Module, forward: Callable, hidden_states: Tensor, tile_tokens: int | None) -> Tensor:

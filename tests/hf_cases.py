@@ -242,8 +242,15 @@ def packed_matrix(rank, world):
 
 
 def group_of_four(rank, world):
-    """The C=4 parity spawn: the model matrix and the packed rows."""
-    return {"parity": parity_matrix(rank, world), "packed": packed_matrix(rank, world)}
+    """The C=4 parity spawn: the model matrix, the packed rows, and sequence-parallel DPO / GRPO
+    (tests/rl_cases.py; in this spawn to save a spawn of four)."""
+    from tests import rl_cases
+
+    return {
+        "parity": parity_matrix(rank, world),
+        "packed": packed_matrix(rank, world),
+        "rl": rl_cases.in_spawn_of_four(rank, world),
+    }
 
 
 def _base_model_case(model, ref_model, data, group, seq):

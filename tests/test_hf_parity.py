@@ -5,7 +5,7 @@ save/reload, HF gradient checkpointing, PEFT LoRA fallback, right-padding masks,
 import pytest
 
 from ds_upipe.tools.ranks import run_ranks
-from tests import hf_cases
+from tests import hf_cases, rl_cases
 
 F64 = hf_cases.TOLERANCE[hf_cases.torch.float64]
 NUM_PARITY_CASES = 2 * len(hf_cases.ARCH_CONFIGS) + 9
@@ -70,6 +70,8 @@ def test_group_of_four(world):
     results = run_ranks(hf_cases.group_of_four, world)
     _check_parity([r["parity"] for r in results], world)
     _check_packed([r["packed"] for r in results], world)
+    if results[0]["rl"] is not None:  # sequence-parallel DPO / GRPO at C=4 (tests/test_rl.py has C=2)
+        rl_cases.check_cases([r["rl"] for r in results], world)
 
 
 def test_rope_scaling():

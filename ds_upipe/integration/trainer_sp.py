@@ -106,13 +106,17 @@ def refuse_sequence_level_trl_losses(trainer: Any) -> None:
     """TRL's trainers other than SFTTrainer (DPO, KTO, GRPO, RLOO, reward, distillation) compute losses
     from whole sequences (a sequence's summed log-probs, a reward per sequence), which one rank's shard
     does not hold; under sequence parallelism they would train on shards as if they were sequences.
-    Refused by name until ds_upipe has their sequence-parallel losses (the same on every rank)."""
+    Refused by name (the same on every rank); the message points at ds_upipe's sequence-parallel DPO trainer
+    (``integration.trl_dpo``, a subclass, so not refused here) and its DPO and GRPO losses (``hf_patches.rl_loss``)."""
     module = type(trainer).__module__
     if module.startswith("trl.") and type(trainer).__name__ != "SFTTrainer":
         raise ValueError(
             f"{type(trainer).__name__} under sequence parallelism (sp_size={deepspeed_sp(trainer).sp_size}) is not "
             "supported by ds_upipe: its loss needs each whole sequence (summed log-probs per sequence), and each rank "
-            "holds a shard of it. Train it without sequence parallelism (sp_size 1); TRL's SFTTrainer is supported"
+            "holds a shard of it. For DPO use ds_upipe.integration.trl_dpo.SequenceParallelDPOTrainer (a drop-in "
+            "DPOTrainer); for DPO and GRPO in a loop of your own, hf_patches.rl_loss (sequence_parallel_dpo_loss, "
+            "sequence_parallel_grpo_loss): examples/rl_sp.py, docs/trainer_accelerate.md 'Preference and RL training "
+            "under SP'. Otherwise train it without sequence parallelism (sp_size 1); TRL's SFTTrainer is supported"
         )
 
 
