@@ -1,6 +1,6 @@
 """Re-plan the issue-20 setups with the joint two-layer step (one process, results to JSON).
 
-    python benchmarks/replan_issue20.py --out benchmarks/results/replan_issue20.json
+python benchmarks/replan_issue20.py --out benchmarks/results/replan_issue20.json
 """
 
 from __future__ import annotations
@@ -36,8 +36,12 @@ def cases():
     rows = []
     s, m, _ = load("ds_configs/upipe_llama3_8b_8m.json")
     rows.append(("llama3-8b 8 GPUs: upipe_llama3_8b_8m.json", llama, s, m))
-    s, m, _ = load("ds_configs/ulysses_alst_long_context.json", sequence_parallel_size=8,
-                   upipe={"checkpoint_pairs": 3}, zero_optimization=offload)
+    s, m, _ = load(
+        "ds_configs/ulysses_alst_long_context.json",
+        sequence_parallel_size=8,
+        upipe={"checkpoint_pairs": 3},
+        zero_optimization=offload,
+    )
     rows.append(("llama3-8b 8 GPUs: ALST, same stack, optimizer offload, 3 pairs", llama, s, m))
     s, m, _ = load("ds_configs/upipe_long_context_offload.json", sequence_parallel_size=8)
     rows.append(("llama3-8b 8 GPUs: upipe_long_context_offload.json", llama, s, m))
@@ -50,11 +54,21 @@ def cases():
     # state: our tiled norm is the closest stand-in; HF's eager norm as a bound), TiledMLP, checkpoints
     # offloaded, FA2; host 1.9 TB (ALST's README) read as TiB and as 1e12 bytes
     for norm, label in ((True, "fused-norm stand-in (tiled)"), (False, "HF eager norm")):
-        s, m, _ = load("ds_configs/ulysses_alst_long_context.json", sequence_parallel_size=8,
-                       upipe={"tiled_norm": norm}, zero_optimization=offload)
+        s, m, _ = load(
+            "ds_configs/ulysses_alst_long_context.json",
+            sequence_parallel_size=8,
+            upipe={"tiled_norm": norm},
+            zero_optimization=offload,
+        )
         for host in (1945.6, 1769.5, 1e9):
-            rows.append((f"llama3-8b 8 GPUs: ALST's published recipe, {label}, pow2 pinning, host {host:g} GiB",
-                         llama, replace(s, checkpoint_pinning="pow2", host_memory_gib=host), m))
+            rows.append(
+                (
+                    f"llama3-8b 8 GPUs: ALST's published recipe, {label}, pow2 pinning, host {host:g} GiB",
+                    llama,
+                    replace(s, checkpoint_pinning="pow2", host_memory_gib=host),
+                    m,
+                )
+            )
     for cfg in ("upipe_long_context_offload.json", "upipe_long_context.json", "upipe_llama3_8b_8m.json"):
         s, m, _ = load(f"ds_configs/{cfg}", sequence_parallel_size=16, upipe={"ring_size": 2})
         rows.append((f"qwen3-32b 16 GPUs, Ulysses 8 x ring 2: {cfg}", qwen, s, m))
@@ -78,8 +92,16 @@ def main() -> int:
         mc = planner.max_context(dims, setup, scheme)
         binds = planner.binding_limit(dims, setup, scheme, mc) if mc else "-"
         pred = asdict(planner.predict(dims, setup, scheme, mc)) if mc else None
-        row = {"name": name, "method": scheme.label, "max_context": mc, "max_context_M": mc / 2**20,
-               "binds": binds, "at_max": pred, "setup": asdict(setup), "seconds": time.time() - start}
+        row = {
+            "name": name,
+            "method": scheme.label,
+            "max_context": mc,
+            "max_context_M": mc / 2**20,
+            "binds": binds,
+            "at_max": pred,
+            "setup": asdict(setup),
+            "seconds": time.time() - start,
+        }
         results.append(row)
         print(f"{name:<90} {scheme.label:<28} {mc / 2**20:6.2f}M  {binds}  ({row['seconds']:.0f} s)", flush=True)
         if args.out:
