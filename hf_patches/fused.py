@@ -205,9 +205,9 @@ class FusedProjectionSource:
     Backward mode keeps, per slot in flight (keyed by the round and stage the pipeline names), only
     the pre-norm chunk of a q/k norm; a slot's gradient is taken back through RoPE by hand, through
     the norm by autograd, and through the linear part by hand: dW[rows] += g^T x, db[rows] += sum g,
-    and dx's terms wait for ``finish(slot)``, which sums them in one product per stage (and per
-    round's K/V when those come per round), dx += [g_1 ... g_n] @ [W_1; ...; W_n], in place (no
-    x-sized temporary per stage).
+    and dx's terms wait for ``finish(slot)``, which sums a slot's per-source-rank pieces in one
+    product (per stage's dQ, per stage's or round's dK/dV), dx += [g_1 ... g_n] @ [W_1; ...; W_n],
+    in place (no x-sized temporary per stage).
 
     Without a k norm it takes partial gradients (``accepts_partial_grads``): the pipeline hands each
     source rank's heads over as they arrive, without copying them into one piece, and may return a
@@ -248,9 +248,9 @@ class FusedProjectionSource:
         #: dx terms (g, W rows) of the gradients handed over since the last ``finish``
         self._dx_pending: list[tuple[Tensor, Tensor]] = []
         self.grad_p: list[Tensor | None] = [None] * NUM_PARAMS
-        #: backward, with a q/k norm: the pre-norm chunk of each slot in flight by (round, stage)
-        #: (stage None: the round's K), dropped by ``finish``
-        self._pre_norm: dict[tuple[int, int | None], Tensor] = {}
+        #: backward, with a q/k norm: the pre-norm chunk of each slot in flight by ``Slot.key``,
+        #: dropped by ``finish``
+        self._pre_norm: dict[tuple[str, int, int | None], Tensor] = {}
         # the plan's KV replica layout per round, used where a round's dK/dV come whole (a k norm)
         self._kv_rounds = list(kv_rounds)
 
@@ -273,11 +273,11 @@ class FusedProjectionSource:
         norm = self._norm(norm_idx)
         if norm is not None:
             if self.backward:
-                self._pre_norm[(slot.round, slot.stage)] = y
+                self._pre_norm[slot.key] = y
             y = rms_norm_tiled(y, self.weights[norm_idx], norm.variance_epsilon, qk_norm_tile_tokens(y))
         return apply_rope(y, self.cos, self.sin)
 
-    def _pre_norm_of(self, key: tuple[int, int | None], piece: Piece) -> Tensor | None:
+    def _pre_norm_of(self, key: tuple[str, int, int | None], piece: Piece) -> Tensor | None:
         pre_norm = self._pre_norm.get(key)
         return None if pre_norm is None else pre_norm.narrow(2, piece.start, piece.count)
 
@@ -290,11 +290,11 @@ class FusedProjectionSource:
         return k, self._linear(self.rows(slot.heads), _WV)
 
     def add_query_grad(self, slot: Slot, piece: Piece, grad: Tensor) -> None:
-        pre_norm = self._pre_norm_of((slot.round, slot.stage), piece)
+        pre_norm = self._pre_norm_of(slot.key, piece)
         self._linear_backward(self._chunk_backward(grad, pre_norm, _QN), self.rows(piece.heads(slot)), _WQ)
 
     def add_key_value_grad(self, slot: Slot, piece: Piece, grad_key: Tensor, grad_value: Tensor) -> None:
-        pre_norm = self._pre_norm_of((slot.round, None), piece)
+        pre_norm = self._pre_norm_of(("key_value", slot.round, None), piece)  # the round's K
         rows = self.rows(piece.heads(slot))
         # in pieces (per source rank) the replicas' terms simply add up in the weight gradient; a whole
         # round's gradient (a k norm) sums its replicas first
@@ -315,7 +315,7 @@ class FusedProjectionSource:
     def finish(self, slot: Slot) -> None:
         """Every gradient of ``slot`` is in: its dx terms as one product, its pre-norm chunk dropped."""
         self._flush_grad_x()
-        self._pre_norm.pop((slot.round, slot.stage), None)
+        self._pre_norm.pop(slot.key, None)
 
     # -- backward helpers --------------------------------------------------------------------
     @staticmethod
@@ -354,8 +354,8 @@ class FusedProjectionSource:
 
     def _flush_grad_x(self) -> None:
         """dx += [g_1 ... g_n] @ [W_1; ...; W_n] over the pending pieces of a slot: one GEMM per
-        stage (its dQ pieces and, per stage, its dK/dV pieces; per round's K/V otherwise) instead of
-        one per piece and source rank, each of which read and wrote the whole x-sized accumulator.
+        slot (a stage's dQ; a stage's or a round's dK with dV) instead of one per piece and source
+        rank, each of which read and wrote the whole x-sized accumulator.
         With the accumulator in the input dtype it is one in-place addmm.  With a float32 accumulator
         for 16-bit inputs the GEMM runs in the input dtype (tensor cores, float32 accumulation inside,
         as the model's own q/k/v_proj backward computes dx) over tiles of ``DX_TILE_BYTES`` of

@@ -26,7 +26,9 @@ def _context(accumulate_in_input_dtype: bool) -> PipelineContext:
 @pytest.mark.parametrize("on, want", [(False, torch.float32), (True, torch.bfloat16)])
 def test_round_dkdv_accumulator_dtype(on, want):
     k_full = torch.zeros(1, 2, 8, 4, dtype=torch.bfloat16)  # [b, n, S, d]
-    grads = RoundKeyValueGrads(_context(on), object(), Slot(0, None, torch.arange(2)), k_full, torch.bfloat16)
+    grads = RoundKeyValueGrads(
+        _context(on), object(), Slot("key_value", 0, None, torch.arange(2)), k_full, torch.bfloat16
+    )
     assert grads.acc.dtype == want and [a.dtype for a in grads.acc_views] == [want, want]
 
 
@@ -38,7 +40,7 @@ def test_fused_dx_and_weight_accumulators_dtype(on, want):
     cos = sin = torch.ones(1, 6, proj.head_dim, dtype=torch.bfloat16)
     needs = (True,) * (1 + len(proj.params()))
     source = FusedProjectionSource(x, cos, sin, proj, backward=True, needs_grad=needs, accumulate_in_input_dtype=on)
-    slot = Slot(0, 0, torch.tensor([0, 1]))
+    slot = Slot("query", 0, 0, torch.tensor([0, 1]))
     with torch.no_grad():  # as in FusedUPipeAttention.backward
         # a stage's gradient comes back in float32
         source.add_query_grad(slot, Piece(None, 0, 2), source.query(slot).float())
@@ -84,7 +86,7 @@ def test_fused_dx_is_one_input_dtype_gemm_per_stage(monkeypatch, tiles):
     needs = (True,) * (1 + len(proj.params()))
     source = FusedProjectionSource(x, cos, sin, proj, backward=True, needs_grad=needs)
     heads = torch.tensor([0, 1])
-    slot = Slot(0, 0, heads)
+    slot = Slot("query", 0, 0, heads)
     with torch.no_grad(), _DxGemms((6 // tiles, model.config.hidden_size)) as gemms:
         grad = source.query(slot).float()
         for h in (0, 1):  # one piece per source rank
