@@ -5,10 +5,11 @@ dst gets of that tensor; ``all_to_all_single`` splits dim 0 evenly, so one colle
 stage's (or round's) tensors together (K with V; Q with dout and out; dQ with dK and dV).  The stage
 plan guarantees equal head counts per rank, so every exchange is even, which gloo requires.
 
-- Heads to sequence (``heads_send_buffer`` + ``start_heads_exchange``): local [b, s, C*n_j, d]
-  tensors (this rank's sequence shard, the C*n_j heads grouped by destination rank) are written
-  head-major into their segments ([b, n_j, s, d] per destination: one copy each, no
-  select-then-permute temporary); the pending result is one [b, n_j, S, d] tensor per segment (full
+- Heads to sequence (``heads_send_buffer`` + ``start_heads_exchange``): the caller writes its local
+  [b, s, C*n_j, d] tensors (this rank's sequence shard, the C*n_j heads grouped by destination rank)
+  straight into strided views of their segments ([n_j, b, s, d] per destination), so a stage's
+  heads are selected (or projected) into the send buffer itself: no select-then-permute
+  temporary; the pending result is one [b, n_j, S, d] tensor per segment (full
   sequence S = C*s of the n_j heads this rank attends over, in the kernel layout), so the pipeline
   can fetch the next stage's heads while the current stage computes.
 - Sequence to heads (``scatter_buffer`` + ``start_scatter``): full [b, n_j, S, d] tensors are
@@ -131,21 +132,26 @@ def _packed_send(
 
 
 def heads_send_buffer(
-    parts: Iterable[Tensor], heads: Sequence[int], group_size: int
+    write: Callable[[list[Tensor]], None],
+    heads: Sequence[int],
+    local_shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+    group_size: int,
 ) -> tuple[Tensor, list[tuple[int, ...]]]:
-    """Local [b, s, C*n_j, d] tensors (heads grouped by destination, ``heads[j]`` = C*n_j) -> (the
-    contiguous [C, X] buffer ``start_heads_exchange`` sends, its segments' [b, n_j, s, d] shapes):
-    row dst holds peer dst's n_j heads of each tensor, written head-major from the local tensor."""
+    """(the contiguous [C, X] buffer ``start_heads_exchange`` sends, its segments' [n_j, b, s, d]
+    shapes).  ``write(views)`` fills it: views[j] is segment j seen as this rank's local
+    [b, s, C*n_j, d] tensor (``heads[j]`` = C*n_j heads grouped by destination; ``local_shape`` =
+    (b, s, d)), a strided view into which the caller writes its heads directly (head-major, no
+    select-then-permute temporary)."""
+    b, s, d = local_shape
     c = group_size
-
-    def shapes_of(first: Tensor) -> list[tuple[int, ...]]:
-        b, s, _, d = first.shape
-        return [(b, h // c, s, d) for h in heads]
-
-    def write(segment: Tensor, part: Tensor) -> None:
-        segment.copy_(part.unflatten(2, (c, part.shape[2] // c)).permute(2, 0, 3, 1, 4))
-
-    return _packed_send(parts, shapes_of, c, write)
+    shapes = [(h // c, b, s, d) for h in heads]
+    total = sum(torch.Size(shape).numel() for shape in shapes)
+    send = torch.empty((c, total), dtype=dtype, device=device)
+    # segment [C, n, b, s, d] -> [b, s, C, n, d] -> [b, s, C*n, d]: C and n stay adjacent, so a view
+    write([seg.permute(2, 3, 0, 1, 4).view(b, s, c * n, d) for seg, (n, *_) in zip(_segments(send, shapes), shapes)])
+    return send, shapes
 
 
 def start_heads_exchange(
@@ -162,8 +168,8 @@ def start_heads_exchange(
     def finish(r: Tensor) -> tuple[Tensor, ...]:
         # segment [src] holds peer src's sequence chunk: put it at position src of the sequence
         return tuple(
-            seg.permute(1, 2, 0, 3, 4).reshape(b, n, c * s, d)
-            for seg, (b, n, s, d) in zip(_segments(r, shapes), shapes)
+            seg.permute(2, 1, 0, 3, 4).reshape(b, n, c * s, d)
+            for seg, (n, b, s, d) in zip(_segments(r, shapes), shapes)
         )
 
     return PendingExchange(send, recv, work, counts, finish)
@@ -207,9 +213,3 @@ def to_send_layout(full: Tensor, group_size: int) -> Tensor:
     dst's sequence chunk.  A buffer allocated in this layout and written through the inverse view can
     be sent as it is, without a copy."""
     return full.unflatten(2, (group_size, full.shape[2] // group_size)).permute(2, 0, 3, 1, 4)
-
-
-def from_ranks(by_rank: Tensor) -> Tensor:
-    """[C, b, s, n, d] (``start_scatter``'s result) -> [b, s, C*n, d] (a copy unless b = n = 1)."""
-    c, b, s, n, d = by_rank.shape
-    return by_rank.permute(1, 2, 0, 3, 4).reshape(b, s, c * n, d)

@@ -14,7 +14,7 @@ per-stage projections of the layer input in hf_patches' fused mode.  The loop it
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,7 +24,6 @@ from torch import Tensor
 
 from .comm import (
     PendingExchange,
-    from_ranks,
     heads_send_buffer,
     scatter_buffer,
     scatter_segments,
@@ -102,14 +101,16 @@ class Piece:
 
 
 class StageSource(Protocol):
-    """Supplies a stage's local heads ([b, s, n, d] views of this rank's sequence shard) and takes
-    their gradients back.  The contract is explicit, never inferred from the order of calls: every
-    call names its ``Slot`` (round, stage, heads) and every gradient its ``Piece`` (source rank and
-    head slice).
+    """Writes a stage's local heads (this rank's sequence shard) into the exchange's send buffer and
+    takes their gradients back.  The contract is explicit, never inferred from the order of calls:
+    every call names its ``Slot`` (kind, round, stage, heads) and every gradient its ``Piece``
+    (source rank and head slice).
 
-    - ``query(slot)``: a stage's query heads (a "query" slot); ``key_value(slot)``: a round's K and V
-      (a "key_value" slot, ``stage`` None).  With overlap_comm the next stage's query is asked for
-      before this stage's gradients come back.
+    - ``local_shape`` (b, s, head_dim), ``dtype``, ``device``: of the chunks the source writes.
+    - ``query(slot, out)``: write a stage's query heads into ``out`` ([b, s, n, d], a strided view
+      of the send buffer); ``key_value(slot, out_key, out_value)``: a round's K and V (a "key_value"
+      slot, ``stage`` None).  With overlap_comm the next stage's query is asked for before this
+      stage's gradients come back.
     - ``add_query_grad(slot, piece, grad)``: the gradient of ``piece.heads(slot)`` of a query slot.
     - ``add_key_value_grad(slot, piece, grad_key, grad_value)``: dK/dV of ``piece.heads(slot)`` of
       round ``slot.round``: one stage's (a key/value slot with ``stage`` set) or the round's sum
@@ -118,14 +119,26 @@ class StageSource(Protocol):
       slot after its dQ, a stage's key/value slot after its dK/dV (per-stage mode), a round's
       key/value slot after the round (its summed dK/dV in per-round mode; nothing more per stage).
 
-    A source sets ``accepts_partial_grads = True`` when it takes gradients in pieces (one per source
-    rank, views of the received buffer, no copy into one piece); then the pipeline may also return
-    dK/dV per stage.  Without it every gradient comes whole (``Piece(None, 0, heads.numel())``) and
-    dK/dV once per round."""
+    Two choices the source makes:
 
-    def query(self, slot: Slot) -> Tensor: ...
+    - ``grads_per_source_rank``: gradients come as one piece per source rank (contiguous
+      [b, s, n, d] views of the received buffer: no copy; the source sums each piece, e.g. by
+      index_add), else once per slot (``Piece(None, 0, heads.numel())``) as a [b, s, C, n, d] view
+      of the received buffer (source rank major: ``flatten(2, 3)`` gives the slot's heads in order;
+      the source's first op on it may read it strided instead of copying it).
+    - ``key_value_grads_per_stage``: the source sums dK/dV handed over per stage (the pipeline then
+      needs no round-sized accumulator when the gradients are in the accumulation dtype), else
+      dK/dV come once per round, summed by the pipeline."""
 
-    def key_value(self, slot: Slot) -> tuple[Tensor, Tensor]: ...
+    local_shape: tuple[int, int, int]
+    dtype: torch.dtype
+    device: torch.device
+    grads_per_source_rank: bool
+    key_value_grads_per_stage: bool
+
+    def query(self, slot: Slot, out: Tensor) -> None: ...
+
+    def key_value(self, slot: Slot, out_key: Tensor, out_value: Tensor) -> None: ...
 
     def add_query_grad(self, slot: Slot, piece: Piece, grad: Tensor) -> None: ...
 
@@ -137,20 +150,24 @@ class StageSource(Protocol):
 class LocalTensorSource:
     """Stage inputs taken from already computed local q, k, v ([b, s, h, d] views)."""
 
-    #: gradients are summed into grad_q/grad_k/grad_v by index_add, piece by piece
-    accepts_partial_grads = True
+    #: gradients are summed into grad_q/grad_k/grad_v by index_add, piece by piece, stage by stage
+    grads_per_source_rank = True
+    key_value_grads_per_stage = True
 
     def __init__(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         self.q, self.k, self.v = query, key, value
+        self.local_shape = (query.shape[0], query.shape[1], query.shape[3])
+        self.dtype, self.device = query.dtype, query.device
         self.grad_q: Tensor | None = None
         self.grad_k: Tensor | None = None
         self.grad_v: Tensor | None = None
 
-    def query(self, slot: Slot) -> Tensor:
-        return self.q.index_select(2, slot.heads)
+    def query(self, slot: Slot, out: Tensor) -> None:
+        torch.index_select(self.q, 2, slot.heads, out=out)
 
-    def key_value(self, slot: Slot) -> tuple[Tensor, Tensor]:
-        return self.k.index_select(2, slot.heads), self.v.index_select(2, slot.heads)
+    def key_value(self, slot: Slot, out_key: Tensor, out_value: Tensor) -> None:
+        torch.index_select(self.k, 2, slot.heads, out=out_key)
+        torch.index_select(self.v, 2, slot.heads, out=out_value)
 
     def add_query_grad(self, slot: Slot, piece: Piece, grad: Tensor) -> None:
         if self.grad_q is None:
@@ -234,17 +251,21 @@ class PipelineContext:
             return dtype
         return torch.float32
 
-    # Parts come from generators that hold each one's only reference, so a part is freed as soon as
-    # it is written into the packed send buffer.
-    def start_gather(self, parts: Iterable[Tensor], heads: Sequence[int], *, prefetch: bool = True) -> PendingExchange:
-        """All-to-all local [b, s, C*n_j, d] tensors (``heads[j]`` = C*n_j) in one packed exchange,
-        asynchronously when ``prefetch`` and overlap_comm; the handle's ``wait()`` gives [b, n_j, S, d] each."""
-        send, shapes = heads_send_buffer(parts, heads, self.plan.group_size)
-        return start_heads_exchange(send, shapes, self.plan.group_size, self.group, self.overlap_comm and prefetch)
+    def start_gather(
+        self, source: StageSource, write: Callable[[list[Tensor]], None], heads: Sequence[int], *, prefetch: bool = True
+    ) -> PendingExchange:
+        """All-to-all the local [b, s, C*n_j, d] tensors that ``write(views)`` writes into the send
+        buffer's views (``heads[j]`` = C*n_j, shape and dtype the source's) in one packed exchange,
+        asynchronously when ``prefetch`` and overlap_comm; the handle's ``wait()`` gives
+        [b, n_j, S, d] each."""
+        c = self.plan.group_size
+        send, shapes = heads_send_buffer(write, heads, source.local_shape, source.dtype, source.device, c)
+        return start_heads_exchange(send, shapes, c, self.group, self.overlap_comm and prefetch)
 
-    def gather(self, parts: Iterable[Tensor], heads: Sequence[int]) -> tuple[Tensor, ...]:
-        """``start_gather`` finished at once."""
-        return self.start_gather(parts, heads, prefetch=False).wait()
+    def gather_key_value(self, source: StageSource, slot: Slot) -> tuple[Tensor, ...]:
+        """A round's K and V ([b, n, S, d] each), in one exchange, finished at once."""
+        n = slot.heads.numel()
+        return self.start_gather(source, lambda out: source.key_value(slot, *out), (n, n), prefetch=False).wait()
 
     def prefetched(
         self, items: Sequence[Slot], start: Callable[[Slot], PendingExchange]
@@ -286,23 +307,15 @@ def _stage_slots(ctx: PipelineContext, round_idx: int) -> list[Slot]:
     return [Slot("query", round_idx, i, idx) for i, idx in enumerate(ctx.indices.query[round_idx])]
 
 
-def _parts(*make: Callable[[], Tensor]) -> Iterator[Tensor]:
-    """The tensors ``make`` return, one at a time (this generator keeps no reference once one is taken)."""
-    for m in make:
-        yield m()
-
-
 def pipeline_forward(ctx: PipelineContext, source: StageSource, out: Tensor) -> list[Tensor | None]:
     """Run all stages, writing into ``out`` ([b, s, H, d] view).  Returns, stage after stage, the
     kernel's lse followed by its aux (tensors or None, for ``save_for_backward``)."""
     saved: list[Tensor | None] = []
     for round_idx, kv_idx in enumerate(ctx.indices.kv):
-        kv_slot = Slot("key_value", round_idx, None, kv_idx)
-        n = kv_idx.numel()
-        k_full, v_full = ctx.gather(_key_value_parts(source, kv_slot), (n, n))
+        k_full, v_full = ctx.gather_key_value(source, Slot("key_value", round_idx, None, kv_idx))
 
         def start(slot: Slot) -> PendingExchange:
-            return ctx.start_gather(_parts(lambda: source.query(slot)), (slot.heads.numel(),))
+            return ctx.start_gather(source, lambda out: source.query(slot, out[0]), (slot.heads.numel(),))
 
         for slot, (q_full,) in ctx.prefetched(_stage_slots(ctx, round_idx), start):
             o_full, lse, aux = ctx.attention.forward(q_full, k_full, v_full)
@@ -325,12 +338,6 @@ def _write_output(out: Tensor) -> Callable[[Slot, Piece, Tensor], None]:
     return write
 
 
-def _key_value_parts(source: StageSource, slot: Slot) -> Iterator[Tensor]:
-    key_value = list(source.key_value(slot))
-    while key_value:
-        yield key_value.pop(0)
-
-
 @dataclass
 class RecomputedOutput:
     """Stands for the output in ``pipeline_backward`` when the forward saved neither it nor the stages'
@@ -347,15 +354,16 @@ def pipeline_backward(
     ctx: PipelineContext,
     source: StageSource,
     out: Tensor | RecomputedOutput,
-    grad_out: Tensor | Callable[[Slot], Tensor],
+    grad_out: Tensor | Callable[[Slot, Tensor], None],
     saved: Sequence[Tensor | None],
 ) -> None:
     """Replay every stage and hand q/k/v gradients (local layout) to ``source``; ``saved`` is what
     ``pipeline_forward`` returned (empty with a ``RecomputedOutput``).
 
-    ``grad_out`` is the output gradient ([b, s, H, d] view) or a function returning the gradient of
-    the given stage's heads ([b, s, n, d]): a caller that fuses the output projection computes each
-    stage's slice on demand instead of materializing the full gradient.
+    ``grad_out`` is the output gradient ([b, s, H, d] view) or a function ``grad_out(slot, out)``
+    writing the gradient of the stage's heads into ``out`` ([b, s, n, d]): a caller that fuses the
+    output projection computes each stage's slice on demand instead of materializing the full
+    gradient.
 
     Per stage one packed exchange brings q, dout and (for an lse-based kernel backward) the output;
     one sends dq back, one more the stage's dK/dV when they go back per stage (``RoundKeyValueGrads``)."""
@@ -367,18 +375,20 @@ def pipeline_backward(
     needs_output = ctx.attention.needs_output_in_backward and recomputed is None
     for round_idx, kv_idx in enumerate(ctx.indices.kv):
         kv_slot = Slot("key_value", round_idx, None, kv_idx)
-        n = kv_idx.numel()
-        k_full, v_full = ctx.gather(_key_value_parts(source, kv_slot), (n, n))
+        k_full, v_full = ctx.gather_key_value(source, kv_slot)
         kv_grads = RoundKeyValueGrads(ctx, source, kv_slot, k_full, dtype)
 
         def start_stage(slot: Slot) -> PendingExchange:
-            makers = [
-                lambda: source.query(slot),
-                (lambda: grad_out(slot)) if callable(grad_out) else (lambda: grad_out.index_select(2, slot.heads)),
-            ]
-            if needs_output:
-                makers.append(lambda: out.index_select(2, slot.heads))
-            return ctx.start_gather(_parts(*makers), (slot.heads.numel(),) * len(makers))
+            def write(views: list[Tensor]) -> None:
+                source.query(slot, views[0])
+                if callable(grad_out):
+                    grad_out(slot, views[1])
+                else:
+                    torch.index_select(grad_out, 2, slot.heads, out=views[1])
+                if needs_output:
+                    torch.index_select(out, 2, slot.heads, out=views[2])
+
+            return ctx.start_gather(source, write, (slot.heads.numel(),) * (3 if needs_output else 2))
 
         for slot, (q_full, dout_full, *o_full) in ctx.prefetched(_stage_slots(ctx, round_idx), start_stage):
             if recomputed is not None:
@@ -423,11 +433,11 @@ class RoundKeyValueGrads:
 
     def __init__(self, ctx: PipelineContext, source: StageSource, kv_slot: Slot, k_full: Tensor, dtype: torch.dtype):
         self.ctx, self.source, self.kv_slot, self.dtype = ctx, source, kv_slot, dtype
-        self.by_rank = getattr(source, "accepts_partial_grads", False)
+        self.by_rank = source.grads_per_source_rank
         acc_dtype = ctx.accumulate_dtype(k_full.dtype)
         self.acc: Tensor | None = None  # [C, X]: the K and V segments of one send buffer
         self.acc_views: tuple[Tensor, ...] = ()
-        if not (self.by_rank and k_full.dtype == acc_dtype == dtype):  # per round
+        if not (source.key_value_grads_per_stage and k_full.dtype == acc_dtype == dtype):  # per round
             b, n, seq, d = k_full.shape
             c = ctx.plan.group_size
             self.shapes = [(b, seq // c, n, d)] * 2
@@ -473,10 +483,10 @@ class RoundKeyValueGrads:
 def _hand_over(add: Callable[..., Any], slot: Slot, by_rank_tensors: tuple[Tensor, ...], by_rank: bool) -> None:
     """``add(slot, piece, *tensors)`` from ``scatter`` results ([C, b, s, n, d] each): once per
     source rank with contiguous [b, s, n, d] views when ``by_rank``, else once with all ranks' heads
-    as one [b, s, C*n, d] copy each.  A function of its own, so that no loop variable keeps a piece
-    (and with it the whole received buffer) alive after the hand-over."""
+    as a [b, s, C, n, d] view each (no copy).  A function of its own, so that no loop variable keeps
+    a piece (and with it the whole received buffer) alive after the hand-over."""
     if not by_rank:
-        add(slot, Piece(None, 0, slot.heads.numel()), *(from_ranks(t) for t in by_rank_tensors))
+        add(slot, Piece(None, 0, slot.heads.numel()), *(t.permute(1, 2, 0, 3, 4) for t in by_rank_tensors))
         return
     n = by_rank_tensors[0].shape[3]
     for src in range(by_rank_tensors[0].shape[0]):

@@ -35,6 +35,12 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 DX_TILE_BYTES = 1 << 25
 
 
+def _heads_flat(grad: Tensor) -> Tensor:
+    """A slot's [b, s, C, n, d] gradient as [b, s, C*n, d] (a copy: it is a view of the received
+    buffer), or a [b, s, n, d] one as it is."""
+    return grad.flatten(2, 3) if grad.dim() == 5 else grad
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Qwen3RMSNorm.forward as a function of its weight (so backward can differentiate a leaf)."""
     input_dtype = x.dtype
@@ -160,11 +166,12 @@ def _dense_like(t: Tensor, other: Tensor) -> Tensor:
     return torch.empty(t.shape, dtype=torch.result_type(t, other), device=t.device)
 
 
-def apply_rope(y: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def apply_rope(y: Tensor, cos: Tensor, sin: Tensor, out: Tensor | None = None) -> Tensor:
     """y * cos + rotate_half(y) * sin: transformers' RoPE (Llama, Mistral, Qwen2 and Qwen3 share it),
-    computed with one temporary instead of four."""
+    computed with one temporary instead of four, into ``out`` when given (e.g. a strided view of an
+    all-to-all's send buffer)."""
     h = y.shape[-1] // 2
-    out = torch.mul(y, cos, out=_dense_like(y, cos))
+    out = torch.mul(y, cos, out=_dense_like(y, cos) if out is None else out)
     out[..., :h].addcmul_(y[..., h:], sin[..., :h], value=-1)
     out[..., h:].addcmul_(y[..., :h], sin[..., h:])
     return out
@@ -205,17 +212,19 @@ class FusedProjectionSource:
     Backward mode keeps, per slot in flight (keyed by the round and stage the pipeline names), only
     the pre-norm chunk of a q/k norm; a slot's gradient is taken back through RoPE by hand, through
     the norm by autograd, and through the linear part by hand: dW[rows] += g^T x, db[rows] += sum g,
-    and dx's terms wait for ``finish(slot)``, which sums a slot's per-source-rank pieces in one
-    product (per stage's dQ, per stage's or round's dK/dV), dx += [g_1 ... g_n] @ [W_1; ...; W_n],
-    in place (no x-sized temporary per stage).
+    and dx's terms wait for ``finish(slot)``, which adds them in one product per slot (a stage's
+    dQ; a stage's or a round's dK with dV), dx += [g_1 ... g_n] @ [W_1; ...; W_n], in place (no
+    x-sized temporary per stage).
 
-    Without a k norm it takes partial gradients (``accepts_partial_grads``): the pipeline hands each
-    source rank's heads over as they arrive, without copying them into one piece, and may return a
-    round's dK/dV once per stage, with the stage's dQ, instead of summing them in a round-sized
-    accumulator first (when they are in the accumulation dtype): that accumulator would sit beside the
-    kernel's backward, where the layer peaks.  Qwen3's k norm computes in float32: its backward must
-    see the round's summed dK, as the model's own autograd does (each stage's piece rounded to float32
-    on its own would differ from it by about 1e-7)."""
+    It takes each slot's gradient whole (``grads_per_source_rank`` False), as a [b, s, C, n, d] view
+    of the received buffer that RoPE's backward reads strided: one op per slot where per-source-rank
+    pieces cost C (the pieces' dx terms were concatenated into one product anyway, the same copy).
+    Without a k norm it takes dK/dV per stage (``key_value_grads_per_stage``), right after the stage's
+    dQ, instead of the pipeline summing them in a round-sized accumulator first (when they are in the
+    accumulation dtype): that accumulator would sit beside the kernel's backward, where the layer peaks.
+    Qwen3's k norm computes in float32: its backward must see the round's summed dK, as the model's
+    own autograd does (each stage's piece rounded to float32 on its own would differ from it by
+    about 1e-7)."""
 
     def __init__(
         self,
@@ -242,8 +251,12 @@ class FusedProjectionSource:
         self.need_p = tuple(bool(n) for n in needs_grad[1:]) if backward else (False,) * NUM_PARAMS
         # float32 sums for half-precision x / weights unless asked to sum in their own dtype
         self.accumulate_in_input_dtype = accumulate_in_input_dtype
-        #: gradients may arrive as per-source-rank pieces of a slot's heads, dK/dV per stage
-        self.accepts_partial_grads = proj.k_norm is None
+        #: the StageSource contract: chunks of x's batch and sequence shard; gradients per slot
+        #: (whole), dK/dV per stage unless a k norm needs the round's sum
+        self.local_shape = (x.shape[0], x.shape[1], self.d)
+        self.dtype, self.device = x.dtype, x.device
+        self.grads_per_source_rank = False
+        self.key_value_grads_per_stage = proj.k_norm is None
         self.grad_x: Tensor | None = None
         #: dx terms (g, W rows) of the gradients handed over since the last ``finish``
         self._dx_pending: list[tuple[Tensor, Tensor]] = []
@@ -268,26 +281,26 @@ class FusedProjectionSource:
     def _norm(self, norm_idx: int) -> nn.Module | None:
         return self.proj.q_norm if norm_idx == _QN else self.proj.k_norm
 
-    def _chunk(self, slot: Slot, w_idx: int, norm_idx: int) -> Tensor:
+    def _chunk(self, slot: Slot, w_idx: int, norm_idx: int, out: Tensor) -> None:
         y = self._linear(self.rows(slot.heads), w_idx)
         norm = self._norm(norm_idx)
         if norm is not None:
             if self.backward:
                 self._pre_norm[slot.key] = y
             y = rms_norm_tiled(y, self.weights[norm_idx], norm.variance_epsilon, qk_norm_tile_tokens(y))
-        return apply_rope(y, self.cos, self.sin)
+        apply_rope(y, self.cos, self.sin, out=out)
 
     def _pre_norm_of(self, key: tuple[str, int, int | None], piece: Piece) -> Tensor | None:
         pre_norm = self._pre_norm.get(key)
         return None if pre_norm is None else pre_norm.narrow(2, piece.start, piece.count)
 
     # -- StageSource -------------------------------------------------------------------------
-    def query(self, slot: Slot) -> Tensor:
-        return self._chunk(slot, _WQ, _QN)
+    def query(self, slot: Slot, out: Tensor) -> None:
+        self._chunk(slot, _WQ, _QN, out)
 
-    def key_value(self, slot: Slot) -> tuple[Tensor, Tensor]:
-        k = self._chunk(slot, _WK, _KN)
-        return k, self._linear(self.rows(slot.heads), _WV)
+    def key_value(self, slot: Slot, out_key: Tensor, out_value: Tensor) -> None:
+        self._chunk(slot, _WK, _KN, out_key)
+        out_value.copy_(self._linear(self.rows(slot.heads), _WV))
 
     def add_query_grad(self, slot: Slot, piece: Piece, grad: Tensor) -> None:
         pre_norm = self._pre_norm_of(slot.key, piece)
@@ -302,6 +315,7 @@ class FusedProjectionSource:
         if replicas is not None:
             # Sum the replicas' gradients first, as HF's repeat_kv backward does: a q/k norm computes in
             # float32 inside, so taking each replica through it separately would round differently.
+            grad_key, grad_value = (_heads_flat(g) for g in (grad_key, grad_value))
             dev = grad_key.device
             unique = torch.tensor(replicas.unique, dtype=torch.long, device=dev)
             slots = torch.tensor(replicas.slot_to_unique, dtype=torch.long, device=dev)
@@ -325,7 +339,12 @@ class FusedProjectionSource:
         return torch.zeros((b, s, num_unique, d), dtype=grad.dtype, device=grad.device).index_add_(2, slots, grad)
 
     def _chunk_backward(self, grad: Tensor, pre_norm: Tensor | None, norm_idx: int) -> Tensor:
-        grad = rope_backward(grad, self.cos, self.sin)
+        """``grad``: [b, s, n, d] or a slot's whole [b, s, C, n, d] (read strided by RoPE's backward,
+        whose contiguous result is flattened to [b, s, C*n, d] without a copy)."""
+        if grad.dim() == 5:
+            grad = rope_backward(grad, self.cos.unsqueeze(2), self.sin.unsqueeze(2)).flatten(2, 3)
+        else:
+            grad = rope_backward(grad, self.cos, self.sin)
         if pre_norm is None:
             return grad
         grad_input, grad_weight = rms_norm_backward(
@@ -353,9 +372,9 @@ class FusedProjectionSource:
             self._accumulate(w_idx + 1, rows, g.sum(0))
 
     def _flush_grad_x(self) -> None:
-        """dx += [g_1 ... g_n] @ [W_1; ...; W_n] over the pending pieces of a slot: one GEMM per
-        slot (a stage's dQ; a stage's or a round's dK with dV) instead of one per piece and source
-        rank, each of which read and wrote the whole x-sized accumulator.
+        """dx += [g_1 ... g_n] @ [W_1; ...; W_n] over the pending terms of a slot: one GEMM per
+        slot (a stage's dQ; a stage's or a round's dK with dV; any pieces it came in) instead of one
+        per term, each of which would read and write the whole x-sized accumulator.
         With the accumulator in the input dtype it is one in-place addmm.  With a float32 accumulator
         for 16-bit inputs the GEMM runs in the input dtype (tensor cores, float32 accumulation inside,
         as the model's own q/k/v_proj backward computes dx) over tiles of ``DX_TILE_BYTES`` of
@@ -443,9 +462,9 @@ class FusedUPipeAttention(torch.autograd.Function):
         recompute = fctx.pctx.recompute_output
         (b, s, _), num_heads, d = x.shape, fctx.pctx.plan.num_heads, fctx.proj.head_dim  # the output's shape
 
-        def grad_out(slot: Slot) -> Tensor:
-            """This stage's slice of d(attention output) = dy @ Wo[:, columns of the heads]."""
-            return (dy @ w_o.index_select(1, source.rows(slot.heads))).view(b, s, slot.heads.numel(), d)
+        def grad_out(slot: Slot, out: Tensor) -> None:
+            """This stage's slice of d(attention output) = dy @ Wo[:, columns of the heads], into ``out``."""
+            out.copy_((dy @ w_o.index_select(1, source.rows(slot.heads))).view(b, s, slot.heads.numel(), d))
 
         with torch.no_grad():
             if recompute:

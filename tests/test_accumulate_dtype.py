@@ -3,6 +3,8 @@ the fused source and the round's dK/dV accumulator are built directly)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -26,8 +28,10 @@ def _context(accumulate_in_input_dtype: bool) -> PipelineContext:
 @pytest.mark.parametrize("on, want", [(False, torch.float32), (True, torch.bfloat16)])
 def test_round_dkdv_accumulator_dtype(on, want):
     k_full = torch.zeros(1, 2, 8, 4, dtype=torch.bfloat16)  # [b, n, S, d]
+    # a source taking dK/dV once per round: the pipeline sums the stages' in the round's accumulator
+    source = SimpleNamespace(grads_per_source_rank=True, key_value_grads_per_stage=False)
     grads = RoundKeyValueGrads(
-        _context(on), object(), Slot("key_value", 0, None, torch.arange(2)), k_full, torch.bfloat16
+        _context(on), source, Slot("key_value", 0, None, torch.arange(2)), k_full, torch.bfloat16
     )
     assert grads.acc.dtype == want and [a.dtype for a in grads.acc_views] == [want, want]
 
@@ -43,7 +47,9 @@ def test_fused_dx_and_weight_accumulators_dtype(on, want):
     slot = Slot("query", 0, 0, torch.tensor([0, 1]))
     with torch.no_grad():  # as in FusedUPipeAttention.backward
         # a stage's gradient comes back in float32
-        source.add_query_grad(slot, Piece(None, 0, 2), source.query(slot).float())
+        chunk = torch.empty(1, 6, 2, proj.head_dim, dtype=torch.bfloat16)
+        source.query(slot, chunk)
+        source.add_query_grad(slot, Piece(None, 0, 2), chunk.float())
         source.finish(slot)
     grad_p = [g for g in source.grad_p if g is not None]
     assert source.grad_x.dtype == want and grad_p and all(g.dtype == want for g in grad_p)
@@ -88,7 +94,9 @@ def test_fused_dx_is_one_input_dtype_gemm_per_stage(monkeypatch, tiles):
     heads = torch.tensor([0, 1])
     slot = Slot("query", 0, 0, heads)
     with torch.no_grad(), _DxGemms((6 // tiles, model.config.hidden_size)) as gemms:
-        grad = source.query(slot).float()
+        grad = torch.empty(1, 6, 2, proj.head_dim, dtype=torch.bfloat16)
+        source.query(slot, grad)
+        grad = grad.float()
         for h in (0, 1):  # one piece per source rank
             source.add_query_grad(slot, Piece(h, h, 1), grad[:, :, h : h + 1])
         source.finish(slot)  # the stage's pieces are all in: one dx product
