@@ -2,14 +2,14 @@
 
 Every exchange sends a contiguous [C, X] buffer: row dst holds, one segment per tensor, what peer
 dst gets of that tensor; ``all_to_all_single`` splits dim 0 evenly, so one collective carries a
-stage's (or round's) tensors together (K with V; Q with dout and out; dQ with dK and dV).  The stage
+stage's (or round's) tensors together (K with V; q with dout and out; dK with dV).  The stage
 plan guarantees equal head counts per rank, so every exchange is even, which gloo requires.
 
 - Heads to sequence (``heads_send_buffer`` + ``start_heads_exchange``): the caller writes its local
-  [b, s, C*n_j, d] tensors (this rank's sequence shard, the C*n_j heads grouped by destination rank)
-  straight into strided views of their segments ([n_j, b, s, d] per destination), so a stage's
-  heads are selected (or projected) into the send buffer itself: no select-then-permute
-  temporary; the pending result is one [b, n_j, S, d] tensor per segment (full
+  [b, s, C*n_j, d] tensors (this rank's sequence shard, the C*n_j heads grouped by destination rank,
+  seen as [b, s, C, n_j, d]) straight into strided views of their segments ([n_j, b, s, d] per
+  destination), so a stage's heads are selected (or projected) into the send buffer itself: no
+  select-then-permute temporary; the pending result is one [b, n_j, S, d] tensor per segment (full
   sequence S = C*s of the n_j heads this rank attends over, in the kernel layout), so the pipeline
   can fetch the next stage's heads while the current stage computes.
 - Sequence to heads (``scatter_buffer`` + ``start_scatter``): full [b, n_j, S, d] tensors are
@@ -140,17 +140,18 @@ def heads_send_buffer(
     group_size: int,
 ) -> tuple[Tensor, list[tuple[int, ...]]]:
     """(the contiguous [C, X] buffer ``start_heads_exchange`` sends, its segments' [n_j, b, s, d]
-    shapes).  ``write(views)`` fills it: views[j] is segment j seen as this rank's local
-    [b, s, C*n_j, d] tensor (``heads[j]`` = C*n_j heads grouped by destination; ``local_shape`` =
+    shapes).  ``write(views)`` fills it: views[j] is segment j seen as this rank's local heads,
+    [b, s, C, n_j, d] (``heads[j]`` = C*n_j heads grouped by destination; ``local_shape`` =
     (b, s, d)), a strided view into which the caller writes its heads directly (head-major, no
-    select-then-permute temporary)."""
+    select-then-permute temporary; e.g. ``select_heads``)."""
     b, s, d = local_shape
     c = group_size
     shapes = [(h // c, b, s, d) for h in heads]
     total = sum(torch.Size(shape).numel() for shape in shapes)
     send = torch.empty((c, total), dtype=dtype, device=device)
-    # segment [C, n, b, s, d] -> [b, s, C, n, d] -> [b, s, C*n, d]: C and n stay adjacent, so a view
-    write([seg.permute(2, 3, 0, 1, 4).view(b, s, c * n, d) for seg, (n, *_) in zip(_segments(send, shapes), shapes)])
+    # segment [C, n, b, s, d] seen as [b, s, C, n, d] (C and n are not mergeable: a row of the buffer
+    # holds every segment's piece for one destination)
+    write([seg.permute(2, 3, 0, 1, 4) for seg in _segments(send, shapes)])
     return send, shapes
 
 
@@ -199,13 +200,23 @@ def scatter_segments(buffer: Tensor, shapes: Sequence[tuple[int, ...]]) -> list[
 
 
 def start_scatter(
-    send: Tensor, shapes: Sequence[tuple[int, ...]], group_size: int, group: dist.ProcessGroup | None
-) -> tuple[Tensor, ...]:
-    """All-to-all of a sequence-to-heads [C, X] buffer (synchronous); per tensor a [C, b, s, n_j, d]
-    view where [src] is this rank's sequence chunk of the n_j heads rank src attended over."""
-    recv, _, _ = _exchange(send, group, group_size, async_op=False)
-    del send
-    return tuple(_segments(recv, shapes))
+    send: Tensor,
+    shapes: Sequence[tuple[int, ...]],
+    group_size: int,
+    group: dist.ProcessGroup | None,
+    async_op: bool = False,
+) -> PendingExchange:
+    """All-to-all of a sequence-to-heads [C, X] buffer; the handle's ``wait()`` gives, per tensor, a
+    [C, b, s, n_j, d] view where [src] is this rank's sequence chunk of the heads rank src attended over."""
+    recv, work, counts = _exchange(send, group, group_size, async_op)
+    return PendingExchange(send, recv, work, counts, lambda r: tuple(_segments(r, shapes)))
+
+
+def select_heads(src: Tensor, heads: Tensor, out: Tensor) -> None:
+    """out[b, s, c, i] = src[b, s, heads[c * n + i]] for a [b, s, C, n, d] ``out`` (a send buffer's
+    strided view): one indexing op writing straight into it, no [b, s, C*n, d] temporary."""
+    c, n = out.shape[2], out.shape[3]
+    torch.ops.aten.index.Tensor_out(src, [None, None, heads.view(c, n)], out=out)
 
 
 def to_send_layout(full: Tensor, group_size: int) -> Tensor:

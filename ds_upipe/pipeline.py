@@ -27,6 +27,7 @@ from .comm import (
     heads_send_buffer,
     scatter_buffer,
     scatter_segments,
+    select_heads,
     start_heads_exchange,
     start_scatter,
     to_send_layout,
@@ -107,10 +108,11 @@ class StageSource(Protocol):
     (source rank and head slice).
 
     - ``local_shape`` (b, s, head_dim), ``dtype``, ``device``: of the chunks the source writes.
-    - ``query(slot, out)``: write a stage's query heads into ``out`` ([b, s, n, d], a strided view
-      of the send buffer); ``key_value(slot, out_key, out_value)``: a round's K and V (a "key_value"
-      slot, ``stage`` None).  With overlap_comm the next stage's query is asked for before this
-      stage's gradients come back.
+    - ``query(slot, out)``: write a stage's query heads into ``out``, a strided [b, s, C, n, d] view
+      of the send buffer (head ``slot.heads[c * n + i]`` at [:, :, c, i]: ``comm.select_heads``);
+      ``key_value(slot, out_key, out_value)``: a round's K and V (a "key_value" slot, ``stage``
+      None).  With overlap_comm the next stage's query is asked for before this stage's gradients
+      come back.
     - ``add_query_grad(slot, piece, grad)``: the gradient of ``piece.heads(slot)`` of a query slot.
     - ``add_key_value_grad(slot, piece, grad_key, grad_value)``: dK/dV of ``piece.heads(slot)`` of
       round ``slot.round``: one stage's (a key/value slot with ``stage`` set) or the round's sum
@@ -163,11 +165,11 @@ class LocalTensorSource:
         self.grad_v: Tensor | None = None
 
     def query(self, slot: Slot, out: Tensor) -> None:
-        torch.index_select(self.q, 2, slot.heads, out=out)
+        select_heads(self.q, slot.heads, out)
 
     def key_value(self, slot: Slot, out_key: Tensor, out_value: Tensor) -> None:
-        torch.index_select(self.k, 2, slot.heads, out=out_key)
-        torch.index_select(self.v, 2, slot.heads, out=out_value)
+        select_heads(self.k, slot.heads, out_key)
+        select_heads(self.v, slot.heads, out_value)
 
     def add_query_grad(self, slot: Slot, piece: Piece, grad: Tensor) -> None:
         if self.grad_q is None:
@@ -255,7 +257,7 @@ class PipelineContext:
         self, source: StageSource, write: Callable[[list[Tensor]], None], heads: Sequence[int], *, prefetch: bool = True
     ) -> PendingExchange:
         """All-to-all the local [b, s, C*n_j, d] tensors that ``write(views)`` writes into the send
-        buffer's views (``heads[j]`` = C*n_j, shape and dtype the source's) in one packed exchange,
+        buffer's [b, s, C, n_j, d] views (``heads[j]`` = C*n_j, shape and dtype the source's) in one packed exchange,
         asynchronously when ``prefetch`` and overlap_comm; the handle's ``wait()`` gives
         [b, n_j, S, d] each."""
         c = self.plan.group_size
@@ -283,10 +285,11 @@ class PipelineContext:
             if not self.overlap_comm and has_next:
                 pending = start(items[i + 1])
 
-    def scatter(self, parts: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, ...]:
+    def start_scatter(self, parts: list[Tensor], dtype: torch.dtype, *, overlap: bool = False) -> PendingExchange:
         """Pop every [b, n_j, S, d] tensor of ``parts`` and all-to-all them in ``dtype``, packed in one
-        exchange, to [C, b, s, n_j, d] each: this rank's sequence chunk, per source rank.  Popping
-        hands over the last references, so each is freed as soon as it is written into the send buffer."""
+        exchange (asynchronously when ``overlap`` and overlap_comm); the handle's ``wait()`` gives
+        [C, b, s, n_j, d] each: this rank's sequence chunk, per source rank.  Popping hands over the
+        last references, so each is freed as soon as it is written into the send buffer."""
         heads = [t.shape[1] for t in parts]
 
         def taken() -> Iterator[Tensor]:
@@ -294,7 +297,12 @@ class PipelineContext:
                 yield parts.pop(0).to(dtype)
 
         send, shapes = scatter_buffer(taken(), heads, self.plan.group_size)
-        return start_scatter(send, shapes, self.plan.group_size, self.group)
+        async_op = overlap and self.overlap_comm
+        return start_scatter(send, shapes, self.plan.group_size, self.group, async_op)
+
+    def scatter(self, parts: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, ...]:
+        """``start_scatter`` finished at once."""
+        return self.start_scatter(parts, dtype).wait()
 
     def count_stage(self) -> None:
         for counter in _ACTIVE_COUNTERS:
@@ -317,18 +325,34 @@ def pipeline_forward(ctx: PipelineContext, source: StageSource, out: Tensor) -> 
         def start(slot: Slot) -> PendingExchange:
             return ctx.start_gather(source, lambda out: source.query(slot, out[0]), (slot.heads.numel(),))
 
+        later: list[Callable[[], None]] = []  # overlap_comm: the previous stage's output write
         for slot, (q_full,) in ctx.prefetched(_stage_slots(ctx, round_idx), start):
             o_full, lse, aux = ctx.attention.forward(q_full, k_full, v_full)
             saved += (lse, *aux)
             del q_full
-            owner = [o_full]  # the only reference: scatter frees it once it is copied to send
+            _run(later)  # the previous stage's output arrived while this stage computed
+            owner = [o_full]  # the only reference: the scatter frees it once it is copied to send
             del o_full
-            (o_local,) = ctx.scatter(owner, out.dtype)
-            _hand_over(_write_output(out), slot, (o_local,), True)
-            del o_local
+            pending = ctx.start_scatter(owner, out.dtype, overlap=True)
+            later.append(functools.partial(_write_stage_output, out, slot, pending))
+            del pending
+            if not ctx.overlap_comm:
+                _run(later)
             ctx.count_stage()
+        _run(later)
         del k_full, v_full
     return saved
+
+
+def _run(later: list[Callable[[], None]]) -> None:
+    """Run (and drop) the deferred hand-overs."""
+    while later:
+        later.pop(0)()
+
+
+def _write_stage_output(out: Tensor, slot: Slot, pending: PendingExchange) -> None:
+    (o_local,) = pending.wait()
+    _hand_over(_write_output(out), slot, (o_local,), True)
 
 
 def _write_output(out: Tensor) -> Callable[[Slot, Piece, Tensor], None]:
@@ -361,7 +385,7 @@ def pipeline_backward(
     ``pipeline_forward`` returned (empty with a ``RecomputedOutput``).
 
     ``grad_out`` is the output gradient ([b, s, H, d] view) or a function ``grad_out(slot, out)``
-    writing the gradient of the stage's heads into ``out`` ([b, s, n, d]): a caller that fuses the
+    writing the gradient of the stage's heads into ``out`` ([b, s, C, n, d], as ``query``): a caller that fuses the
     output projection computes each stage's slice on demand instead of materializing the full
     gradient.
 
@@ -384,9 +408,9 @@ def pipeline_backward(
                 if callable(grad_out):
                     grad_out(slot, views[1])
                 else:
-                    torch.index_select(grad_out, 2, slot.heads, out=views[1])
+                    select_heads(grad_out, slot.heads, views[1])
                 if needs_output:
-                    torch.index_select(out, 2, slot.heads, out=views[2])
+                    select_heads(out, slot.heads, views[2])
 
             return ctx.start_gather(source, write, (slot.heads.numel(),) * (3 if needs_output else 2))
 
@@ -435,6 +459,8 @@ class RoundKeyValueGrads:
         self.ctx, self.source, self.kv_slot, self.dtype = ctx, source, kv_slot, dtype
         self.by_rank = source.grads_per_source_rank
         acc_dtype = ctx.accumulate_dtype(k_full.dtype)
+        #: overlap_comm: the hand-overs of the last stage's asynchronous gradient exchanges
+        self.later: list[Callable[[], None]] = []
         self.acc: Tensor | None = None  # [C, X]: the K and V segments of one send buffer
         self.acc_views: tuple[Tensor, ...] = ()
         if not (source.key_value_grads_per_stage and k_full.dtype == acc_dtype == dtype):  # per round
@@ -451,32 +477,53 @@ class RoundKeyValueGrads:
         dQ travels alone, and the source finishes the query slot before dK/dV arrive: a packed
         dQ+dK+dV exchange (one collective fewer per stage) holds the whole received buffer, and a
         fused source's pending dx terms, while dQ is taken back through the projections, which raised
-        the fused block's peak (MemTracker, tests/test_hf_memory.py: 6.73 and 6.45 units against 6.38)."""
-        (dq_local,) = self.ctx.scatter([grads.pop(0)], self.dtype)
+        the fused block's peak (MemTracker, tests/test_hf_memory.py: 6.73 and 6.45 units against 6.38).
+
+        With overlap_comm the exchanges are asynchronous and handed over after the next stage's
+        kernel backward (or at the round's end): their buffers stay alive meanwhile."""
+        _run(self.later)  # the previous stage's gradients, received while this stage's kernel ran
+        stage_kv = Slot("key_value", self.kv_slot.round, slot.stage, self.kv_slot.heads)
+        if not self.ctx.overlap_comm:
+            self._hand_over_query(slot, self.ctx.start_scatter([grads.pop(0)], self.dtype))
+            if self.acc is None:
+                self._hand_over_key_value(stage_kv, self.ctx.start_scatter(grads, self.dtype))
+        else:
+            dq = self.ctx.start_scatter([grads.pop(0)], self.dtype, overlap=True)
+            self.later.append(functools.partial(self._hand_over_query, slot, dq))
+            del dq
+            if self.acc is None:
+                dkdv = self.ctx.start_scatter(grads, self.dtype, overlap=True)
+                self.later.append(functools.partial(self._hand_over_key_value, stage_kv, dkdv))
+                del dkdv
+        for acc in self.acc_views:
+            acc += to_send_layout(grads.pop(0), self.ctx.plan.group_size)
+
+    def _hand_over_query(self, slot: Slot, pending: PendingExchange) -> None:
+        (dq_local,) = pending.wait()
+        del pending
         _hand_over(self.source.add_query_grad, slot, (dq_local,), self.by_rank)
         del dq_local
         self.source.finish(slot)
-        if self.acc is None:
-            stage_kv = Slot("key_value", self.kv_slot.round, slot.stage, self.kv_slot.heads)
-            dk_local, dv_local = self.ctx.scatter(grads, self.dtype)
-            _hand_over(self.source.add_key_value_grad, stage_kv, (dk_local, dv_local), self.by_rank)
-            del dk_local, dv_local
-            self.source.finish(stage_kv)
-            return
-        for acc in self.acc_views:
-            acc += to_send_layout(grads.pop(0), self.ctx.plan.group_size)
+
+    def _hand_over_key_value(self, slot: Slot, pending: PendingExchange) -> None:
+        local = pending.wait()
+        del pending
+        _hand_over(self.source.add_key_value_grad, slot, local, self.by_rank)
+        del local
+        self.source.finish(slot)
 
     def finish(self) -> None:
         """After the round's last stage: send the round's accumulated dK/dV back (per-round mode),
         and finish the round's key/value slot."""
+        _run(self.later)
         if self.acc is not None:
             acc, self.acc, self.acc_views = self.acc, None, ()
             send = acc if acc.dtype == self.dtype else acc.to(self.dtype)
             del acc
-            local = start_scatter(send, self.shapes, self.ctx.plan.group_size, self.ctx.group)
+            pending = start_scatter(send, self.shapes, self.ctx.plan.group_size, self.ctx.group)
             del send
-            _hand_over(self.source.add_key_value_grad, self.kv_slot, local, self.by_rank)
-            del local
+            self._hand_over_key_value(self.kv_slot, pending)
+            return
         self.source.finish(self.kv_slot)
 
 

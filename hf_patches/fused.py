@@ -282,13 +282,15 @@ class FusedProjectionSource:
         return self.proj.q_norm if norm_idx == _QN else self.proj.k_norm
 
     def _chunk(self, slot: Slot, w_idx: int, norm_idx: int, out: Tensor) -> None:
+        """Project, normalize and rotate the slot's heads into ``out`` ([b, s, C, n, d], a view of
+        the send buffer)."""
         y = self._linear(self.rows(slot.heads), w_idx)
         norm = self._norm(norm_idx)
         if norm is not None:
             if self.backward:
                 self._pre_norm[slot.key] = y
             y = rms_norm_tiled(y, self.weights[norm_idx], norm.variance_epsilon, qk_norm_tile_tokens(y))
-        apply_rope(y, self.cos, self.sin, out=out)
+        apply_rope(y.view(out.shape), self.cos.unsqueeze(2), self.sin.unsqueeze(2), out=out)
 
     def _pre_norm_of(self, key: tuple[str, int, int | None], piece: Piece) -> Tensor | None:
         pre_norm = self._pre_norm.get(key)
@@ -300,7 +302,7 @@ class FusedProjectionSource:
 
     def key_value(self, slot: Slot, out_key: Tensor, out_value: Tensor) -> None:
         self._chunk(slot, _WK, _KN, out_key)
-        out_value.copy_(self._linear(self.rows(slot.heads), _WV))
+        out_value.copy_(self._linear(self.rows(slot.heads), _WV).view(out_value.shape))
 
     def add_query_grad(self, slot: Slot, piece: Piece, grad: Tensor) -> None:
         pre_norm = self._pre_norm_of(slot.key, piece)
@@ -460,11 +462,11 @@ class FusedUPipeAttention(torch.autograd.Function):
         dy = grad_y.reshape(-1, grad_y.shape[-1])
         w_o = fctx.proj.o_proj.weight
         recompute = fctx.pctx.recompute_output
-        (b, s, _), num_heads, d = x.shape, fctx.pctx.plan.num_heads, fctx.proj.head_dim  # the output's shape
+        num_heads, d = fctx.pctx.plan.num_heads, fctx.proj.head_dim  # the output's shape
 
         def grad_out(slot: Slot, out: Tensor) -> None:
             """This stage's slice of d(attention output) = dy @ Wo[:, columns of the heads], into ``out``."""
-            out.copy_((dy @ w_o.index_select(1, source.rows(slot.heads))).view(b, s, slot.heads.numel(), d))
+            out.copy_((dy @ w_o.index_select(1, source.rows(slot.heads))).view(out.shape))
 
         with torch.no_grad():
             if recompute:

@@ -47,9 +47,9 @@ def test_fused_dx_and_weight_accumulators_dtype(on, want):
     slot = Slot("query", 0, 0, torch.tensor([0, 1]))
     with torch.no_grad():  # as in FusedUPipeAttention.backward
         # a stage's gradient comes back in float32
-        chunk = torch.empty(1, 6, 2, proj.head_dim, dtype=torch.bfloat16)
+        chunk = torch.empty(1, 6, 1, 2, proj.head_dim, dtype=torch.bfloat16)  # [b, s, C, n, d]: one rank
         source.query(slot, chunk)
-        source.add_query_grad(slot, Piece(None, 0, 2), chunk.float())
+        source.add_query_grad(slot, Piece(None, 0, 2), chunk.float())  # whole: [b, s, C, n, d]
         source.finish(slot)
     grad_p = [g for g in source.grad_p if g is not None]
     assert source.grad_x.dtype == want and grad_p and all(g.dtype == want for g in grad_p)
@@ -94,9 +94,9 @@ def test_fused_dx_is_one_input_dtype_gemm_per_stage(monkeypatch, tiles):
     heads = torch.tensor([0, 1])
     slot = Slot("query", 0, 0, heads)
     with torch.no_grad(), _DxGemms((6 // tiles, model.config.hidden_size)) as gemms:
-        grad = torch.empty(1, 6, 2, proj.head_dim, dtype=torch.bfloat16)
+        grad = torch.empty(1, 6, 1, 2, proj.head_dim, dtype=torch.bfloat16)  # [b, s, C, n, d]: one rank
         source.query(slot, grad)
-        grad = grad.float()
+        grad = grad.flatten(2, 3).float()
         for h in (0, 1):  # one piece per source rank
             source.add_query_grad(slot, Piece(h, h, 1), grad[:, :, h : h + 1])
         source.finish(slot)  # the stage's pieces are all in: one dx product
