@@ -1,14 +1,21 @@
-"""The two all-to-alls of a UPipe stage, on already-selected heads.
+"""The all-to-alls of a UPipe stage, several tensors packed into one exchange.
 
-Local tensors are [b, s, n*C, d] (this rank's sequence shard; the n*C heads grouped by destination
-rank, n per rank).  Heads to sequence: ``heads_send_buffer`` then ``start_heads_exchange``, which
-returns a pending [b, n, S, d] (full sequence S = C*s of the n heads this rank attends over, in the
-kernel layout), so the pipeline can fetch the next stage's heads while the current stage computes.
-Sequence to heads: ``to_send_layout`` + ``exchange_send_layout`` + ``from_ranks``; the pipeline runs
-the steps itself: a buffer allocated in the send layout is sent without a copy, and the
-[C, b, s, n, d] result hands each source rank's heads over as contiguous [b, s, n, d] pieces, so a
-caller that sums (or copies) per piece needs no final permute-copy.  Every all-to-all is even (the
-stage plan guarantees equal head counts per rank), which gloo requires.
+Every exchange sends a contiguous [C, X] buffer: row dst holds, one segment per tensor, what peer
+dst gets of that tensor; ``all_to_all_single`` splits dim 0 evenly, so one collective carries a
+stage's (or round's) tensors together (K with V; q with dout and out; dK with dV).  The stage
+plan guarantees equal head counts per rank, so every exchange is even, which gloo requires.
+
+- Heads to sequence (``heads_send_buffer`` + ``start_heads_exchange``): the caller writes its local
+  [b, s, C*n_j, d] tensors (this rank's sequence shard, the C*n_j heads grouped by destination rank,
+  seen as [b, s, C, n_j, d]) straight into strided views of their segments ([n_j, b, s, d] per
+  destination), so a stage's heads are selected (or projected) into the send buffer itself: no
+  select-then-permute temporary; the pending result is one [b, n_j, S, d] tensor per segment (full
+  sequence S = C*s of the n_j heads this rank attends over, in the kernel layout), so the pipeline
+  can fetch the next stage's heads while the current stage computes.
+- Sequence to heads (``scatter_buffer`` + ``start_scatter``): full [b, n_j, S, d] tensors are
+  written into their segments as [b, s, n_j, d] per destination; the result is one [C, b, s, n_j, d]
+  view per segment ([src] is this rank's sequence chunk of the heads rank src attended over), handed
+  over per source rank as contiguous pieces, with no final permute-copy.
 
 These are plain functions, not autograd nodes: the pipeline's autograd Function calls them in both
 forward and backward, so nothing here is saved for backward.
@@ -17,7 +24,7 @@ forward and backward, so nothing here is saved for backward.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,7 +52,7 @@ def _await_worker_release(tensors: tuple[Tensor, ...], counts: tuple[int, ...]) 
 
 
 class PendingExchange:
-    """An all-to-all in flight; ``wait()`` returns its result in the requested layout."""
+    """An all-to-all in flight; ``wait()`` returns its result, one tensor per packed segment."""
 
     def __init__(
         self,
@@ -53,23 +60,23 @@ class PendingExchange:
         recv: Tensor,
         work: dist.Work | None,
         counts: tuple[int, ...],
-        finish: Callable[[Tensor], Tensor],
+        finish: Callable[[Tensor], tuple[Tensor, ...]],
     ) -> None:
         # the send buffer must outlive an asynchronous exchange, so the handle owns it; a finished
         # (synchronous) exchange does not need it any more
         self._send = send if work is not None else None
         self._recv, self._work, self._counts, self._finish = recv, work, counts, finish
 
-    def wait(self) -> Tensor:
+    def wait(self) -> tuple[Tensor, ...]:
         if self._work is not None:
             self._work.wait()
             # the work object references the send and receive buffers: drop it, then let gloo's
             # worker thread drop its own references, before the buffers are released below
             self._work = None
             _await_worker_release((self._send, self._recv), self._counts)
-        result = self._finish(self._recv)
-        self._send = self._recv = None  # release the buffers before the next stage allocates its own
-        return result
+        self._send = None
+        recv, self._recv = self._recv, None
+        return self._finish(recv)  # the last reference to recv: freed once its segments are copied out
 
 
 def _exchange(
@@ -86,23 +93,130 @@ def _exchange(
     return recv, work, counts
 
 
-def heads_send_buffer(local: Tensor, group_size: int) -> Tensor:
-    """[b, s, C*n, d] (heads grouped by destination) -> the contiguous [C, b, n, s, d] buffer that
-    ``start_heads_exchange`` sends (a copy unless b = n = 1; the caller may free ``local`` after it)."""
-    b, s, cn, d = local.shape
-    return local.reshape(b, s, group_size, cn // group_size, d).permute(2, 0, 3, 1, 4).contiguous()
+def _segments(buffer: Tensor, shapes: Sequence[tuple[int, ...]]) -> list[Tensor]:
+    """Views of consecutive segments of each row of a [C, X] buffer, segment j as [C, *shapes[j]]."""
+    out, offset = [], 0
+    for shape in shapes:
+        n = 1
+        for dim in shape:
+            n *= dim
+        out.append(buffer.narrow(1, offset, n).view(buffer.shape[0], *shape))
+        offset += n
+    return out
+
+
+def _packed_send(
+    parts: Iterable[Tensor],
+    shapes_of: Callable[[Tensor], Sequence[tuple[int, ...]]],
+    group_size: int,
+    write: Callable[[Tensor, Tensor], None],
+) -> tuple[Tensor, list[tuple[int, ...]]]:
+    """(the [C, X] send buffer of ``parts``, its segments' shapes).  Parts are taken one at a time, so
+    the caller's generator can free each once it is written; ``shapes_of(first part)`` gives every
+    segment's per-destination shape, ``write(segment, part)`` copies a part into its [C, ...] segment."""
+    send: Tensor | None = None
+    shapes: list[tuple[int, ...]] = []
+    segments: list[Tensor] = []
+    for j, part in enumerate(parts):
+        if send is None:
+            shapes = [tuple(shape) for shape in shapes_of(part)]
+            total = sum(torch.Size(shape).numel() for shape in shapes)
+            send = torch.empty((group_size, total), dtype=part.dtype, device=part.device)
+            segments = _segments(send, shapes)
+        if part.dtype != send.dtype:
+            raise TypeError(f"packed exchange: part {j} is {part.dtype}, the buffer {send.dtype}")
+        write(segments[j], part)
+        del part
+    assert send is not None and len(segments) == len(shapes)
+    return send, shapes
+
+
+def heads_send_buffer(
+    write: Callable[[list[Tensor]], None],
+    heads: Sequence[int],
+    local_shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+    group_size: int,
+) -> tuple[Tensor, list[tuple[int, ...]]]:
+    """(the contiguous [C, X] buffer ``start_heads_exchange`` sends, its segments' [n_j, b, s, d]
+    shapes).  ``write(views)`` fills it: views[j] is segment j seen as this rank's local heads,
+    [b, s, C, n_j, d] (``heads[j]`` = C*n_j heads grouped by destination; ``local_shape`` =
+    (b, s, d)), a strided view into which the caller writes its heads directly (head-major, no
+    select-then-permute temporary; e.g. ``select_heads``)."""
+    b, s, d = local_shape
+    c = group_size
+    shapes = [(h // c, b, s, d) for h in heads]
+    total = sum(torch.Size(shape).numel() for shape in shapes)
+    send = torch.empty((c, total), dtype=dtype, device=device)
+    # segment [C, n, b, s, d] seen as [b, s, C, n, d] (C and n are not mergeable: a row of the buffer
+    # holds every segment's piece for one destination)
+    write([seg.permute(2, 3, 0, 1, 4) for seg in _segments(send, shapes)])
+    return send, shapes
 
 
 def start_heads_exchange(
-    send: Tensor, group_size: int, group: dist.ProcessGroup | None, async_op: bool = True
+    send: Tensor,
+    shapes: Sequence[tuple[int, ...]],
+    group_size: int,
+    group: dist.ProcessGroup | None,
+    async_op: bool = True,
 ) -> PendingExchange:
-    """``heads_send_buffer``'s [C, b, n, s, d] -> pending [b, n, C*s, d] of n heads."""
-    _, b, n, s, d = send.shape
+    """``heads_send_buffer``'s buffer and shapes -> pending ([b, n_j, C*s, d] per tensor)."""
+    c = group_size
+    recv, work, counts = _exchange(send, group, c, async_op)
+
+    def finish(r: Tensor) -> tuple[Tensor, ...]:
+        # segment [src] holds peer src's sequence chunk: put it at position src of the sequence
+        return tuple(
+            seg.permute(2, 1, 0, 3, 4).reshape(b, n, c * s, d)
+            for seg, (n, b, s, d) in zip(_segments(r, shapes), shapes)
+        )
+
+    return PendingExchange(send, recv, work, counts, finish)
+
+
+def scatter_buffer(
+    parts: Iterable[Tensor], heads: Sequence[int], group_size: int
+) -> tuple[Tensor, list[tuple[int, ...]]]:
+    """Full [b, n_j, C*s, d] tensors (``heads[j]`` = n_j) -> (the contiguous [C, X] buffer whose row
+    dst holds peer dst's sequence chunk of each as [b, s, n_j, d], those shapes)."""
+    c = group_size
+
+    def shapes_of(first: Tensor) -> list[tuple[int, ...]]:
+        b, _, seq, d = first.shape
+        return [(b, seq // c, n, d) for n in heads]
+
+    def write(segment: Tensor, part: Tensor) -> None:
+        segment.copy_(to_send_layout(part, c))
+
+    return _packed_send(parts, shapes_of, c, write)
+
+
+def scatter_segments(buffer: Tensor, shapes: Sequence[tuple[int, ...]]) -> list[Tensor]:
+    """The [C, b, s, n_j, d] segment views of a [C, X] sequence-to-heads buffer (for writing a
+    buffer in place: an accumulator allocated in the send layout is sent without a copy)."""
+    return _segments(buffer, shapes)
+
+
+def start_scatter(
+    send: Tensor,
+    shapes: Sequence[tuple[int, ...]],
+    group_size: int,
+    group: dist.ProcessGroup | None,
+    async_op: bool = False,
+) -> PendingExchange:
+    """All-to-all of a sequence-to-heads [C, X] buffer; the handle's ``wait()`` gives, per tensor, a
+    [C, b, s, n_j, d] view where [src] is this rank's sequence chunk of the heads rank src attended over."""
     recv, work, counts = _exchange(send, group, group_size, async_op)
-    # recv[src] holds peer src's sequence chunk: put it at position src of the sequence.
-    return PendingExchange(
-        send, recv, work, counts, lambda r: r.permute(1, 2, 0, 3, 4).reshape(b, n, group_size * s, d)
-    )
+    return PendingExchange(send, recv, work, counts, lambda r: tuple(_segments(r, shapes)))
+
+
+def select_heads(src: Tensor, heads: Tensor, out: Tensor) -> None:
+    """out[b, s, c, i] = src[b, s, heads[c * n + i]] for a [b, s, C, n, d] ``out`` (a send buffer's
+    strided view): one indexing op writing straight into it, no [b, s, C*n, d] temporary."""
+    c, n = out.shape[2], out.shape[3]
+    torch.ops.aten.index.Tensor_out(src, [None, None, heads.view(c, n)], out=out)
 
 
 def to_send_layout(full: Tensor, group_size: int) -> Tensor:
@@ -110,15 +224,3 @@ def to_send_layout(full: Tensor, group_size: int) -> Tensor:
     dst's sequence chunk.  A buffer allocated in this layout and written through the inverse view can
     be sent as it is, without a copy."""
     return full.unflatten(2, (group_size, full.shape[2] // group_size)).permute(2, 0, 3, 1, 4)
-
-
-def exchange_send_layout(send: Tensor, group_size: int, group: dist.ProcessGroup | None) -> Tensor:
-    """All-to-all of a contiguous [C, b, s, n, d] send buffer; returns [C, b, s, n, d] where [src] is this
-    rank's sequence chunk of the n heads that rank src attended over."""
-    return _exchange(send, group, group_size, async_op=False)[0]
-
-
-def from_ranks(by_rank: Tensor) -> Tensor:
-    """[C, b, s, n, d] (``exchange_send_layout``'s result) -> [b, s, C*n, d] (a copy unless b = n = 1)."""
-    c, b, s, n, d = by_rank.shape
-    return by_rank.permute(1, 2, 0, 3, 4).reshape(b, s, c * n, d)

@@ -24,10 +24,12 @@ from torch import Tensor
 
 from .comm import (
     PendingExchange,
-    exchange_send_layout,
-    from_ranks,
     heads_send_buffer,
+    scatter_buffer,
+    scatter_segments,
+    select_heads,
     start_heads_exchange,
+    start_scatter,
     to_send_layout,
 )
 from .kernels import AttentionKernel
@@ -68,54 +70,124 @@ class StageCounter:
 _ACTIVE_COUNTERS: list[StageCounter] = []
 
 
+@dataclass(frozen=True)
+class Slot:
+    """What a ``StageSource`` call is about: the ``kind`` of heads ("query" or "key_value") of
+    stage ``stage`` of round ``round`` (a key/value slot with ``stage`` None: the round's K/V, or
+    their gradient summed over the round; with a stage: that stage's dK/dV), whose global head
+    indices, concatenated over destination ranks (may repeat where KV heads are replicated), are
+    ``heads``."""
+
+    kind: str  # "query" | "key_value"
+    round: int
+    stage: int | None
+    heads: Tensor
+
+    @property
+    def key(self) -> tuple[str, int, int | None]:
+        """(kind, round, stage): the slot's identity."""
+        return self.kind, self.round, self.stage
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Which heads of a ``Slot`` a gradient covers: ``heads[start : start + count]``, the heads that
+    rank ``source_rank`` attended over (None: every rank's, the whole slot at once)."""
+
+    source_rank: int | None
+    start: int
+    count: int
+
+    def heads(self, slot: Slot) -> Tensor:
+        return slot.heads.narrow(0, self.start, self.count)
+
+
 class StageSource(Protocol):
-    """Supplies a stage's local heads ([b, s, n, d] views of this rank's sequence shard) and takes
-    their gradients back.  ``heads`` is a 1-D index tensor of global head indices (may repeat).
+    """Writes a stage's local heads (this rank's sequence shard) into the exchange's send buffer and
+    takes their gradients back.  The contract is explicit, never inferred from the order of calls:
+    every call names its ``Slot`` (kind, round, stage, heads) and every gradient its ``Piece``
+    (source rank and head slice).
 
-    A source may set ``accepts_partial_grads = True``: its ``add_*_grad`` then sum whatever part of a
-    gradient they are given, any number of times (per source rank, per stage), so the pipeline hands
-    gradients over without copying them into one piece and may return dK/dV per stage.  Without it,
-    each ``query``/``key_value`` call gets exactly one matching ``add_*_grad`` call, in order."""
+    - ``local_shape`` (b, s, head_dim), ``dtype``, ``device``: of the chunks the source writes.
+    - ``query(slot, out)``: write a stage's query heads into ``out``, a strided [b, s, C, n, d] view
+      of the send buffer (head ``slot.heads[c * n + i]`` at [:, :, c, i]: ``comm.select_heads``);
+      ``key_value(slot, out_key, out_value)``: a round's K and V (a "key_value" slot, ``stage``
+      None).  With overlap_comm the next stage's query is asked for before this stage's gradients
+      come back.
+    - ``add_query_grad(slot, piece, grad)``: the gradient of ``piece.heads(slot)`` of a query slot.
+    - ``add_key_value_grad(slot, piece, grad_key, grad_value)``: dK/dV of ``piece.heads(slot)`` of
+      round ``slot.round``: one stage's (a key/value slot with ``stage`` set) or the round's sum
+      (``stage`` None).
+    - ``finish(slot)`` (backward): every gradient of the slot has been handed over: a stage's query
+      slot after its dQ, a stage's key/value slot after its dK/dV (per-stage mode), a round's
+      key/value slot after the round (its summed dK/dV in per-round mode; nothing more per stage).
 
-    def query(self, heads: Tensor) -> Tensor: ...
+    Two choices the source makes:
 
-    def key_value(self, heads: Tensor) -> tuple[Tensor, Tensor]: ...
+    - ``grads_per_source_rank``: gradients come as one piece per source rank (contiguous
+      [b, s, n, d] views of the received buffer: no copy; the source sums each piece, e.g. by
+      index_add), else once per slot (``Piece(None, 0, heads.numel())``) as a [b, s, C, n, d] view
+      of the received buffer (source rank major: ``flatten(2, 3)`` gives the slot's heads in order;
+      the source's first op on it may read it strided instead of copying it).
+    - ``key_value_grads_per_stage``: the source sums dK/dV handed over per stage (the pipeline then
+      needs no round-sized accumulator when the gradients are in the accumulation dtype), else
+      dK/dV come once per round, summed by the pipeline."""
 
-    def add_query_grad(self, heads: Tensor, grad: Tensor) -> None: ...
+    local_shape: tuple[int, int, int]
+    dtype: torch.dtype
+    device: torch.device
+    grads_per_source_rank: bool
+    key_value_grads_per_stage: bool
 
-    def add_key_value_grad(self, heads: Tensor, grad_key: Tensor, grad_value: Tensor) -> None: ...
+    def query(self, slot: Slot, out: Tensor) -> None: ...
+
+    def key_value(self, slot: Slot, out_key: Tensor, out_value: Tensor) -> None: ...
+
+    def add_query_grad(self, slot: Slot, piece: Piece, grad: Tensor) -> None: ...
+
+    def add_key_value_grad(self, slot: Slot, piece: Piece, grad_key: Tensor, grad_value: Tensor) -> None: ...
+
+    def finish(self, slot: Slot) -> None: ...
 
 
 class LocalTensorSource:
     """Stage inputs taken from already computed local q, k, v ([b, s, h, d] views)."""
 
-    #: gradients are summed into grad_q/grad_k/grad_v by index_add, piece by piece
-    accepts_partial_grads = True
+    #: gradients are summed into grad_q/grad_k/grad_v by index_add, piece by piece, stage by stage
+    grads_per_source_rank = True
+    key_value_grads_per_stage = True
 
     def __init__(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         self.q, self.k, self.v = query, key, value
+        self.local_shape = (query.shape[0], query.shape[1], query.shape[3])
+        self.dtype, self.device = query.dtype, query.device
         self.grad_q: Tensor | None = None
         self.grad_k: Tensor | None = None
         self.grad_v: Tensor | None = None
 
-    def query(self, heads: Tensor) -> Tensor:
-        return self.q.index_select(2, heads)
+    def query(self, slot: Slot, out: Tensor) -> None:
+        select_heads(self.q, slot.heads, out)
 
-    def key_value(self, heads: Tensor) -> tuple[Tensor, Tensor]:
-        return self.k.index_select(2, heads), self.v.index_select(2, heads)
+    def key_value(self, slot: Slot, out_key: Tensor, out_value: Tensor) -> None:
+        select_heads(self.k, slot.heads, out_key)
+        select_heads(self.v, slot.heads, out_value)
 
-    def add_query_grad(self, heads: Tensor, grad: Tensor) -> None:
+    def add_query_grad(self, slot: Slot, piece: Piece, grad: Tensor) -> None:
         if self.grad_q is None:
             self.grad_q = torch.zeros(self.q.shape, dtype=self.q.dtype, device=self.q.device)
-        self.grad_q.index_add_(2, heads, grad)
+        self.grad_q.index_add_(2, piece.heads(slot), grad)
 
-    def add_key_value_grad(self, heads: Tensor, grad_key: Tensor, grad_value: Tensor) -> None:
+    def add_key_value_grad(self, slot: Slot, piece: Piece, grad_key: Tensor, grad_value: Tensor) -> None:
+        heads = piece.heads(slot)
         if self.grad_k is None:
             self.grad_k = torch.zeros(self.k.shape, dtype=self.k.dtype, device=self.k.device)
             self.grad_v = torch.zeros(self.v.shape, dtype=self.v.dtype, device=self.v.device)
         # index_add, not copy: with fewer KV heads than ranks one local head has several replicas.
         self.grad_k.index_add_(2, heads, grad_key.to(self.k.dtype))
         self.grad_v.index_add_(2, heads, grad_value.to(self.v.dtype))
+
+    def finish(self, slot: Slot) -> None:
+        pass
 
 
 @dataclass
@@ -191,44 +263,56 @@ class PipelineContext:
             return dtype
         return torch.float32
 
-    # The exchanges take their input out of a list (``owner``) that holds its only reference, so the
-    # input is freed as soon as its send-layout copy exists, before the receive buffer is allocated.
-    def gather(self, owner: list[Tensor]) -> Tensor:
-        """Pop the first [b, s, C*n, d] local heads of ``owner``; return them gathered, [b, n, S, d]."""
-        return self._start_gather(owner, async_op=False).wait()
+    def start_gather(
+        self, source: StageSource, write: Callable[[list[Tensor]], None], heads: Sequence[int], *, prefetch: bool = True
+    ) -> PendingExchange:
+        """All-to-all the local [b, s, C*n_j, d] tensors that ``write(views)`` writes into the send
+        buffer's [b, s, C, n_j, d] views (``heads[j]`` = C*n_j, shape and dtype the source's) in one packed exchange,
+        asynchronously when ``prefetch`` and overlap_comm; the handle's ``wait()`` gives
+        [b, n_j, S, d] each."""
+        c = self.plan.group_size
+        send, shapes = heads_send_buffer(write, heads, source.local_shape, source.dtype, source.device, c)
+        return start_heads_exchange(send, shapes, c, self.group, self.overlap_comm and prefetch)
 
-    def start_gather(self, owner: list[Tensor]) -> PendingExchange:
-        """``gather`` issued asynchronously with overlap_comm (the handle's ``wait()`` finishes it)."""
-        return self._start_gather(owner, async_op=self.overlap_comm)
-
-    def _start_gather(self, owner: list[Tensor], async_op: bool) -> PendingExchange:
-        send = heads_send_buffer(owner.pop(0), self.plan.group_size)
-        return start_heads_exchange(send, self.plan.group_size, self.group, async_op=async_op)
+    def gather_key_value(self, source: StageSource, slot: Slot) -> tuple[Tensor, ...]:
+        """A round's K and V ([b, n, S, d] each), in one exchange, finished at once."""
+        n = slot.heads.numel()
+        return self.start_gather(source, lambda out: source.key_value(slot, *out), (n, n), prefetch=False).wait()
 
     def prefetched(
-        self, items: Sequence[Tensor], start: Callable[[Tensor], tuple[PendingExchange, ...]]
-    ) -> Iterator[tuple[Tensor, tuple[Tensor, ...]]]:
-        """Yield (item, gathered inputs) per stage; with overlap_comm the next stage's exchanges are
+        self, items: Sequence[Slot], start: Callable[[Slot], PendingExchange]
+    ) -> Iterator[tuple[Slot, tuple[Tensor, ...]]]:
+        """Yield (slot, gathered inputs) per stage; with overlap_comm the next stage's exchange is
         issued before the current stage is handed out, otherwise after it is done."""
-        pending = start(items[0]) if items else ()
+        pending = start(items[0]) if items else None
         for i, item in enumerate(items):
-            gathered = [tuple(p.wait() for p in pending)]
+            assert pending is not None
+            gathered = [pending.wait()]
             has_next = i + 1 < len(items)
-            pending = start(items[i + 1]) if self.overlap_comm and has_next else ()
+            pending = start(items[i + 1]) if self.overlap_comm and has_next else None
             # pop: this frame keeps no reference, so the consumer's `del` frees the stage's buffers
             yield item, gathered.pop()
             if not self.overlap_comm and has_next:
                 pending = start(items[i + 1])
 
-    def scatter_by_rank(self, owner: list[Tensor], dtype: torch.dtype) -> Tensor:
-        """Pop the first tensor of ``owner`` ([b, n, S, d], or a buffer already in the [C, b, s, n, d]
-        send layout) and all-to-all it in ``dtype`` to [C, b, s, n, d]: this rank's sequence chunk, per
-        source rank.  Popping hands over the last reference, so the tensor is freed as soon as its
-        send-layout copy exists, before the receive buffer is allocated."""
-        full = owner.pop(0)
-        send = (full if full.dim() == 5 else to_send_layout(full, self.plan.group_size)).to(dtype).contiguous()
-        del full
-        return exchange_send_layout(send, self.plan.group_size, self.group)
+    def start_scatter(self, parts: list[Tensor], dtype: torch.dtype, *, overlap: bool = False) -> PendingExchange:
+        """Pop every [b, n_j, S, d] tensor of ``parts`` and all-to-all them in ``dtype``, packed in one
+        exchange (asynchronously when ``overlap`` and overlap_comm); the handle's ``wait()`` gives
+        [C, b, s, n_j, d] each: this rank's sequence chunk, per source rank.  Popping hands over the
+        last references, so each is freed as soon as it is written into the send buffer."""
+        heads = [t.shape[1] for t in parts]
+
+        def taken() -> Iterator[Tensor]:
+            while parts:
+                yield parts.pop(0).to(dtype)
+
+        send, shapes = scatter_buffer(taken(), heads, self.plan.group_size)
+        async_op = overlap and self.overlap_comm
+        return start_scatter(send, shapes, self.plan.group_size, self.group, async_op)
+
+    def scatter(self, parts: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, ...]:
+        """``start_scatter`` finished at once."""
+        return self.start_scatter(parts, dtype).wait()
 
     def count_stage(self) -> None:
         for counter in _ACTIVE_COUNTERS:
@@ -237,93 +321,125 @@ class PipelineContext:
             self.stage_counter[0] += 1
 
 
+def _stage_slots(ctx: PipelineContext, round_idx: int) -> list[Slot]:
+    return [Slot("query", round_idx, i, idx) for i, idx in enumerate(ctx.indices.query[round_idx])]
+
+
 def pipeline_forward(ctx: PipelineContext, source: StageSource, out: Tensor) -> list[Tensor | None]:
     """Run all stages, writing into ``out`` ([b, s, H, d] view).  Returns, stage after stage, the
     kernel's lse followed by its aux (tensors or None, for ``save_for_backward``)."""
     saved: list[Tensor | None] = []
     for round_idx, kv_idx in enumerate(ctx.indices.kv):
-        key_value = list(source.key_value(kv_idx))
-        k_full, v_full = ctx.gather(key_value), ctx.gather(key_value)
-        stages = ctx.indices.query[round_idx]
-        for q_idx, (q_full,) in ctx.prefetched(stages, lambda idx: (ctx.start_gather([source.query(idx)]),)):
-            o_full, lse, aux = ctx.stage_attention(q_idx).forward(q_full, k_full, v_full)
+        k_full, v_full = ctx.gather_key_value(source, Slot("key_value", round_idx, None, kv_idx))
+
+        def start(slot: Slot) -> PendingExchange:
+            return ctx.start_gather(source, lambda out: source.query(slot, out[0]), (slot.heads.numel(),))
+
+        later: list[Callable[[], None]] = []  # overlap_comm: the previous stage's output write
+        for slot, (q_full,) in ctx.prefetched(_stage_slots(ctx, round_idx), start):
+            o_full, lse, aux = ctx.stage_attention(slot.heads).forward(q_full, k_full, v_full)
             saved += (lse, *aux)
             del q_full
-            owner = [o_full]  # the only reference: scatter_by_rank frees it once it is copied to send
+            _run(later)  # the previous stage's output arrived while this stage computed
+            owner = [o_full]  # the only reference: the scatter frees it once it is copied to send
             del o_full
-            o_local = ctx.scatter_by_rank(owner, out.dtype)
-            _hand_over(lambda heads, o: out.index_copy_(2, heads, o.to(out.dtype)), q_idx, (o_local,), True)
-            del o_local
+            pending = ctx.start_scatter(owner, out.dtype, overlap=True)
+            later.append(functools.partial(_write_stage_output, out, slot, pending))
+            del pending
+            if not ctx.overlap_comm:
+                _run(later)
             ctx.count_stage()
+        _run(later)
         del k_full, v_full
     return saved
+
+
+def _run(later: list[Callable[[], None]]) -> None:
+    """Run (and drop) the deferred hand-overs."""
+    while later:
+        later.pop(0)()
+
+
+def _write_stage_output(out: Tensor, slot: Slot, pending: PendingExchange) -> None:
+    (o_local,) = pending.wait()
+    _hand_over(_write_output(out), slot, (o_local,), True)
+
+
+def _write_output(out: Tensor) -> Callable[[Slot, Piece, Tensor], None]:
+    def write(slot: Slot, piece: Piece, o: Tensor) -> None:
+        out.index_copy_(2, piece.heads(slot), o)
+
+    return write
 
 
 @dataclass
 class RecomputedOutput:
     """Stands for the output in ``pipeline_backward`` when the forward saved neither it nor the stages'
     lse: each stage's attention forward is run again on its gathered q/k/v, and the stage's output,
-    sent back to the local layout, is handed to ``take(heads, o_local)`` (per source rank, [b, s, n, d]).
+    sent back to the local layout, is handed to ``take(slot, piece, o_local)`` (per source rank, [b, s, n, d]).
     Fused mode uses it to compute o_proj's weight gradient stage by stage instead of keeping the whole
     attention output (one hidden state) from forward to backward."""
 
     dtype: torch.dtype
-    take: Callable[[Tensor, Tensor], None]
+    take: Callable[[Slot, Piece, Tensor], None]
 
 
 def pipeline_backward(
     ctx: PipelineContext,
     source: StageSource,
     out: Tensor | RecomputedOutput,
-    grad_out: Tensor | Callable[[Tensor], Tensor],
+    grad_out: Tensor | Callable[[Slot, Tensor], None],
     saved: Sequence[Tensor | None],
 ) -> None:
     """Replay every stage and hand q/k/v gradients (local layout) to ``source``; ``saved`` is what
     ``pipeline_forward`` returned (empty with a ``RecomputedOutput``).
 
-    ``grad_out`` is the output gradient ([b, s, H, d] view) or a function returning the gradient of
-    the given heads ([b, s, n, d]): a caller that fuses the output projection computes each stage's
-    slice on demand instead of materializing the full gradient."""
+    ``grad_out`` is the output gradient ([b, s, H, d] view) or a function ``grad_out(slot, out)``
+    writing the gradient of the stage's heads into ``out`` ([b, s, C, n, d], as ``query``): a caller that fuses the
+    output projection computes each stage's slice on demand instead of materializing the full
+    gradient.
+
+    Per stage one packed exchange brings q, dout and (for an lse-based kernel backward) the output;
+    one sends dq back, one more the stage's dK/dV when they go back per stage (``RoundKeyValueGrads``)."""
     recomputed = out if isinstance(out, RecomputedOutput) else None
     dtype = out.dtype
-    by_rank = getattr(source, "accepts_partial_grads", False)
     stage_number = 0
     per_stage = 0 if recomputed else len(saved) // ctx.plan.num_stages  # lse + the kernel's aux, per stage
     # an lse-based backward needs the stage output; a recompute (CallableKernel) does not
     needs_output = ctx.attention.needs_output_in_backward and recomputed is None
     for round_idx, kv_idx in enumerate(ctx.indices.kv):
-        key_value = list(source.key_value(kv_idx))
-        k_full, v_full = ctx.gather(key_value), ctx.gather(key_value)
-        kv_grads = RoundKeyValueGrads(ctx, source, kv_idx, k_full, dtype)
+        kv_slot = Slot("key_value", round_idx, None, kv_idx)
+        k_full, v_full = ctx.gather_key_value(source, kv_slot)
+        kv_grads = RoundKeyValueGrads(ctx, source, kv_slot, k_full, dtype)
 
-        def start_stage(idx: Tensor) -> tuple[PendingExchange, ...]:
-            exchanges = [
-                ctx.start_gather([source.query(idx)]),
-                ctx.start_gather([grad_out(idx) if callable(grad_out) else grad_out.index_select(2, idx)]),
-            ]
-            if needs_output:
-                exchanges.append(ctx.start_gather([out.index_select(2, idx)]))
-            return tuple(exchanges)
+        def start_stage(slot: Slot) -> PendingExchange:
+            def write(views: list[Tensor]) -> None:
+                source.query(slot, views[0])
+                if callable(grad_out):
+                    grad_out(slot, views[1])
+                else:
+                    select_heads(grad_out, slot.heads, views[1])
+                if needs_output:
+                    select_heads(out, slot.heads, views[2])
 
-        for q_idx, (q_full, dout_full, *o_full) in ctx.prefetched(ctx.indices.query[round_idx], start_stage):
-            # [dq, dk, dv], the only references: each is freed as soon as it is on its way back
-            attention = ctx.stage_attention(q_idx)
+            return ctx.start_gather(source, write, (slot.heads.numel(),) * (3 if needs_output else 2))
+
+        for slot, (q_full, dout_full, *o_full) in ctx.prefetched(_stage_slots(ctx, round_idx), start_stage):
+            attention = ctx.stage_attention(slot.heads)
             if recomputed is not None:
                 o_stage, lse, aux = attention.forward(q_full, k_full, v_full)
                 # before the kernel's backward, whose gradients would otherwise sit beside these buffers
-                o_local = ctx.scatter_by_rank([o_stage], dtype)
-                _hand_over(recomputed.take, q_idx, (o_local,), True)
+                (o_local,) = ctx.scatter([o_stage], dtype)
+                _hand_over(recomputed.take, slot, (o_local,), True)
                 del o_local
             else:
                 lse, *aux = saved[stage_number * per_stage : (stage_number + 1) * per_stage]
                 o_stage = o_full.pop() if o_full else None
+            # [dq, dk, dv], the only references: each is freed as soon as it is on its way back
             grads = list(attention.backward(dout_full, q_full, k_full, v_full, o_stage, lse, tuple(aux)))
             del o_full, o_stage, lse, aux
             del q_full, dout_full  # free the stage's inputs before its gradients travel
-            dq_local = ctx.scatter_by_rank(grads, dtype)
-            _hand_over(source.add_query_grad, q_idx, (dq_local,), by_rank)
-            del dq_local
-            kv_grads.add(grads)
+            kv_grads.add_and_send(slot, grads)
             stage_number += 1
             ctx.count_stage()
         del k_full, v_full
@@ -331,69 +447,108 @@ def pipeline_backward(
 
 
 class RoundKeyValueGrads:
-    """Where the dK/dV of one round (the stages sharing its KV heads) go.
+    """Where a stage's dQ and the dK/dV of one round (the stages sharing its KV heads) go.
 
     Per stage, when the source sums partial gradients and its gradients are in the accumulation dtype
-    (float32/float64): each stage's dK/dV is sent back at once and summed into the source's own
-    gradient buffers (for UPipeDistributedAttention, the layer's dk/dv), which are the accumulator.
-    No round-sized accumulator is alive while the kernel runs, at the price of one dK/dV all-to-all per
-    stage.  The sum is the same, in the same order (0 + dK_1 + dK_2 + ...), except that KV heads
-    replicated over ranks (Hkv < C) interleave their replicas' terms.
+    (float32/float64): each stage's dK/dV is sent back after its dQ, in one packed exchange, and summed
+    into the source's own gradient buffers (for UPipeDistributedAttention, the layer's dk/dv), which
+    are the accumulator.  No round-sized accumulator is alive while the kernel runs.  The sum is the
+    same, in the same order (0 + dK_1 + dK_2 + ...), except that KV heads replicated over ranks
+    (Hkv < C) interleave their replicas' terms.
 
     Per round otherwise (half precision, whose stage gradients are summed in float32 before one
-    rounding; or a source taking one gradient per round): an accumulator in float32 (float64 for
-    float64; the half dtype itself with ``ctx.accumulate_in_input_dtype``), allocated in the
-    all-to-all's send layout and summed into through a [b, n, S, d] view, so it is sent once at the
-    end without a layout copy.
+    rounding; or a source taking one gradient per round): dK/dV go into an
+    accumulator in float32 (float64 for float64; the half dtype itself with
+    ``ctx.accumulate_in_input_dtype``), K and V allocated as the two segments of one packed send
+    buffer and summed into through [b, n, S, d] views, so they are sent once at the end, together and
+    without a layout copy.
 
     The kernels' backward ops return new dK/dV (none of torch's has an ``out=`` form), so a kernel's
     output cannot land in the accumulator itself."""
 
-    def __init__(self, ctx: PipelineContext, source: StageSource, kv_idx: Tensor, k_full: Tensor, dtype: torch.dtype):
-        self.ctx, self.source, self.kv_idx, self.dtype = ctx, source, kv_idx, dtype
-        self.by_rank = getattr(source, "accepts_partial_grads", False)
+    def __init__(self, ctx: PipelineContext, source: StageSource, kv_slot: Slot, k_full: Tensor, dtype: torch.dtype):
+        self.ctx, self.source, self.kv_slot, self.dtype = ctx, source, kv_slot, dtype
+        self.by_rank = source.grads_per_source_rank
         acc_dtype = ctx.accumulate_dtype(k_full.dtype)
-        self.acc: tuple[Tensor, ...] | None = None
-        if not (self.by_rank and k_full.dtype == acc_dtype == dtype):  # per round
+        #: overlap_comm: the hand-overs of the last stage's asynchronous gradient exchanges
+        self.later: list[Callable[[], None]] = []
+        self.acc: Tensor | None = None  # [C, X]: the K and V segments of one send buffer
+        self.acc_views: tuple[Tensor, ...] = ()
+        if not (source.key_value_grads_per_stage and k_full.dtype == acc_dtype == dtype):  # per round
             b, n, seq, d = k_full.shape
             c = ctx.plan.group_size
-            self.acc = tuple(
-                torch.zeros((c, b, seq // c, n, d), dtype=acc_dtype, device=k_full.device) for _ in range(2)
-            )
+            self.shapes = [(b, seq // c, n, d)] * 2
+            self.acc = torch.zeros((c, 2 * b * seq * n * d // c), dtype=acc_dtype, device=k_full.device)
+            self.acc_views = tuple(scatter_segments(self.acc, self.shapes))
 
-    def add(self, grads: list[Tensor]) -> None:
-        """One stage's [dK, dV] ([b, n, S, d], this rank's KV heads of the round), taken out of ``grads``."""
-        if self.acc is None:
-            self._send(grads)
-            return
-        for acc in self.acc:
+    def add_and_send(self, slot: Slot, grads: list[Tensor]) -> None:
+        """One stage's [dQ, dK, dV] ([b, n, S, d]), taken out of ``grads``: dQ sent back and handed to
+        the source, then dK/dV too (per stage, in one packed exchange) or into the round's accumulator.
+
+        dQ travels alone, and the source finishes the query slot before dK/dV arrive: a packed
+        dQ+dK+dV exchange (one collective fewer per stage) holds the whole received buffer, and a
+        fused source's pending dx terms, while dQ is taken back through the projections, which raised
+        the fused block's peak (MemTracker, tests/test_hf_memory.py: 6.73 and 6.45 units against 6.38).
+
+        With overlap_comm the exchanges are asynchronous and handed over after the next stage's
+        kernel backward (or at the round's end): their buffers stay alive meanwhile."""
+        _run(self.later)  # the previous stage's gradients, received while this stage's kernel ran
+        stage_kv = Slot("key_value", self.kv_slot.round, slot.stage, self.kv_slot.heads)
+        if not self.ctx.overlap_comm:
+            self._hand_over_query(slot, self.ctx.start_scatter([grads.pop(0)], self.dtype))
+            if self.acc is None:
+                self._hand_over_key_value(stage_kv, self.ctx.start_scatter(grads, self.dtype))
+        else:
+            dq = self.ctx.start_scatter([grads.pop(0)], self.dtype, overlap=True)
+            self.later.append(functools.partial(self._hand_over_query, slot, dq))
+            del dq
+            if self.acc is None:
+                dkdv = self.ctx.start_scatter(grads, self.dtype, overlap=True)
+                self.later.append(functools.partial(self._hand_over_key_value, stage_kv, dkdv))
+                del dkdv
+        for acc in self.acc_views:
             acc += to_send_layout(grads.pop(0), self.ctx.plan.group_size)
 
+    def _hand_over_query(self, slot: Slot, pending: PendingExchange) -> None:
+        (dq_local,) = pending.wait()
+        del pending
+        _hand_over(self.source.add_query_grad, slot, (dq_local,), self.by_rank)
+        del dq_local
+        self.source.finish(slot)
+
+    def _hand_over_key_value(self, slot: Slot, pending: PendingExchange) -> None:
+        local = pending.wait()
+        del pending
+        _hand_over(self.source.add_key_value_grad, slot, local, self.by_rank)
+        del local
+        self.source.finish(slot)
+
     def finish(self) -> None:
-        """After the round's last stage: send the round's accumulated dK/dV back (per-round mode)."""
+        """After the round's last stage: send the round's accumulated dK/dV back (per-round mode),
+        and finish the round's key/value slot."""
+        _run(self.later)
         if self.acc is not None:
-            acc, self.acc = list(self.acc), None
-            self._send(acc)
+            acc, self.acc, self.acc_views = self.acc, None, ()
+            send = acc if acc.dtype == self.dtype else acc.to(self.dtype)
+            del acc
+            pending = start_scatter(send, self.shapes, self.ctx.plan.group_size, self.ctx.group)
+            del send
+            self._hand_over_key_value(self.kv_slot, pending)
+            return
+        self.source.finish(self.kv_slot)
 
-    def _send(self, grads: list[Tensor]) -> None:
-        """All-to-all [dK, dV] back to sequence layout (emptying ``grads``, so each goes once sent) and
-        hand them to the source.  Each is a stage's [b, n, S, d] gradient or a round's accumulator,
-        already in the [C, b, s, n, d] send layout."""
-        local = [self.ctx.scatter_by_rank(grads, self.dtype) for _ in range(2)]
-        _hand_over(self.source.add_key_value_grad, self.kv_idx, tuple(local), self.by_rank)
 
-
-def _hand_over(add: Callable[..., Any], heads: Tensor, by_rank_tensors: tuple[Tensor, ...], by_rank: bool) -> None:
-    """``add(heads, *tensors)`` from ``scatter_by_rank`` results ([C, b, s, n, d] each): once
-    per source rank with contiguous [b, s, n, d] views when ``by_rank``, else once with all ranks'
-    heads as one [b, s, C*n, d] copy each.  A function of its own, so that no loop variable keeps a
-    piece (and with it the whole received buffer) alive after the hand-over."""
+def _hand_over(add: Callable[..., Any], slot: Slot, by_rank_tensors: tuple[Tensor, ...], by_rank: bool) -> None:
+    """``add(slot, piece, *tensors)`` from ``scatter`` results ([C, b, s, n, d] each): once per
+    source rank with contiguous [b, s, n, d] views when ``by_rank``, else once with all ranks' heads
+    as a [b, s, C, n, d] view each (no copy).  A function of its own, so that no loop variable keeps
+    a piece (and with it the whole received buffer) alive after the hand-over."""
     if not by_rank:
-        add(heads, *(from_ranks(t) for t in by_rank_tensors))
+        add(slot, Piece(None, 0, slot.heads.numel()), *(t.permute(1, 2, 0, 3, 4) for t in by_rank_tensors))
         return
     n = by_rank_tensors[0].shape[3]
     for src in range(by_rank_tensors[0].shape[0]):
-        add(heads.narrow(0, src * n, n), *(t[src] for t in by_rank_tensors))
+        add(slot, Piece(src, src * n, n), *(t[src] for t in by_rank_tensors))
 
 
 def _as_bshd(t: Tensor, batch_dim_idx: int) -> Tensor:

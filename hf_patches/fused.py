@@ -16,7 +16,6 @@ weight inputs, so autograd (and ZeRO-3's hooks) see one gradient per weight per 
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ds_upipe.pipeline import PipelineContext, RecomputedOutput, pipeline_backward, pipeline_forward
+from ds_upipe.pipeline import Piece, PipelineContext, RecomputedOutput, Slot, pipeline_backward, pipeline_forward
 from ds_upipe.schedule import StagePlan
 
 from .tiling import NORM_TILE_BYTES
@@ -34,6 +33,12 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 #: the largest dx product tile (bytes) the fused backward adds to a float32 accumulator at once
 DX_TILE_BYTES = 1 << 25
+
+
+def _heads_flat(grad: Tensor) -> Tensor:
+    """A slot's [b, s, C, n, d] gradient as [b, s, C*n, d] (a copy: it is a view of the received
+    buffer), or a [b, s, n, d] one as it is."""
+    return grad.flatten(2, 3) if grad.dim() == 5 else grad
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -161,11 +166,12 @@ def _dense_like(t: Tensor, other: Tensor) -> Tensor:
     return torch.empty(t.shape, dtype=torch.result_type(t, other), device=t.device)
 
 
-def apply_rope(y: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def apply_rope(y: Tensor, cos: Tensor, sin: Tensor, out: Tensor | None = None) -> Tensor:
     """y * cos + rotate_half(y) * sin: transformers' RoPE (Llama, Mistral, Qwen2 and Qwen3 share it),
-    computed with one temporary instead of four."""
+    computed with one temporary instead of four, into ``out`` when given (e.g. a strided view of an
+    all-to-all's send buffer)."""
     h = y.shape[-1] // 2
-    out = torch.mul(y, cos, out=_dense_like(y, cos))
+    out = torch.mul(y, cos, out=_dense_like(y, cos) if out is None else out)
     out[..., :h].addcmul_(y[..., h:], sin[..., :h], value=-1)
     out[..., h:].addcmul_(y[..., :h], sin[..., h:])
     return out
@@ -203,18 +209,22 @@ def kv_replicas(plan: StagePlan) -> list[KeyValueReplicas | None]:
 class FusedProjectionSource:
     """A ``StageSource`` that computes a stage's heads from x and the weight rows of those heads.
 
-    Backward mode keeps, per stage in flight, only the head indices (and, with a q/k norm, the
-    pre-norm chunk); the stage's gradient is taken back through RoPE by hand, through the norm by
-    autograd, and through the linear part by hand: dx += g @ W_rows in place (no x-sized temporary
-    per stage), dW[rows] += g^T x, db[rows] += sum g.
+    Backward mode keeps, per slot in flight (keyed by the round and stage the pipeline names), only
+    the pre-norm chunk of a q/k norm; a slot's gradient is taken back through RoPE by hand, through
+    the norm by autograd, and through the linear part by hand: dW[rows] += g^T x, db[rows] += sum g,
+    and dx's terms wait for ``finish(slot)``, which adds them in one product per slot (a stage's
+    dQ; a stage's or a round's dK with dV), dx += [g_1 ... g_n] @ [W_1; ...; W_n], in place (no
+    x-sized temporary per stage).
 
-    Without a k norm it takes partial gradients (``accepts_partial_grads``): the pipeline hands each
-    source rank's heads over as they arrive, in the order of the stage's (or round's) heads, without
-    copying them into one piece, and may return a round's dK/dV once per stage instead of summing them
-    in a round-sized accumulator first (when they are in the accumulation dtype): that accumulator
-    would sit beside the kernel's backward, where the layer peaks.  Qwen3's k norm computes in
-    float32: its backward must see the round's summed dK, as the model's own autograd does (each
-    stage's piece rounded to float32 on its own would differ from it by about 1e-7)."""
+    It takes each slot's gradient whole (``grads_per_source_rank`` False), as a [b, s, C, n, d] view
+    of the received buffer that RoPE's backward reads strided: one op per slot where per-source-rank
+    pieces cost C (the pieces' dx terms were concatenated into one product anyway, the same copy).
+    Without a k norm it takes dK/dV per stage (``key_value_grads_per_stage``), right after the stage's
+    dQ, instead of the pipeline summing them in a round-sized accumulator first (when they are in the
+    accumulation dtype): that accumulator would sit beside the kernel's backward, where the layer peaks.
+    Qwen3's k norm computes in float32: its backward must see the round's summed dK, as the model's
+    own autograd does (each stage's piece rounded to float32 on its own would differ from it by
+    about 1e-7)."""
 
     def __init__(
         self,
@@ -241,21 +251,21 @@ class FusedProjectionSource:
         self.need_p = tuple(bool(n) for n in needs_grad[1:]) if backward else (False,) * NUM_PARAMS
         # float32 sums for half-precision x / weights unless asked to sum in their own dtype
         self.accumulate_in_input_dtype = accumulate_in_input_dtype
-        #: gradients may arrive as consecutive pieces of a stage's (a round's) heads, dK/dV per stage
-        self.accepts_partial_grads = proj.k_norm is None
+        #: the StageSource contract: chunks of x's batch and sequence shard; gradients per slot
+        #: (whole), dK/dV per stage unless a k norm needs the round's sum
+        self.local_shape = (x.shape[0], x.shape[1], self.d)
+        self.dtype, self.device = x.dtype, x.device
+        self.grads_per_source_rank = False
+        self.key_value_grads_per_stage = proj.k_norm is None
         self.grad_x: Tensor | None = None
-        #: dx terms (g, W rows) of the chunk whose gradient is coming in, summed by _flush_grad_x
+        #: dx terms (g, W rows) of the gradients handed over since the last ``finish``
         self._dx_pending: list[tuple[Tensor, Tensor]] = []
         self.grad_p: list[Tensor | None] = [None] * NUM_PARAMS
-        # per chunk fetched in backward: [pre-norm chunk or None, heads, heads already given gradients].
-        # Queries: FIFO (with overlapped communication the next stage is fetched before this one's
-        # gradient returns); key/value: the current round's (its gradient may come once per stage).
-        self._pending_q: deque[list] = deque()
-        self._pending_kv: deque[list] = deque()
-        # backward: the plan's KV replica layout per round (key_value is called once per round, in order),
-        # used where a round's dK/dV come whole (a k norm, no partial gradients)
+        #: backward, with a q/k norm: the pre-norm chunk of each slot in flight by ``Slot.key``,
+        #: dropped by ``finish``
+        self._pre_norm: dict[tuple[str, int, int | None], Tensor] = {}
+        # the plan's KV replica layout per round, used where a round's dK/dV come whole (a k norm)
         self._kv_rounds = list(kv_rounds)
-        self._kv_round = 0
 
     def rows(self, heads: Tensor) -> Tensor:
         """Weight rows (q/k/v) or columns (o_proj) of the given heads."""
@@ -271,41 +281,43 @@ class FusedProjectionSource:
     def _norm(self, norm_idx: int) -> nn.Module | None:
         return self.proj.q_norm if norm_idx == _QN else self.proj.k_norm
 
-    def _chunk(self, heads: Tensor, w_idx: int, norm_idx: int, pending: deque) -> Tensor:
-        rows = self.rows(heads)
-        y = self._linear(rows, w_idx)
+    def _chunk(self, slot: Slot, w_idx: int, norm_idx: int, out: Tensor) -> None:
+        """Project, normalize and rotate the slot's heads into ``out`` ([b, s, C, n, d], a view of
+        the send buffer)."""
+        y = self._linear(self.rows(slot.heads), w_idx)
         norm = self._norm(norm_idx)
-        if self.backward:
-            if pending is self._pending_kv:
-                pending.clear()  # a new round: the previous one's gradients are all in
-            pending.append([y if norm is not None else None, heads, 0])
         if norm is not None:
+            if self.backward:
+                self._pre_norm[slot.key] = y
             y = rms_norm_tiled(y, self.weights[norm_idx], norm.variance_epsilon, qk_norm_tile_tokens(y))
-        return apply_rope(y, self.cos, self.sin)
+        apply_rope(y.view(out.shape), self.cos.unsqueeze(2), self.sin.unsqueeze(2), out=out)
+
+    def _pre_norm_of(self, key: tuple[str, int, int | None], piece: Piece) -> Tensor | None:
+        pre_norm = self._pre_norm.get(key)
+        return None if pre_norm is None else pre_norm.narrow(2, piece.start, piece.count)
 
     # -- StageSource -------------------------------------------------------------------------
-    def query(self, heads: Tensor) -> Tensor:
-        return self._chunk(heads, _WQ, _QN, self._pending_q)
+    def query(self, slot: Slot, out: Tensor) -> None:
+        self._chunk(slot, _WQ, _QN, out)
 
-    def key_value(self, heads: Tensor) -> tuple[Tensor, Tensor]:
-        k = self._chunk(heads, _WK, _KN, self._pending_kv)
-        return k, self._linear(self.rows(heads), _WV)
+    def key_value(self, slot: Slot, out_key: Tensor, out_value: Tensor) -> None:
+        self._chunk(slot, _WK, _KN, out_key)
+        out_value.copy_(self._linear(self.rows(slot.heads), _WV).view(out_value.shape))
 
-    def add_query_grad(self, heads: Tensor, grad: Tensor) -> None:
-        pre_norm, complete = self._take(self._pending_q, heads, pop=True)
-        self._linear_backward(self._chunk_backward(grad, pre_norm, _QN), self.rows(heads), _WQ)
-        if complete:
-            self._flush_grad_x()
+    def add_query_grad(self, slot: Slot, piece: Piece, grad: Tensor) -> None:
+        pre_norm = self._pre_norm_of(slot.key, piece)
+        self._linear_backward(self._chunk_backward(grad, pre_norm, _QN), self.rows(piece.heads(slot)), _WQ)
 
-    def add_key_value_grad(self, heads: Tensor, grad_key: Tensor, grad_value: Tensor) -> None:
-        pre_norm, complete = self._take(self._pending_kv, heads, pop=False)
-        rows = self.rows(heads)
-        # with partial gradients (no k norm) add is called per piece and the replicas' terms simply add up in
-        # the weight gradient; otherwise once per round, with the whole round's replicas
-        replicas = None if self.accepts_partial_grads else self._next_kv_replicas()
+    def add_key_value_grad(self, slot: Slot, piece: Piece, grad_key: Tensor, grad_value: Tensor) -> None:
+        pre_norm = self._pre_norm_of(("key_value", slot.round, None), piece)  # the round's K
+        rows = self.rows(piece.heads(slot))
+        # in pieces (per source rank) the replicas' terms simply add up in the weight gradient; a whole
+        # round's gradient (a k norm) sums its replicas first
+        replicas = self._kv_rounds[slot.round] if piece.source_rank is None and self._kv_rounds else None
         if replicas is not None:
             # Sum the replicas' gradients first, as HF's repeat_kv backward does: a q/k norm computes in
             # float32 inside, so taking each replica through it separately would round differently.
+            grad_key, grad_value = (_heads_flat(g) for g in (grad_key, grad_value))
             dev = grad_key.device
             unique = torch.tensor(replicas.unique, dtype=torch.long, device=dev)
             slots = torch.tensor(replicas.slot_to_unique, dtype=torch.long, device=dev)
@@ -315,34 +327,13 @@ class FusedProjectionSource:
             rows = self.rows(unique)
         self._linear_backward(self._chunk_backward(grad_key, pre_norm, _KN), rows, _WK)
         self._linear_backward(grad_value, rows, _WV)
-        if complete or replicas is not None:
-            self._flush_grad_x()
 
-    @staticmethod
-    def _take(pending: deque[list], heads: Tensor, *, pop: bool) -> tuple[Tensor | None, bool]:
-        """The pre-norm chunk of the next ``heads.numel()`` heads of the oldest pending chunk (None
-        without a q/k norm), and whether these were its last heads; a query chunk is dropped once all
-        its heads have their gradient, a round's key/value chunk starts over (its next stage's gradient)."""
-        entry = pending[0]
-        pre_norm, chunk_heads, start = entry
-        n = heads.numel()
-        part = None if pre_norm is None else pre_norm.narrow(2, start, n)
-        entry[2] = start + n
-        complete = entry[2] == chunk_heads.numel()
-        if complete:
-            entry[2] = 0
-            if pop:
-                pending.popleft()
-        return part, complete
+    def finish(self, slot: Slot) -> None:
+        """Every gradient of ``slot`` is in: its dx terms as one product, its pre-norm chunk dropped."""
+        self._flush_grad_x()
+        self._pre_norm.pop(slot.key, None)
 
     # -- backward helpers --------------------------------------------------------------------
-    def _next_kv_replicas(self) -> KeyValueReplicas | None:
-        if not self._kv_rounds:
-            return None
-        replicas = self._kv_rounds[self._kv_round % len(self._kv_rounds)]
-        self._kv_round += 1
-        return replicas
-
     @staticmethod
     def _sum_replicas(grad: Tensor, slots: Tensor, num_unique: int) -> Tensor:
         """[b, s, slots, d] -> [b, s, unique heads, d]: each head's replicas summed."""
@@ -350,7 +341,12 @@ class FusedProjectionSource:
         return torch.zeros((b, s, num_unique, d), dtype=grad.dtype, device=grad.device).index_add_(2, slots, grad)
 
     def _chunk_backward(self, grad: Tensor, pre_norm: Tensor | None, norm_idx: int) -> Tensor:
-        grad = rope_backward(grad, self.cos, self.sin)
+        """``grad``: [b, s, n, d] or a slot's whole [b, s, C, n, d] (read strided by RoPE's backward,
+        whose contiguous result is flattened to [b, s, C*n, d] without a copy)."""
+        if grad.dim() == 5:
+            grad = rope_backward(grad, self.cos.unsqueeze(2), self.sin.unsqueeze(2)).flatten(2, 3)
+        else:
+            grad = rope_backward(grad, self.cos, self.sin)
         if pre_norm is None:
             return grad
         grad_input, grad_weight = rms_norm_backward(
@@ -378,14 +374,14 @@ class FusedProjectionSource:
             self._accumulate(w_idx + 1, rows, g.sum(0))
 
     def _flush_grad_x(self) -> None:
-        """dx += [g_1 ... g_n] @ [W_1; ...; W_n] over the pending pieces of a chunk: one GEMM per
-        stage (per round's K/V) instead of one per piece and source rank, each of which read and
-        wrote the whole x-sized accumulator.  With the accumulator in the input dtype it is one
-        in-place addmm.  With a float32 accumulator for 16-bit inputs the GEMM runs in the input dtype
-        (tensor cores, float32 accumulation inside, as the model's own q/k/v_proj backward computes
-        dx) over tiles of ``DX_TILE_BYTES`` of product, each added to the float32 accumulator: an fp32
-        GEMM would run without TF32 at a tenth of the rate, and an untiled product would be an
-        x-sized temporary at the layer's peak."""
+        """dx += [g_1 ... g_n] @ [W_1; ...; W_n] over the pending terms of a slot: one GEMM per
+        slot (a stage's dQ; a stage's or a round's dK with dV; any pieces it came in) instead of one
+        per term, each of which would read and write the whole x-sized accumulator.
+        With the accumulator in the input dtype it is one in-place addmm.  With a float32 accumulator
+        for 16-bit inputs the GEMM runs in the input dtype (tensor cores, float32 accumulation inside,
+        as the model's own q/k/v_proj backward computes dx) over tiles of ``DX_TILE_BYTES`` of
+        product, each added to the float32 accumulator: an fp32 GEMM would run without TF32 at a
+        tenth of the rate, and an untiled product would be an x-sized temporary at the layer's peak."""
         if not self._dx_pending:
             return
         gs, ws = zip(*self._dx_pending)
@@ -466,11 +462,11 @@ class FusedUPipeAttention(torch.autograd.Function):
         dy = grad_y.reshape(-1, grad_y.shape[-1])
         w_o = fctx.proj.o_proj.weight
         recompute = fctx.pctx.recompute_output
-        (b, s, _), num_heads, d = x.shape, fctx.pctx.plan.num_heads, fctx.proj.head_dim  # the output's shape
+        num_heads, d = fctx.pctx.plan.num_heads, fctx.proj.head_dim  # the output's shape
 
-        def grad_out(heads: Tensor) -> Tensor:
-            """This stage's slice of d(attention output) = dy @ Wo[:, columns of the heads]."""
-            return (dy @ w_o.index_select(1, source.rows(heads))).view(b, s, heads.numel(), d)
+        def grad_out(slot: Slot, out: Tensor) -> None:
+            """This stage's slice of d(attention output) = dy @ Wo[:, columns of the heads], into ``out``."""
+            out.copy_((dy @ w_o.index_select(1, source.rows(slot.heads))).view(out.shape))
 
         with torch.no_grad():
             if recompute:
@@ -478,9 +474,10 @@ class FusedUPipeAttention(torch.autograd.Function):
                 # output: the heads' columns are disjoint, so each is written once (no summation)
                 grad_w_o = torch.empty(w_o.shape, dtype=x.dtype, device=x.device) if source.need_p[_WO] else None
 
-                def take_output(heads: Tensor, o_local: Tensor) -> None:
+                def take_output(slot: Slot, piece: Piece, o_local: Tensor) -> None:
                     if grad_w_o is not None:
-                        grad_w_o.index_copy_(1, source.rows(heads), dy.t() @ o_local.reshape(dy.shape[0], -1))
+                        columns = source.rows(piece.heads(slot))
+                        grad_w_o.index_copy_(1, columns, dy.t() @ o_local.reshape(dy.shape[0], -1))
 
                 pipeline_backward(fctx.pctx, source, RecomputedOutput(x.dtype, take_output), grad_out, ())
                 grad_x, grads = source.results()

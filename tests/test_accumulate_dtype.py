@@ -3,10 +3,12 @@ the fused source and the round's dK/dV accumulator are built directly)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from ds_upipe.pipeline import PipelineContext, PlanIndices, RoundKeyValueGrads
+from ds_upipe.pipeline import Piece, PipelineContext, PlanIndices, RoundKeyValueGrads, Slot
 from ds_upipe.schedule import build_plan
 from hf_patches.fused import FusedProjections, FusedProjectionSource
 from tests.hf_cases import build_model
@@ -26,8 +28,12 @@ def _context(accumulate_in_input_dtype: bool) -> PipelineContext:
 @pytest.mark.parametrize("on, want", [(False, torch.float32), (True, torch.bfloat16)])
 def test_round_dkdv_accumulator_dtype(on, want):
     k_full = torch.zeros(1, 2, 8, 4, dtype=torch.bfloat16)  # [b, n, S, d]
-    grads = RoundKeyValueGrads(_context(on), object(), torch.arange(2), k_full, torch.bfloat16)
-    assert [a.dtype for a in grads.acc] == [want, want]
+    # a source taking dK/dV once per round: the pipeline sums the stages' in the round's accumulator
+    source = SimpleNamespace(grads_per_source_rank=True, key_value_grads_per_stage=False)
+    grads = RoundKeyValueGrads(
+        _context(on), source, Slot("key_value", 0, None, torch.arange(2)), k_full, torch.bfloat16
+    )
+    assert grads.acc.dtype == want and [a.dtype for a in grads.acc_views] == [want, want]
 
 
 @pytest.mark.parametrize("on, want", [(False, torch.float32), (True, torch.bfloat16)])
@@ -38,9 +44,13 @@ def test_fused_dx_and_weight_accumulators_dtype(on, want):
     cos = sin = torch.ones(1, 6, proj.head_dim, dtype=torch.bfloat16)
     needs = (True,) * (1 + len(proj.params()))
     source = FusedProjectionSource(x, cos, sin, proj, backward=True, needs_grad=needs, accumulate_in_input_dtype=on)
-    heads = torch.tensor([0, 1])
+    slot = Slot("query", 0, 0, torch.tensor([0, 1]))
     with torch.no_grad():  # as in FusedUPipeAttention.backward
-        source.add_query_grad(heads, source.query(heads).float())  # a stage's gradient comes back in float32
+        # a stage's gradient comes back in float32
+        chunk = torch.empty(1, 6, 1, 2, proj.head_dim, dtype=torch.bfloat16)  # [b, s, C, n, d]: one rank
+        source.query(slot, chunk)
+        source.add_query_grad(slot, Piece(None, 0, 2), chunk.float())  # whole: [b, s, C, n, d]
+        source.finish(slot)
     grad_p = [g for g in source.grad_p if g is not None]
     assert source.grad_x.dtype == want and grad_p and all(g.dtype == want for g in grad_p)
     grad_x, grads = source.results()  # handed to autograd in the inputs' dtype either way
@@ -82,10 +92,14 @@ def test_fused_dx_is_one_input_dtype_gemm_per_stage(monkeypatch, tiles):
     needs = (True,) * (1 + len(proj.params()))
     source = FusedProjectionSource(x, cos, sin, proj, backward=True, needs_grad=needs)
     heads = torch.tensor([0, 1])
+    slot = Slot("query", 0, 0, heads)
     with torch.no_grad(), _DxGemms((6 // tiles, model.config.hidden_size)) as gemms:
-        grad = source.query(heads).float()
+        grad = torch.empty(1, 6, 1, 2, proj.head_dim, dtype=torch.bfloat16)  # [b, s, C, n, d]: one rank
+        source.query(slot, grad)
+        grad = grad.flatten(2, 3).float()
         for h in (0, 1):  # one piece per source rank
-            source.add_query_grad(heads[h : h + 1], grad[:, :, h : h + 1])
+            source.add_query_grad(slot, Piece(h, h, 1), grad[:, :, h : h + 1])
+        source.finish(slot)  # the stage's pieces are all in: one dx product
     assert gemms.dtypes == [torch.bfloat16] * tiles and source.grad_x.dtype == torch.float32
     w = proj.params()[0].index_select(0, source.rows(heads)).double()
     # cos = sin = 1: RoPE's backward of g is rotate-half's transpose applied to g, as the source computes it

@@ -105,3 +105,21 @@ def test_bench_spec_refuses_bad_settings():
         BenchSpec(device="tpu")
     with pytest.raises(ValueError, match="documents=3 must be >= 1 and divide every sequence length"):
         BenchSpec(world=2, seq_lens=[512], documents=3)
+
+
+def test_op_counter_counts_copies_syncs_and_ops():
+    """``ds-upipe bench --levels ops``' counter (in-process): copy-like ops count the bytes they write
+    (an in-place index op its source's, not its whole destination), host reads count as syncs."""
+    import torch
+
+    from ds_upipe.tools.opcount import OpCounter
+
+    dst = torch.zeros(8, 4)
+    src = torch.ones(2, 4)
+    with OpCounter() as counter:
+        dst.index_copy_(0, torch.tensor([1, 5]), src)  # writes 2 rows (32 bytes), not the 128-byte dst
+        torch.cat([src, src])  # 64 bytes
+        src.sum().item()  # a host read
+    assert counter.copy_bytes == 32 + 64
+    assert counter.host_syncs == 1
+    assert counter.ops["index_copy_"] == 1 and counter.ops["cat"] == 1 and not counter.collectives

@@ -36,6 +36,8 @@ import torch
 from .memory import measure_peak, tensor_bytes
 
 LEVELS = ("core", "layer")
+#: ``--levels ops``: the op-count benchmark (``tools.opcount``) in place of the timed levels
+OPS_LEVEL = "ops"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64, "float16": torch.float16}
 
 
@@ -113,8 +115,10 @@ class BenchSpec:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(DTYPES)}")
         bad = [lvl for lvl in self.levels if lvl not in LEVELS]
+        if self.levels == (OPS_LEVEL,):
+            bad = []
         if bad or not self.levels:
-            raise ValueError(f"levels={list(self.levels)}: choose from {list(LEVELS)}")
+            raise ValueError(f"levels={list(self.levels)}: choose from {list(LEVELS)}, or {OPS_LEVEL!r} alone")
         if not self.seq_lens:
             raise ValueError("seq_lens is empty: give at least one sequence length")
         from ..layout import sequence_layout

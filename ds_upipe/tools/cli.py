@@ -11,6 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 _SUFFIX = {"k": 2**10, "m": 2**20, "g": 2**30}
 
@@ -152,7 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Ring) on zigzag shards (DeepSpeed's and ALST's attention have no ring)",
     )
     bench.add_argument("--seq", type=parse_token_list, default=[2048, 4096], help="global sequence lengths")
-    bench.add_argument("--levels", default="core,layer", help="comma-separated: core, layer (default both)")
+    bench.add_argument(
+        "--levels",
+        default="core,layer",
+        help="comma-separated: core, layer (default both); or 'ops' alone: the op-count benchmark "
+        "(collectives, copy bytes, aten ops, host syncs and main-thread CPU time per step, rank 0, CPU)",
+    )
     bench.add_argument("--heads", type=int, default=32)
     bench.add_argument("--kv-heads", type=int, default=8)
     bench.add_argument("--head-dim", type=int, default=64)
@@ -314,6 +320,8 @@ def _bench(args: argparse.Namespace) -> int:
         device=device,
         ring_size=args.ring_size,
     )
+    if spec.levels == (bench.OPS_LEVEL,):
+        return _bench_ops(args, spec)
     rows = bench.run_bench(spec, show_progress=not args.no_progress)
     ring = f" ({spec.ulysses_size} x ring {spec.ring_size})" if spec.ring_size > 1 else ""
     json_path, png_path = args.out.with_suffix(".json"), args.out.with_suffix(".png")
@@ -324,6 +332,25 @@ def _bench(args: argparse.Namespace) -> int:
     print(bench.format_table(rows))
     print(f"wrote {json_path} and {png_path}")
     return 0
+
+
+def _bench_ops(args: argparse.Namespace, spec: Any) -> int:
+    from . import opcount
+
+    rows = opcount.run_opcount(spec, show_progress=not args.no_progress)
+    json_path = args.out.with_suffix(".json")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"command": "ds-upipe " + " ".join(args.argv), "git": _git(), "results": opcount.as_json(rows)}
+    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(opcount.format_opcount_table(rows))
+    print(f"wrote {json_path}")
+    return 0
+
+
+def _git() -> str | None:
+    from .bench import _git_state
+
+    return _git_state()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
