@@ -491,12 +491,11 @@ def build_layer(method: Method, spec: BenchSpec, device: torch.device) -> tuple[
     return layer.train(), model.model.rotary_emb
 
 
-def layer_case(
-    layer: torch.nn.Module, rotary: torch.nn.Module, spec: BenchSpec, seq: int, rank: int, device: torch.device
-) -> dict[str, Any]:
-    """Memory (and, when ``spec.repeats``, time) of one forward+backward of ``layer`` on this rank's
-    shard.  "intermediate" at this level is the activation memory: peak minus the layer's weights
-    and their gradients."""
+def layer_inputs(
+    rotary: torch.nn.Module, spec: BenchSpec, seq: int, rank: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """This rank's layer input x0, output gradient dy, position ids and RoPE cos/sin (seeded per
+    length and rank): what every layer-level measurement runs on."""
     dtype = DTYPES[spec.dtype]
     s = seq // spec.world
     gen = torch.Generator(device="cpu").manual_seed(spec.seed * 1_000_003 + seq * 31 + rank)
@@ -505,6 +504,16 @@ def layer_case(
     pos = shard_positions(spec, seq, rank, device)
     with torch.no_grad():
         cos, sin = rotary(x0, pos)
+    return x0, dy, pos, cos, sin
+
+
+def layer_case(
+    layer: torch.nn.Module, rotary: torch.nn.Module, spec: BenchSpec, seq: int, rank: int, device: torch.device
+) -> dict[str, Any]:
+    """Memory (and, when ``spec.repeats``, time) of one forward+backward of ``layer`` on this rank's
+    shard.  "intermediate" at this level is the activation memory: peak minus the layer's weights
+    and their gradients."""
+    x0, dy, pos, cos, sin = layer_inputs(rotary, spec, seq, rank, device)
     result: dict[str, torch.Tensor] = {}
 
     def step(x: torch.Tensor, keep: bool = False) -> None:

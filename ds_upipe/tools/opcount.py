@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .bench import DTYPES, BenchSpec, Method
+from .bench import BenchSpec, Method
 
 #: aten ops counted as copies (``copy bytes``)
 COPY_OPS = frozenset(
@@ -182,17 +182,10 @@ def _core_case(method: Method, spec: BenchSpec, seq: int, rank: int, device: tor
 
 
 def _layer_case(method: Method, spec: BenchSpec, seq: int, rank: int, device: torch.device) -> tuple:
-    from .bench import build_layer, shard_positions
+    from .bench import build_layer, layer_inputs
 
     layer, rotary = build_layer(method, spec, device)
-    dtype = DTYPES[spec.dtype]
-    s = seq // spec.world
-    gen = torch.Generator(device="cpu").manual_seed(spec.seed * 1_000_003 + seq * 31 + rank)
-    x0 = torch.randn(spec.batch, s, spec.hidden_size, generator=gen).to(device=device, dtype=dtype)
-    dy = torch.randn(spec.batch, s, spec.hidden_size, generator=gen).to(device=device, dtype=dtype)
-    pos = shard_positions(spec, seq, rank, device)
-    with torch.no_grad():
-        cos, sin = rotary(x0, pos)
+    x0, dy, pos, cos, sin = layer_inputs(rotary, spec, seq, rank, device)
 
     def step() -> None:
         x = x0.clone().requires_grad_(True)
@@ -200,8 +193,8 @@ def _layer_case(method: Method, spec: BenchSpec, seq: int, rank: int, device: to
         layer.zero_grad(set_to_none=True)
 
     step()
-    elt = torch.empty((), dtype=dtype).element_size()
-    qkvo = spec.batch * s * (2 * spec.heads + 2 * spec.kv_heads) * spec.head_dim * elt
+    elt = x0.element_size()
+    qkvo = spec.batch * (seq // spec.world) * (2 * spec.heads + 2 * spec.kv_heads) * spec.head_dim * elt
     return step, qkvo
 
 
