@@ -180,8 +180,19 @@ def scatter_buffer(
     parts: Iterable[Tensor], heads: Sequence[int], group_size: int
 ) -> tuple[Tensor, list[tuple[int, ...]]]:
     """Full [b, n_j, C*s, d] tensors (``heads[j]`` = n_j) -> (the contiguous [C, X] buffer whose row
-    dst holds peer dst's sequence chunk of each as [b, s, n_j, d], those shapes)."""
+    dst holds peer dst's sequence chunk of each as [b, s, n_j, d], those shapes).  A single tensor
+    already laid out so is the buffer itself (a view of it: no copy)."""
     c = group_size
+    if len(heads) == 1:
+        # a single tensor whose send layout is already contiguous (b = 1 and one head per rank, as at
+        # U = C) is sent as it is: copying it into a buffer of its own would only reproduce it
+        (part,) = parts
+        send = to_send_layout(part, c)
+        if send.is_contiguous():
+            return send.reshape(c, -1), [tuple(send.shape[1:])]
+        del send
+        parts = iter([part])
+        del part
 
     def shapes_of(first: Tensor) -> list[tuple[int, ...]]:
         b, _, seq, d = first.shape
