@@ -139,8 +139,9 @@ def apply_upipe(
     heads = HeadLayout.from_config(config)
     # validates U, H, Hkv against C_u (a ring does not split heads)
     plan = _build_plan(heads, group_size, ring_size, head_chunk_size)
-    # the first layer's scale; each call runs with its module's own (UPipeState.attention's ``scale``)
-    attn_kernel = make_kernel(kernel, causal=True, softmax_scale=getattr(attentions[0], "scaling", None))
+    # 1/sqrt(head_dim) here; each call runs with the scale its module passes (``UPipeState.attention``'s
+    # ``scale``: Gemma's query_pre_attn_scalar, Granite's attention_multiplier), layer by layer
+    attn_kernel = make_kernel(kernel, causal=True)
 
     if recompute_attention_output and not fused_projections:
         raise ValueError(
