@@ -108,12 +108,13 @@ def family_ring_case(family, fused, layout, u=None, **overrides):
 
 
 def _cases(world: int) -> dict[str, tuple]:
-    """name -> (function, args, kwargs).  Every family fused (where it applies) and unfused at U = C; at
-    U = H and with windows smaller than / equal to / larger than a shard of 6 tokens and crossing shards;
-    packed rows; HF checkpointing; at C = 4 also a ring of 2 x 2."""
+    """name -> (function, args, kwargs).  Every family fused (where it applies) and unfused at U = C (at C = 4
+    once, fused where it applies); at U = H and with windows smaller than / equal to / larger than a shard of
+    6 tokens and crossing shards; at C = 2 packed rows and HF checkpointing; at C = 4 a ring of 2 x 2."""
     cases: dict[str, tuple] = {}
     for family, (_, _, fusable) in FAMILIES.items():
-        for fused in (True, False) if fusable else (False,):
+        # C = 4 (test time): each family once, fused where it applies; C = 2 has both modes
+        for fused in ((True, False) if world == 2 else (True,)) if fusable else (False,):
             cases[f"{family}_{'fused' if fused else 'unfused'}"] = (family_case, (family, fused, world), {})
     h = COMMON["num_attention_heads"]
     cases["gpt_oss_fused_U=H_W6"] = (family_case, ("gpt_oss", True, world), dict(u=h, sliding_window=6))
@@ -123,17 +124,23 @@ def _cases(world: int) -> dict[str, tuple]:
     cases["qwen3_moe_fused_U=H"] = (family_case, ("qwen3_moe", True, world), dict(u=h))
     cases["granite_unfused_U=H"] = (family_case, ("granite", False, world), dict(u=h))
     cases["phi3_unfused_W5"] = (family_case, ("phi3", False, world), dict(sliding_window=5))
+    if world == 4:  # packing and checkpointing at C = 2 only
+        return {**cases, **_ring_cases(h)}
     cases["gpt_oss_fused_packed"] = (family_case, ("gpt_oss", True, world), dict(packed=True))
     cases["gemma3_unfused_packed"] = (family_case, ("gemma3", False, world), dict(packed=True))
     cases["mixtral_fused_packed_W5"] = (family_case, ("mixtral", True, world), dict(packed=True, sliding_window=5))
     cases["gpt_oss_fused_checkpointing"] = (family_case, ("gpt_oss", True, world), dict(checkpointing="reentrant"))
     cases["gemma3_fused_checkpointing"] = (family_case, ("gemma3", True, world), dict(checkpointing="non_reentrant"))
     cases["olmo2_unfused_checkpointing"] = (family_case, ("olmo2", False, world), dict(checkpointing="reentrant"))
-    if world == 4:
-        cases["gpt_oss_fused_ring_2x2_W5"] = (family_ring_case, ("gpt_oss", True, (2, 2)), dict(sliding_window=5))
-        cases["gemma3_unfused_ring_2x2"] = (family_ring_case, ("gemma3", False, (2, 2)), {})
-        cases["granite_fused_ring_2x2"] = (family_ring_case, ("granite", True, (2, 2)), dict(u=h))
     return cases
+
+
+def _ring_cases(h: int) -> dict[str, tuple]:
+    return {
+        "gpt_oss_fused_ring_2x2_W5": (family_ring_case, ("gpt_oss", True, (2, 2)), dict(sliding_window=5)),
+        "gemma3_unfused_ring_2x2": (family_ring_case, ("gemma3", False, (2, 2)), {}),
+        "granite_fused_ring_2x2": (family_ring_case, ("granite", True, (2, 2)), dict(u=h)),
+    }
 
 
 def family_matrix(rank: int, world: int) -> dict[str, dict[str, float]]:
