@@ -10,8 +10,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_upipe.heads import HeadLayout
-from ds_upipe.kernels import make_kernel
-from ds_upipe.schedule import StagePlan, build_plan
 
 from .attention import (
     ATTN_IMPLEMENTATION,
@@ -158,14 +156,6 @@ def apply_upipe(
         raise ValueError(f"no {attention_class.__name__} modules found in {type(hf_model).__name__}")
     _check_config(arch, config, attentions)
 
-    group_size = dist.get_world_size(process_group)
-    ring_size = 1 if ring_group is None else dist.get_world_size(ring_group)
-    heads = HeadLayout.from_config(config)
-    # validates U, H, Hkv against C_u (a ring does not split heads)
-    plan = _build_plan(heads, group_size, ring_size, head_chunk_size)
-    scaling = attentions[0].scaling
-    attn_kernel = make_kernel(kernel, causal=True, softmax_scale=scaling)
-
     if recompute_attention_output and not fused_projections:
         raise ValueError(
             "recompute_attention_output=True needs fused_projections=True: unfused, o_proj (the model's own "
@@ -183,19 +173,22 @@ def apply_upipe(
             " (recompute_attention_output has no effect unfused)" if recompute_attention_output else "",
         )
 
-    state = UPipeState(
+    heads = HeadLayout.from_config(config)
+    # the one runtime builder of every route (ds_upipe.runtime); validates U, H, Hkv against C_u
+    state = UPipeState.build(
         group=process_group,
-        group_size=group_size,
-        plan=plan,
-        kernel=attn_kernel,
+        kernel=kernel,
+        softmax_scale=attentions[0].scaling,
+        head_chunk_size=head_chunk_size,
+        num_heads=heads.num_heads,
+        num_kv_heads=heads.num_kv_heads,
+        ring_group=ring_group,
+        overlap_comm=overlap_comm,
+        accumulate_in_input_dtype=accumulate_in_input_dtype,
         fused=fused,
+        recompute_attention_output=recompute_attention_output,
         fallback_reason=fallback,
         architecture=arch,
-        overlap_comm=bool(overlap_comm),
-        ring_group=ring_group if ring_size > 1 else None,
-        ring_size=ring_size,
-        accumulate_in_input_dtype=bool(accumulate_in_input_dtype),
-        recompute_attention_output=bool(recompute_attention_output),
     )
     register_attention_function()
     for attn in attentions:
@@ -210,19 +203,6 @@ def apply_upipe(
     if hasattr(hf_model, "generate"):
         hf_model.generate = types.MethodType(_refuse_generate, hf_model)
     return model
-
-
-def _build_plan(heads: HeadLayout, group_size: int, ring_size: int, head_chunk_size: int | None) -> StagePlan:
-    """The stage plan over the Ulysses group; with a ring, an error says that C_u, not C_u x R, splits the heads."""
-    try:
-        return build_plan(heads.num_heads, heads.num_kv_heads, group_size, head_chunk_size)
-    except ValueError as err:
-        if ring_size == 1:
-            raise
-        raise ValueError(
-            f"with a ring group of {ring_size} ranks the heads are split over the Ulysses group of {group_size} ranks "
-            f"(sequence-parallel size {group_size * ring_size} / ring size {ring_size}): {err}"
-        ) from None
 
 
 def _refuse_generate(self: nn.Module, *args: Any, **kwargs: Any) -> None:

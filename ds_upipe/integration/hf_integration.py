@@ -505,27 +505,25 @@ def _alst_checks_and_groups(args: dict[str, Any]) -> tuple[Any, Callable[..., An
 
 
 def _unfused_state(text_config: Any, group: Any, head_chunk_size: int, settings: SPSettings) -> Any:
-    """The UPipe settings of the registered core attention function (the unfused path)."""
+    """The runtime of the registered core attention function (the unfused path), built as
+    ``apply_upipe`` builds a patched model's (``UPipeState.build``) from the block's settings."""
     from hf_patches import UPipeState
 
-    from ..kernels import make_kernel
-    from ..schedule import build_plan
     from .sp_setup import upipe_groups
 
     ulysses_group, ring_group = upipe_groups(group, settings)
-    group_size = torch.distributed.get_world_size(ulysses_group)
-    return UPipeState(
+    upipe, heads = settings.upipe, HeadLayout.from_config(text_config)
+    return UPipeState.build(
         group=ulysses_group,
-        group_size=group_size,
-        plan=build_plan(text_config.num_attention_heads, text_config.num_key_value_heads, group_size, head_chunk_size),
-        kernel=make_kernel(settings.upipe.kernel, causal=True),
-        fused=False,
-        fallback_reason=None,
-        architecture=getattr(text_config, "model_type", ""),
-        overlap_comm=settings.upipe.overlap_comm,
+        kernel=upipe.kernel,
+        head_chunk_size=head_chunk_size,
+        num_heads=heads.num_heads,
+        num_kv_heads=heads.num_kv_heads,
         ring_group=ring_group,
-        ring_size=settings.ring_size,
-        accumulate_in_input_dtype=settings.upipe.accumulate_dtype == "input",
+        overlap_comm=upipe.overlap_comm,
+        accumulate_in_input_dtype=upipe.accumulate_dtype == "input",
+        fused=False,
+        architecture=getattr(text_config, "model_type", ""),
     )
 
 
