@@ -69,10 +69,16 @@ class UPipeDistributedAttention(DistributedAttention):
     (``ds_upipe.sinks.SinkKernel``), each stage with its own heads' sinks, the gradient returned to the
     tensor through autograd.  Both need an ``AttentionKernel`` (a window a causal one).
 
-    ``validate_inputs`` exchanges every rank's shapes, dtypes and settings (head_chunk_size,
-    overlap_comm, scatter_idx, the kernel's causal and softmax_scale) once per forward (one tiny
-    all_gather) so a bad input, or ranks configured differently, raise the same ValueError on all
-    ranks instead of hanging some of them.  It must itself be the same on every rank.
+    ``validate_inputs`` exchanges every rank's shapes, dtypes and settings (the runtime's
+    ``RuntimeSettings``: head_chunk_size, overlap_comm, scatter_idx, the kernel's causal and
+    softmax_scale, ...) in one tiny all_gather the first time the layer sees an input layout, so a bad
+    input, or ranks configured differently, raise the same ValueError on all ranks instead of hanging
+    some of them; a layout every rank has checked runs no exchange again (``validation.CheckedInputs``,
+    which says what that gives up).  It must itself be the same on every rank.
+
+    Everything the layer runs with is its ``runtime`` (``ds_upipe.runtime.UPipeRuntime``), built as
+    ``hf_patches.apply_upipe`` builds a model's; ``head_chunk_size``, ``overlap_comm``,
+    ``ring_overlap`` and ``accumulate_in_input_dtype`` are its fields (settable).
     """
 
     def __init__(

@@ -192,6 +192,7 @@ def _check_positions_and_mask(pos: Tensor, keep: Tensor, ring_size: int = 1) -> 
         )
 
 
+#: a log line printed once per process (a logging decision, read by no computation)
 _WARNED_LOCAL_POSITIONS: list[bool] = []
 
 

@@ -8,7 +8,8 @@ returns the mpu) and wraps the data loaders in ``UlyssesSPDataLoaderAdapter``; t
 computes the loss across the sequence ranks (``deepspeed_sp_compute_loss``).
 
 ``enable()`` keeps all of that and changes four things, process-wide, until ``disable()`` (nine
-attributes of deepspeed, transformers and their classes, each named in ``enable``):
+attributes of deepspeed, transformers and their classes, each named in ``enable``; why process-wide:
+``_ORIGINALS``):
 
 1. ``ulysses_sp.UlyssesSPAttentionHF`` becomes ``UPipeSPAttentionHF``.  Called by accelerate, its
    ``register_with_transformers`` reads the ds_config from the accelerator's DeepSpeed plugin and,
@@ -70,8 +71,14 @@ from .sp_setup import (
 )
 
 #: what enable() replaced, to restore in disable(): (owner, attribute) -> original.  enable() is a
-#: process-wide switch by design (it replaces attributes of deepspeed's and transformers' classes);
-#: everything a registration decides lives on its ``Registration`` and on the models it patched.
+#: process-wide switch by design: accelerate and the Trainer reach ALST through module attributes they
+#: look up at call time (``ulysses_sp.UlyssesSPAttentionHF``, ``deepspeed.initialize``, the Trainer's
+#: methods), and replacing those attributes is the only hook they offer; in particular
+#: ``deepspeed.initialize`` is where accelerate's engine first meets the model and the mpu, which is
+#: where a registration by name or path can apply its model keys and where the engine's gradient
+#: average is corrected.  Each replacement holds no state: everything a registration decides lives
+#: on its ``Registration`` (found from the mpu it is given, weakly keyed by its group) and on the
+#: models it patched, so a second model or group never sees another's.
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
 
 
