@@ -184,7 +184,7 @@ def test_ring_stage_memory_is_per_ring_block():
     half = attention_stage_bytes(2, **dims, seq_length=512)
     ring = attention_stage_bytes(2, **dims, seq_length=1024, ring_size=2)
     heads = dict(num_heads=DIMS["num_heads"], num_kv_heads=DIMS["num_kv_heads"], head_dim=DIMS["head_dim"])
-    fake = fake_run.core_step(**heads, group_size=4, head_chunk_size=2, seq_len=1024, dtype="fp32", ring_size=2)
+    fake = fake_run.core_step(**heads, sp_size=4, head_chunk_size=2, seq_len=1024, dtype="fp32", ring_size=2)
     assert ring == fake.activations and half < ring < no_ring, (half, ring, no_ring)
 
 

@@ -374,7 +374,7 @@ def attention_stage_bytes(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        group_size=sp_size,
+        sp_size=sp_size,
         head_chunk_size=head_chunk_size,
         seq_len=seq,
         batch=micro_batch_size,
