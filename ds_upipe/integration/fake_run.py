@@ -321,7 +321,7 @@ def isolated(function: str, **kwargs: Any) -> dict[str, Any]:
     """``function(**kwargs).as_dict()`` of this module, in this process when it has no process group,
     else in a child Python process (a training job's ranks: the fake group cannot coexist with theirs)."""
     if not dist.is_initialized():
-        return globals()[function](**kwargs).as_dict()
+        return _as_dict(globals()[function](**kwargs))
     code = "import json,sys; from ds_upipe.integration import fake_run; fake_run._child()"
     payload = json.dumps({"function": function, "kwargs": kwargs})
     done = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, text=True, check=False)
@@ -332,8 +332,12 @@ def isolated(function: str, **kwargs: Any) -> dict[str, Any]:
 
 def _child() -> None:
     request = json.loads(sys.stdin.read())
-    result = globals()[request["function"]](**request["kwargs"]).as_dict()
+    result = _as_dict(globals()[request["function"]](**request["kwargs"]))
     print(json.dumps(result))
+
+
+def _as_dict(result: Any) -> dict[str, Any]:
+    return result if isinstance(result, dict) else result.as_dict()
 
 
 # -- what is measured ----------------------------------------------------------------------------------
@@ -710,6 +714,7 @@ def core_step(
     kernel: str = "none",
     ring_size: int = 1,
     accumulate_in_input_dtype: bool = False,
+    overlap_comm: bool = False,
 ) -> Peak:
     """Rank 0's peak over ``UPipeDistributedAttention`` (TorchSDPAKernel) forward+backward on
     [b, S/C, H, d] q and [b, S/C, Hkv, d] k, v, with the output gradient materialized; with
@@ -735,6 +740,7 @@ def core_step(
             validate_inputs=False,
             ring_group=ring,
             accumulate_in_input_dtype=accumulate_in_input_dtype,
+            overlap_comm=overlap_comm,
         )
         q = torch.empty(batch, s, num_heads, head_dim, dtype=t).requires_grad_(True)
         k = torch.empty(batch, s, num_kv_heads, head_dim, dtype=t).requires_grad_(True)
@@ -751,3 +757,8 @@ def core_step(
     io = 2 * (2 * q.numel() + k.numel() + v.numel()) * q.element_size()  # q k v out dout dq dk dv
     peak.weights = io
     return peak
+
+
+def core_step_activations(head_chunk_sizes: list[int], **kwargs: Any) -> dict[str, int]:
+    """``core_step(...).activations`` of every U, in one process (``"auto"``: one child process for all U)."""
+    return {str(u): core_step(head_chunk_size=u, **kwargs).activations for u in head_chunk_sizes}
