@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 
 import torch
@@ -203,7 +204,29 @@ def runtimes_case(rank, world):
         )
         errors.update({f"{n}_group{attempt}": e for n, e in errs.items()})
         dist.destroy_process_group(group)
+    errors["ring_subgroups_of_a_destroyed_group"] = _ring_subgroups_reused(world)
     return errors
+
+
+def _ring_subgroups_reused(world):
+    """1.0 if the Ulysses / ring subgroups that ``sp_setup.upipe_groups`` made for a destroyed
+    sequence-parallel group come back for the new group created in its place (the ``id()``-keyed
+    cache issue 22 found: the new group object often reuses the old one's id), else 0.0."""
+    from ds_upipe.integration.config import parse_config
+    from ds_upipe.integration.sp_setup import upipe_groups
+
+    ds_config = {"sequence_parallel_size": world, "zero_optimization": {"stage": 3}, "upipe": {"ring_size": 2}}
+    settings = parse_config({**ds_config, "train_micro_batch_size_per_gpu": 1})
+    subgroups = []
+    for _ in range(3):
+        group = dist.new_group(list(range(world)))
+        subgroups.append(upipe_groups(group, settings))
+        assert upipe_groups(group, settings) is subgroups[-1]  # kept while the group lives
+        dist.destroy_process_group(group)
+        del group
+        gc.collect()  # free the destroyed group object, so that the next one may take its id
+    ulysses = {id(u) for u, _ in subgroups}
+    return float(len(ulysses) != len(subgroups))
 
 
 def other_attention_and_packing(rank, world):
