@@ -19,6 +19,7 @@ _LAZY = {
     "TorchSDPAKernel": "kernels",
     "make_kernel": "kernels",
     "UPipeDistributedAttention": "layer",
+    "UPipeRuntime": "runtime",
     "DocumentKernel": "packing",
     "SinkKernel": "sinks",
     "SlidingWindowKernel": "windows",
@@ -41,6 +42,7 @@ __all__ = [
     "StagePlan",
     "TorchSDPAKernel",
     "UPipeDistributedAttention",
+    "UPipeRuntime",
     "build_plan",
     "documents_from_positions",
     "exit_process",
@@ -57,6 +59,7 @@ if TYPE_CHECKING:
     from .kernels import AttentionKernel, CallableKernel, FlashAttnKernel, MathKernel, TorchSDPAKernel, make_kernel
     from .layer import UPipeDistributedAttention
     from .packing import DocumentKernel, documents_from_positions
+    from .runtime import UPipeRuntime
     from .schedule import StagePlan, build_plan, valid_head_chunk_sizes
     from .sinks import SinkKernel
     from .windows import SlidingWindowKernel, windowed

@@ -10,14 +10,23 @@ from deepspeed.sequence.layer import DistributedAttention, apply_rotary_pos_emb
 from torch import Tensor
 
 from .cuda_env import warn_if_record_streams
-from .kernels import AttentionKernel, CallableKernel
-from .packing import DocumentBoundaries, DocumentKernel
-from .pipeline import PipelineContext, UPipeAttentionFunction, plan_indices
-from .ring import RingAttentionKernel, SequenceLayout, zigzag_positions
-from .schedule import StagePlan, build_plan
-from .sinks import SinkKernel, check_sinks, sinks_shape_code
-from .validation import CheckedInputs, LayerSettings, check_packing_supported, check_window_and_sinks
-from .windows import check_window, windowed
+from .kernels import AttentionKernel
+from .packing import DocumentBoundaries
+from .pipeline import UPipeAttentionFunction
+from .ring import SequenceLayout, zigzag_positions
+from .runtime import UPipeRuntime
+from .sinks import check_sinks
+from .validation import CheckedInputs, check_packing_supported, check_window_and_sinks
+from .windows import check_window
+
+
+def _runtime_field(name: str) -> property:
+    """A layer attribute that is its runtime's field of the same name."""
+    return property(
+        lambda self: getattr(self.runtime, name),
+        lambda self, value: setattr(self.runtime, name, value),
+        doc=f"``self.runtime.{name}``",
+    )
 
 
 class UPipeDistributedAttention(DistributedAttention):
@@ -60,10 +69,16 @@ class UPipeDistributedAttention(DistributedAttention):
     (``ds_upipe.sinks.SinkKernel``), each stage with its own heads' sinks, the gradient returned to the
     tensor through autograd.  Both need an ``AttentionKernel`` (a window a causal one).
 
-    ``validate_inputs`` exchanges every rank's shapes, dtypes and settings (head_chunk_size,
-    overlap_comm, scatter_idx, the kernel's causal and softmax_scale) once per forward (one tiny
-    all_gather) so a bad input, or ranks configured differently, raise the same ValueError on all
-    ranks instead of hanging some of them.  It must itself be the same on every rank.
+    ``validate_inputs`` exchanges every rank's shapes, dtypes and settings (the runtime's
+    ``RuntimeSettings``: head_chunk_size, overlap_comm, scatter_idx, the kernel's causal and
+    softmax_scale, ...) in one tiny all_gather the first time the layer sees an input layout, so a bad
+    input, or ranks configured differently, raise the same ValueError on all ranks instead of hanging
+    some of them; a layout every rank has checked runs no exchange again (``validation.CheckedInputs``,
+    which says what that gives up).  It must itself be the same on every rank.
+
+    Everything the layer runs with is its ``runtime`` (``ds_upipe.runtime.UPipeRuntime``), built as
+    ``hf_patches.apply_upipe`` builds a model's; ``head_chunk_size``, ``overlap_comm``,
+    ``ring_overlap`` and ``accumulate_in_input_dtype`` are its fields (settable).
     """
 
     def __init__(
@@ -86,42 +101,59 @@ class UPipeDistributedAttention(DistributedAttention):
     ) -> None:
         # DeepSpeed's overlap handles belong to its own forward; UPipe runs its own loop.
         super().__init__(local_attention, sequence_process_group, scatter_idx, gather_idx, None, num_kv_heads)
-        if head_chunk_size is not None and (
-            isinstance(head_chunk_size, bool) or not isinstance(head_chunk_size, int) or head_chunk_size < 1
-        ):
-            raise ValueError(f"head_chunk_size must be a positive int or None, got {head_chunk_size!r}")
-        self.head_chunk_size = head_chunk_size
-        self.overlap_comm = overlap_comm
-        #: bf16/fp16 dK/dV summed over a round's stages in their own dtype (sent per stage) instead of float32
-        self.accumulate_in_input_dtype = bool(accumulate_in_input_dtype)
+        #: this layer's UPipe runtime (``ds_upipe.runtime``): groups, kernel and its wrapping, plans, the
+        #: cross-rank settings and the per-layout input-check cache; built as the HF routes build theirs
+        self.runtime = UPipeRuntime.build(
+            group=sequence_process_group,
+            kernel=local_attention,
+            head_chunk_size=head_chunk_size,
+            ring_group=ring_group,
+            overlap_comm=overlap_comm,
+            ring_overlap=ring_overlap,
+            accumulate_in_input_dtype=accumulate_in_input_dtype,
+        )
         self.validate_inputs = validate_inputs
-        self.checked_inputs = CheckedInputs()
         if dist.is_initialized() and sequence_process_group is not None:
             warn_if_record_streams(dist.get_backend(sequence_process_group))  # torch < 2.8 + NCCL
         del sp_stream  # accepted for DistributedAttention's signature; UPipe's async collectives need no stream
-        self.ring_group = ring_group
-        self.ring_overlap = overlap_comm if ring_overlap is None else ring_overlap
-        self._ring_kernels: dict[int | None, RingAttentionKernel] = {}
         #: sliding window of every call (``forward(window=...)`` overrides it): ``ds_upipe.windows``
         self.window = check_window(window)
         if sinks is not None:
             check_sinks(sinks)
         #: attention sinks of every call (``forward(sinks=...)`` overrides): one logit per query head
         self.sinks = sinks
-        #: number of stages this module has run (forward + backward)
-        self.stage_runs = [0]
+
+    # the runtime's settings under the constructor's names (settable: every call reads them)
+    head_chunk_size = _runtime_field("head_chunk_size")
+    overlap_comm = _runtime_field("overlap_comm")
+    ring_overlap = _runtime_field("ring_overlap")
+    accumulate_in_input_dtype = _runtime_field("accumulate_in_input_dtype")
+
+    @property
+    def ring_group(self) -> dist.ProcessGroup | None:
+        return self.runtime.ring_group
+
+    @property
+    def stage_runs(self) -> list[int]:
+        """Number of stages this module has run (forward + backward), in a one-element list."""
+        return self.runtime.stage_runs
+
+    @property
+    def checked_inputs(self) -> CheckedInputs:
+        return self.runtime.checked_inputs
 
     @property
     def group_size(self) -> int:
-        return dist.get_world_size(self.spg) if dist.is_initialized() else 1
+        """C_u: ranks of the Ulysses group (the sequence-parallel group without a ring)."""
+        return self.runtime.group_size
 
     @property
     def ring_size(self) -> int:
-        return dist.get_world_size(self.ring_group) if self.ring_group is not None and dist.is_initialized() else 1
+        return self.runtime.ring_size
 
     @property
     def layout(self) -> SequenceLayout:
-        return SequenceLayout(self.group_size, self.ring_size)
+        return self.runtime.layout
 
     def attention_kernel(
         self,
@@ -130,39 +162,8 @@ class UPipeDistributedAttention(DistributedAttention):
         kwargs: dict[str, Any] | None = None,
         window: int | None = None,
     ) -> AttentionKernel:
-        """What each stage runs: the local attention kernel (restricted to ``window``), or ring attention
-        around it when there is a ring.  A plain local-attention function runs as a ``CallableKernel``
-        with this call's layout and extra arguments (and cannot be windowed)."""
-        if not isinstance(self.local_attn, AttentionKernel):
-            return CallableKernel(self.local_attn, batch_dim_idx, args, kwargs)
-        local = windowed(self.local_attn, window)
-        if self.ring_size == 1:
-            return local
-        if window not in self._ring_kernels:
-            self._ring_kernels[window] = RingAttentionKernel(local, self.ring_group, overlap=self.ring_overlap)
-        return self._ring_kernels[window]
-
-    def layer_settings(self, window: int | None = None, sinks: Tensor | None = None) -> LayerSettings:
-        """What the ranks of the group must agree on (checked in the input exchange)."""
-        # a CallableKernel passed in directly counts as the callable it wraps: no lse, recompute
-        is_kernel = isinstance(self.local_attn, AttentionKernel) and not isinstance(self.local_attn, CallableKernel)
-        kernel = self.local_attn if is_kernel else None
-        return LayerSettings(
-            head_chunk_size=self.head_chunk_size,
-            scatter_idx=self.scatter_idx,
-            overlap_comm=self.overlap_comm,
-            uses_kernel=kernel is not None,
-            causal=None if kernel is None else bool(kernel.causal),
-            softmax_scale=None if kernel is None else kernel.softmax_scale,
-            ring_size=self.ring_size,
-            ring_overlap=self.ring_overlap and self.ring_size > 1,  # moot without a ring
-            accumulate_in_input_dtype=self.accumulate_in_input_dtype,
-            window=window,
-            sinks=sinks_shape_code(sinks),
-        )
-
-    def plan_for(self, num_heads: int, num_kv_heads: int) -> StagePlan:
-        return build_plan(num_heads, num_kv_heads, self.group_size, self.head_chunk_size)
+        """What each stage runs without packing or sinks (``UPipeRuntime.attention``)."""
+        return self.runtime.attention(None, window, batch_dim_idx=batch_dim_idx, args=args, kwargs=kwargs)
 
     def forward(
         self,
@@ -177,49 +178,38 @@ class UPipeDistributedAttention(DistributedAttention):
         sinks: Tensor | None = None,
         **kwargs: Any,
     ) -> Tensor:
+        runtime = self.runtime
         documents = None if cu_seqlens is None else DocumentBoundaries.of(cu_seqlens)
         window = self.window if window is None else check_window(window)
         sinks = self.sinks if sinks is None else sinks
+        settings = runtime.settings(window, sinks, self.scatter_idx)
         if self.validate_inputs:
-            # one host read per new layout per module, not per call (validation.CheckedInputs)
-            num_heads, num_kv_heads, _ = self.checked_inputs(
+            # one exchange per new layout per module, none for a layout already checked (validation.CheckedInputs)
+            num_heads, num_kv_heads, _ = runtime.checked_inputs(
                 query,
                 key,
                 value,
                 batch_dim_idx,
-                self.layer_settings(window, sinks),
+                settings,
                 self.spg,
-                ring_group=self.ring_group,
+                ring_group=runtime.ring_group,
                 documents=None if documents is None else documents.fingerprint(),
-                ulysses_size=self.group_size,
+                ulysses_size=runtime.group_size,
             )
         else:
             num_heads, num_kv_heads = query.shape[2], key.shape[2]
         # local checks again for validate_inputs=False (the exchange raised them on every rank already)
-        check_window_and_sinks(self.layer_settings(window, sinks), num_heads)
-        attention = self.attention_kernel(batch_dim_idx, args, kwargs, window)
-        if sinks is not None:
-            attention = SinkKernel(attention, sinks)
+        check_window_and_sinks(settings, num_heads)
         if documents is not None:
             # the same boundaries on every rank (checked above), so the same error everywhere
             seq_dim = 1 - batch_dim_idx
-            documents.check(query.shape[batch_dim_idx], query.shape[seq_dim] * self.layout.sp_size)
+            documents.check(query.shape[batch_dim_idx], query.shape[seq_dim] * runtime.layout.sp_size)
             # the input exchange's check again, for validate_inputs=False (local settings only)
-            check_packing_supported(not isinstance(attention, CallableKernel), self.ring_size)
-            if not documents.is_trivial:
-                attention = DocumentKernel(attention, documents)
-        plan = self.plan_for(num_heads, num_kv_heads)
+            check_packing_supported(settings.uses_kernel, runtime.ring_size)
+        attention = runtime.attention(documents, window, sinks, batch_dim_idx=batch_dim_idx, args=args, kwargs=kwargs)
         if rotary_pos_emb is not None:
             query, key = self._apply_local_rotary(query, key, batch_dim_idx, rotary_pos_emb)
-        pctx = PipelineContext(
-            plan=plan,
-            indices=plan_indices(plan, query.device),
-            group=self.spg,
-            attention=attention,
-            stage_counter=self.stage_runs,
-            overlap_comm=self.overlap_comm,
-            accumulate_in_input_dtype=self.accumulate_in_input_dtype,
-        )
+        pctx = runtime.context(query.device, plan=runtime.plan_for(num_heads, num_kv_heads), attention=attention)
         if sinks is None:
             return UPipeAttentionFunction.apply(query, key, value, pctx, batch_dim_idx)
         return UPipeAttentionFunction.apply(query, key, value, pctx, batch_dim_idx, sinks)

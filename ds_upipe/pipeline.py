@@ -66,7 +66,11 @@ class StageCounter:
         self.stop()
 
 
-#: the registered StageCounters (see StageCounter)
+#: the registered StageCounters (see StageCounter).  Process-level on purpose: a counter is an observer
+#: its owner registers to see every UPipe stage the process runs (a Trainer or accelerate script
+#: counts the stages of models it never holds), and only the owner reads it.  Nothing that computes
+#: reads this list, so a second model or group cannot be affected by it; per-model counts live on
+#: each runtime (``UPipeRuntime.stage_runs``).
 _ACTIVE_COUNTERS: list[StageCounter] = []
 
 

@@ -13,7 +13,7 @@ the group; or would compute a different function on each rank (causal, softmax_s
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -24,19 +24,22 @@ from .schedule import resolve_head_chunk_size
 
 #: every torch dtype in a fixed order, so a dtype travels as its index (same torch on every rank)
 _DTYPES: list[torch.dtype] = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
-_NONE = -1
 
 
 @dataclass(frozen=True)
-class LayerSettings:
-    """What all ranks' UPipeDistributedAttention modules of a group must agree on."""
+class RuntimeSettings:
+    """What every rank's UPipe runtime of a sequence-parallel group must agree on: the one record the
+    core layer's input exchange and the HF model-level input check both exchange (``UPipeRuntime.settings``)
+    and ``check_settings`` compares.  A difference changes the stage plan, the order of the all-to-alls
+    (which leaves the ranks' collectives mismatched: abort or hang) or the function computed."""
 
+    #: U as configured (None: U = C, the core layer's default; the HF path sends its plan's U)
     head_chunk_size: int | None
-    scatter_idx: int
-    overlap_comm: bool
+    scatter_idx: int = 2
+    overlap_comm: bool = False
     #: the local attention is an AttentionKernel (lse-based backward) rather than a generic callable
     #: (run as a CallableKernel, recomputed in backward): their backward exchanges differ
-    uses_kernel: bool
+    uses_kernel: bool = True
     causal: bool | None = None  # None for a generic callable
     softmax_scale: float | None = None
     #: ranks of the ring group (1 = no ring attention) and whether its K/V exchange overlaps compute
@@ -44,60 +47,46 @@ class LayerSettings:
     ring_overlap: bool = False
     #: 16-bit dK/dV summed in their own dtype and sent per stage (the order of the all-to-alls changes)
     accumulate_in_input_dtype: bool = False
+    #: HF path: projections per stage (fused), and backward recomputing each stage's output (one more
+    #: kernel forward per stage; fused only); always False in the core layer
+    fused: bool = False
+    recompute_attention_output: bool = False
+    #: the model's head counts where the runtime knows them (HF: the config; None in the core layer,
+    #: whose exchange compares the q/k/v shapes instead)
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
     #: sliding window of the call (None: full causal), and its attention sinks' ``sinks_shape_code``
     #: (-1: none): both change the result, and sinks the autograd inputs
     window: int | None = None
     sinks: int = -1
 
     def encode(self) -> list[int]:
-        scale = _NONE if self.softmax_scale is None else struct.unpack("<q", struct.pack("<d", self.softmax_scale))[0]
-        return [
-            _NONE if self.head_chunk_size is None else self.head_chunk_size,
-            self.scatter_idx,
-            int(self.overlap_comm),
-            int(self.uses_kernel),
-            _NONE if self.causal is None else int(self.causal),
-            int(self.softmax_scale is not None),
-            scale,
-            self.ring_size,
-            int(self.ring_overlap),
-            int(self.accumulate_in_input_dtype),
-            _NONE if self.window is None else self.window,
-            self.sinks,
-        ]
+        """Two ints per field (a type tag, the value): None, bool, int or a float's bits."""
+        row: list[int] = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                row += [0, 0]
+            elif isinstance(value, bool):
+                row += [1, int(value)]
+            elif isinstance(value, int):
+                row += [2, value]
+            else:
+                row += [3, struct.unpack("<q", struct.pack("<d", float(value)))[0]]
+        return row
 
     @staticmethod
-    def decode(row: list[int]) -> LayerSettings:
-        (
-            u,
-            scatter_idx,
-            overlap,
-            kernel,
-            causal,
-            has_scale,
-            scale,
-            ring_size,
-            ring_overlap,
-            accumulate,
-            window,
-            sinks,
-        ) = row
-        return LayerSettings(
-            head_chunk_size=None if u == _NONE else u,
-            scatter_idx=scatter_idx,
-            overlap_comm=bool(overlap),
-            uses_kernel=bool(kernel),
-            causal=None if causal == _NONE else bool(causal),
-            softmax_scale=struct.unpack("<d", struct.pack("<q", scale))[0] if has_scale else None,
-            ring_size=ring_size,
-            ring_overlap=bool(ring_overlap),
-            accumulate_in_input_dtype=bool(accumulate),
-            window=None if window == _NONE else window,
-            sinks=sinks,
-        )
+    def decode(row: list[int]) -> RuntimeSettings:
+        values: list[object] = []
+        for tag, value in zip(row[0::2], row[1::2]):
+            if tag == 3:
+                values.append(struct.unpack("<d", struct.pack("<q", value))[0])
+            else:
+                values.append((None, bool(value), value)[tag])
+        return RuntimeSettings(*values)
 
 
-_SETTINGS_FIELDS = len(LayerSettings(None, 2, False, True).encode())
+_SETTINGS_FIELDS = 2 * len(fields(RuntimeSettings))
 
 
 @dataclass(frozen=True)
@@ -115,7 +104,7 @@ class RankInputs:
     query: TensorInfo
     key: TensorInfo
     value: TensorInfo
-    settings: LayerSettings
+    settings: RuntimeSettings
     #: ``DocumentBoundaries.fingerprint()`` of packed-sequence boundaries ([] when none were given)
     documents: tuple[int, ...] = ()
 
@@ -132,7 +121,7 @@ def _decode_tensor(row: list[int]) -> TensorInfo:
 def _decode(row: list[int]) -> RankInputs:
     q, k, v = (_decode_tensor(row[1 + 6 * i : 7 + 6 * i]) for i in range(3))
     has_documents, *documents = row[19 + _SETTINGS_FIELDS :]
-    settings = LayerSettings.decode(row[19 : 19 + _SETTINGS_FIELDS])
+    settings = RuntimeSettings.decode(row[19 : 19 + _SETTINGS_FIELDS])
     return RankInputs(row[0], q, k, v, settings, tuple(documents) if has_documents else ())
 
 
@@ -141,7 +130,7 @@ def gather_inputs(
     key: Tensor,
     value: Tensor,
     batch_dim_idx: int,
-    settings: LayerSettings,
+    settings: RuntimeSettings,
     group: dist.ProcessGroup | None,
     ring_group: dist.ProcessGroup | None = None,
     documents: list[int] | None = None,
@@ -161,24 +150,29 @@ def gather_inputs(
 
 
 class CheckedInputs:
-    """The input exchange of one layer module without a host sync once a layout has been checked.
+    """The input exchange of one runtime (per layer of the core, ``UPipeRuntime.checked_inputs``),
+    run once per input layout: no collective and no host sync for a layout already checked.
 
-    ``gather_inputs`` + ``check_inputs`` read the gathered rows on the host (``.tolist()``): a device
-    sync per layer on CUDA, which stalls the host's kernel launches every layer.  Here each rank
-    still all_gathers its row every call (a tiny collective, so every rank issues the same
-    collectives whatever it has cached), but a row (this rank's own: shapes, dtypes, settings,
-    document fingerprint) that passed before with every rank's row equal to it skips the host read:
-    the gathered rows are compared with it on the device (``torch._assert_async``, no sync; no
-    tensor is kept between calls).  A rank whose row is new checks on the host and raises the usual
-    ValueError; if another rank's row changed while this one's did not, the device comparison fails
-    (an error, not a hang).  Bounded: the last ``max_layouts`` layouts are kept (packed batches,
-    whose boundaries change per batch, always check)."""
+    ``gather_inputs`` + ``check_inputs`` cost a tiny all_gather and a host read (``.tolist()``: a
+    device sync on CUDA, which stalls the host's kernel launches) per call.  Here a row (this rank's
+    own: shapes, dtypes, settings, document fingerprint) that passed before with every rank's row
+    equal to it returns the checked result at once.  A new row is exchanged and checked on the host,
+    raising the usual ValueError on every rank.  Every rank caches exactly the rows every rank shared,
+    in the same order, so the caches of the ranks stay equal and a layout all ranks change to (a new
+    batch shape, new packed boundaries) is exchanged by all of them.
+
+    What this gives up: a rank whose inputs or settings change alone, back to a layout every rank
+    had already checked while another rank's are new, is no longer refused by the exchange (the
+    rank with the cached row skips it): it fails in the stage loop's first all-to-all instead (a
+    size error on gloo; on NCCL it may hang).  Ranks that keep one layout, or change it together,
+    are unaffected.  Bounded: the last ``max_layouts`` layouts are kept (packed batches, whose
+    boundaries change per batch, are exchanged every call)."""
 
     def __init__(self, max_layouts: int = 8) -> None:
         self.max_layouts = max_layouts
         self._passed: dict[tuple[int, ...], tuple[int, int, int]] = {}
-        #: how many calls read the rows on the host (for tests)
-        self.host_checks = 0
+        #: how many calls ran the exchange (for tests)
+        self.exchanges = 0
 
     def __call__(
         self,
@@ -186,7 +180,7 @@ class CheckedInputs:
         key: Tensor,
         value: Tensor,
         batch_dim_idx: int,
-        settings: LayerSettings,
+        settings: RuntimeSettings,
         group: dist.ProcessGroup | None,
         ring_group: dist.ProcessGroup | None = None,
         documents: list[int] | None = None,
@@ -194,17 +188,14 @@ class CheckedInputs:
     ) -> tuple[int, int, int]:
         """``check_inputs``'s (num_heads, num_kv_heads, head_chunk_size) of every rank's inputs."""
         row = _row(query, key, value, batch_dim_idx, settings, documents)
-        mine = torch.tensor(row, dtype=torch.long, device=query.device).unsqueeze(0)
-        rows = _gather(mine, group, ring_group)
         layout = tuple(row)
-        if layout in self._passed:
-            # no sync on CUDA (a device-side assert); on CPU a RuntimeError at once
-            torch._assert_async((rows == mine).all())
+        if layout in self._passed:  # every rank checked this layout together before
             return self._passed[layout]
-        self.host_checks += 1
-        values = rows.tolist()
+        self.exchanges += 1
+        mine = torch.tensor(row, dtype=torch.long, device=query.device).unsqueeze(0)
+        values = _gather(mine, group, ring_group).tolist()
         result = check_inputs([_decode(r) for r in values], ulysses_size=ulysses_size)
-        if all(r == row for r in values):  # only a layout every rank shares is checked on the device later
+        if all(r == row for r in values):  # only a layout every rank shares is skipped later
             if len(self._passed) >= self.max_layouts:
                 self._passed.pop(next(iter(self._passed)))
             self._passed[layout] = result
@@ -212,7 +203,12 @@ class CheckedInputs:
 
 
 def _row(
-    query: Tensor, key: Tensor, value: Tensor, batch_dim_idx: int, settings: LayerSettings, documents: list[int] | None
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    batch_dim_idx: int,
+    settings: RuntimeSettings,
+    documents: list[int] | None,
 ) -> list[int]:
     doc_fields = [0, 0, 0, 0] if documents is None else [1, *documents]
     return [batch_dim_idx, *_describe(query), *_describe(key), *_describe(value), *settings.encode(), *doc_fields]
@@ -237,35 +233,44 @@ def _per_rank(values: list[object]) -> str:
     return ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
 
 
-def check_settings(rows: list[RankInputs]) -> LayerSettings:
-    """The group's common settings; ValueError listing the per-rank values of any that differ."""
-    names = {
-        "head_chunk_size": "head_chunk_size",
-        "scatter_idx": "scatter_idx",
-        "overlap_comm": "overlap_comm",
-        "uses_kernel": "local_attention is an AttentionKernel",
-        "causal": "the kernel's causal",
-        "softmax_scale": "the kernel's softmax_scale",
-        "ring_size": "ring_size (ranks of the ring group)",
-        "ring_overlap": "ring_overlap",
-        "accumulate_in_input_dtype": "accumulate_in_input_dtype",
-        "window": "the sliding window",
-        "sinks": "the attention sinks' shape (-1: none)",
-    }
-    for field, label in names.items():
-        values = [getattr(row.settings, field) for row in rows]
+#: how ``check_settings`` names each field of ``RuntimeSettings``
+_SETTING_LABELS = {
+    "head_chunk_size": "head_chunk_size",
+    "scatter_idx": "scatter_idx",
+    "overlap_comm": "overlap_comm",
+    "uses_kernel": "local_attention is an AttentionKernel",
+    "causal": "the kernel's causal",
+    "softmax_scale": "the kernel's softmax_scale",
+    "ring_size": "ring_size (ranks of the ring group)",
+    "ring_overlap": "ring_overlap",
+    "accumulate_in_input_dtype": "accumulate_in_input_dtype",
+    "fused": "fused_projections",
+    "recompute_attention_output": "recompute_attention_output",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "window": "the sliding window",
+    "sinks": "the attention sinks' shape (-1: none)",
+}
+
+
+def check_settings(settings: list[RuntimeSettings]) -> RuntimeSettings:
+    """The group's common settings (every rank's, in rank order); one ValueError listing the per-rank
+    values of every field that differs.  The one cross-rank settings check of the core layer and the
+    HF paths (``UPipeRuntime.settings``)."""
+    differ = []
+    for f in fields(RuntimeSettings):
+        values = [getattr(s, f.name) for s in settings]
         if len(set(values)) != 1:
-            raise ValueError(
-                f"{label} differs across the ranks of the sequence-parallel group ({_per_rank(values)}): every rank "
-                f"must construct UPipeDistributedAttention with the same {field} (and an equally configured "
-                "local_attention), since it decides the stage plan, the order of the all-to-alls or the result"
-            )
-    settings = rows[0].settings
-    if settings.scatter_idx != 2:
+            label = _SETTING_LABELS[f.name]
+            differ.append(f"{label} differs across the ranks of the sequence-parallel group ({_per_rank(values)})")
+    if differ:
         raise ValueError(
-            f"scatter_idx={settings.scatter_idx} is not supported: heads must be dim 2 ([b, s, h, d] or [s, b, h, d])"
+            "; ".join(differ) + ": every rank must build UPipe with the same settings (UPipeDistributedAttention's "
+            "or hf_patches.apply_upipe's arguments, or the ds_config's \"upipe\" block, and an equally configured "
+            "local attention kernel, with plain nn.Linear projections for fused mode), since they decide the stage "
+            "plan, the order of the all-to-alls or the result"
         )
-    return settings
+    return settings[0]
 
 
 def check_inputs(rows: list[RankInputs], ulysses_size: int | None = None) -> tuple[int, int, int]:
@@ -274,7 +279,11 @@ def check_inputs(rows: list[RankInputs], ulysses_size: int | None = None) -> tup
     ``rows`` are every rank's of the sequence-parallel group; with a ring, C_u x R of them, and
     ``ulysses_size`` (C_u, default all rows) is the group the heads are split over."""
     group_size = len(rows) if ulysses_size is None else ulysses_size
-    settings = check_settings(rows)
+    settings = check_settings([row.settings for row in rows])
+    if settings.scatter_idx != 2:
+        raise ValueError(
+            f"scatter_idx={settings.scatter_idx} is not supported: heads must be dim 2 ([b, s, h, d] or [s, b, h, d])"
+        )
     if len(rows) != group_size * settings.ring_size:
         raise ValueError(
             f"{len(rows)} ranks exchanged their inputs, but the Ulysses group has {group_size} and the ring group "
@@ -336,7 +345,7 @@ def check_inputs(rows: list[RankInputs], ulysses_size: int | None = None) -> tup
     return num_heads, num_kv_heads, u
 
 
-def _check_documents(rows: list[RankInputs], settings: LayerSettings) -> None:
+def _check_documents(rows: list[RankInputs], settings: RuntimeSettings) -> None:
     """Packed-sequence boundaries: given on all ranks or none, the same everywhere, with a kernel, no ring."""
     given = [bool(row.documents) for row in rows]
     if not any(given):
@@ -350,7 +359,7 @@ def _check_documents(rows: list[RankInputs], settings: LayerSettings) -> None:
     check_packing_supported(settings.uses_kernel, settings.ring_size)
 
 
-def check_window_and_sinks(settings: LayerSettings, num_heads: int) -> None:
+def check_window_and_sinks(settings: RuntimeSettings, num_heads: int) -> None:
     """A sliding window needs a causal AttentionKernel; sinks need an AttentionKernel (their backward
     reads its lse) and one floating logit per query head."""
     if settings.window is not None:

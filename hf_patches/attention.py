@@ -87,7 +87,7 @@ def fused_attention_forward(
         kwargs.get(DOCUMENTS_KWARG),
         module_sliding_window(self),
         proj.sinks,
-        getattr(self, "scaling", None),
+        scale=getattr(self, "scaling", None),
     )
     out = FusedUPipeAttention.apply(hidden_states, cos, sin, ctx, proj, *proj.params())
     return out, None
@@ -137,7 +137,7 @@ def upipe_attention_function(
     if sinks is not None:
         check_sinks(sinks, query.shape[1])
     window = check_window(sliding_window, "sliding_window")
-    ctx = state.context(q.device, kwargs.get(DOCUMENTS_KWARG), window, sinks, scaling)
+    ctx = state.context(q.device, kwargs.get(DOCUMENTS_KWARG), window, sinks, scale=scaling)
     if sinks is None:
         out = UPipeAttentionFunction.apply(q, k, v, ctx)
     else:

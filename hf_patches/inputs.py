@@ -1,9 +1,10 @@
 """Model-level input check of a UPipe-patched model, run as a forward pre-hook on the base model.
 
 Every rank of the sequence group exchanges a few numbers about its inputs and its UPipe settings
-(head chunk size, fused/overlap flags, head counts) and then the global position_ids and attention
-mask (two small all_gathers), so all ranks evaluate the same rules on the same data and raise the
-same ValueError (no rank is left waiting in a collective).  The global last position then sets the
+(``UPipeRuntime.settings``, checked by ``ds_upipe.validation.check_settings`` as the core layer's
+are) and then the global position_ids and attention mask (two small all_gathers), so all ranks
+evaluate the same rules on the same data and raise the same ValueError (no rank is left waiting in
+a collective).  The global last position then sets the
 RoPE frequencies of the whole sequence (``hf_patches.rope``).
 
 What we can honour: each rank holds a contiguous, equally long shard of the sequence (ALST's
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 
 from ds_upipe.packing import DocumentBoundaries, documents_from_positions
 from ds_upipe.ring import zigzag_unshard
+from ds_upipe.validation import RuntimeSettings, check_settings
 
 from .rope import set_last_position
 from .state import DOCUMENTS_KWARG, UPipeState
@@ -110,15 +112,15 @@ def check_and_prepare(model: nn.Module, args: tuple, kwargs: dict, state: UPipeS
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
         pos_batch = int(position_ids.shape[0]) if position_ids.shape[-1] == seq else -2
-    settings = _settings(state)
+    # the runtime's one record of what every rank must agree on (ds_upipe.validation.check_settings)
+    settings = state.settings().encode()
     meta = torch.tensor(
-        [batch, seq, pos_batch, mask_kind, int(cache is not None), int(bool(call.get("use_cache")))]
-        + list(settings.values()),
+        [batch, seq, pos_batch, mask_kind, int(cache is not None), int(bool(call.get("use_cache")))] + settings,
         dtype=torch.long,
         device=device,
     )
     rows = [m.tolist() for m in gather_over_sequence_group(meta, state)]
-    _check_settings(list(settings), [row[-len(settings) :] for row in rows])
+    check_settings([RuntimeSettings.decode(row[-len(settings) :]) for row in rows])
     _check_meta(rows)
 
     pos = position_ids.to(device=device, dtype=torch.long).expand(batch, seq)
@@ -136,43 +138,6 @@ def check_and_prepare(model: nn.Module, args: tuple, kwargs: dict, state: UPipeS
     call["use_cache"] = False
     call[DOCUMENTS_KWARG] = documents  # this forward's, to its attention modules (and their replays)
     return (), call
-
-
-def _settings(state: UPipeState) -> dict[str, int]:
-    """What every rank of the group must agree on: any difference changes the stage plan or the
-    order of the all-to-alls, which would leave the ranks' collectives mismatched (abort or hang)."""
-    return {
-        "head_chunk_size (U)": state.plan.head_chunk_size,
-        "fused projections": int(state.fused),
-        "overlap_comm": int(state.overlap_comm),
-        "num_attention_heads": state.plan.num_heads,
-        "num_key_value_heads": state.plan.num_kv_heads,
-        "ring_size (R)": state.ring_size,
-        # upipe.accumulate_dtype: with 16-bit inputs it decides whether dK/dV go back per stage or per round
-        "accumulate_in_input_dtype": int(state.accumulate_in_input_dtype),
-        # backward runs one more kernel forward per stage (with a ring: one more ring pass)
-        "recompute_attention_output": int(state.recomputes_attention_output),
-    }
-
-
-_FLAGS = ("fused projections", "overlap_comm", "accumulate_in_input_dtype", "recompute_attention_output")
-
-
-def _check_settings(names: list[str], rows: list[list[int]]) -> None:
-    """rows: each rank's values of ``_settings``, in rank order."""
-    differ = []
-    for i, name in enumerate(names):
-        values = [row[i] for row in rows]
-        if len(set(values)) > 1:
-            shown = [bool(v) for v in values] if name in _FLAGS else values
-            differ.append(f"{name} per rank {shown}")
-    if differ:
-        raise ValueError(
-            f"UPipe settings differ across the ranks of the sequence-parallel group: {'; '.join(differ)}. Every rank "
-            "must patch the same model with the same apply_upipe arguments (head_chunk_size, fused_projections, "
-            "overlap_comm, accumulate_in_input_dtype, recompute_attention_output, ring_group); fused projections "
-            "also need plain nn.Linear projections on every rank"
-        )
 
 
 def _check_meta(rows: list[list[int]]) -> None:
@@ -227,6 +192,7 @@ def _check_positions_and_mask(pos: Tensor, keep: Tensor, ring_size: int = 1) -> 
         )
 
 
+#: a log line printed once per process (a logging decision, read by no computation)
 _WARNED_LOCAL_POSITIONS: list[bool] = []
 
 

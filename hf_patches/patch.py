@@ -11,8 +11,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_upipe.heads import HeadLayout
-from ds_upipe.kernels import make_kernel
-from ds_upipe.schedule import StagePlan, build_plan
 
 from .architectures import find_decoder, fused_blocker_of
 from .attention import ATTN_IMPLEMENTATION, fused_attention_forward, register_attention_function
@@ -134,15 +132,6 @@ def apply_upipe(
     arch, base, attentions = found.model_type, found.base, found.attentions
     config = base.config
 
-    group_size = dist.get_world_size(process_group)
-    ring_size = 1 if ring_group is None else dist.get_world_size(ring_group)
-    heads = HeadLayout.from_config(config)
-    # validates U, H, Hkv against C_u (a ring does not split heads)
-    plan = _build_plan(heads, group_size, ring_size, head_chunk_size)
-    # 1/sqrt(head_dim) here; each call runs with the scale its module passes (``UPipeState.attention``'s
-    # ``scale``: Gemma's query_pre_attn_scalar, Granite's attention_multiplier), layer by layer
-    attn_kernel = make_kernel(kernel, causal=True)
-
     if recompute_attention_output and not fused_projections:
         raise ValueError(
             "recompute_attention_output=True needs fused_projections=True: unfused, o_proj (the model's own "
@@ -158,19 +147,24 @@ def apply_upipe(
             " (recompute_attention_output has no effect unfused)" if recompute_attention_output else "",
         )
 
-    state = UPipeState(
+    heads = HeadLayout.from_config(config)
+    # the one runtime builder of every route (ds_upipe.runtime); validates U, H, Hkv against C_u
+    state = UPipeState.build(
         group=process_group,
-        group_size=group_size,
-        plan=plan,
-        kernel=attn_kernel,
+        kernel=kernel,
+        # 1/sqrt(head_dim) here; each call runs with the scale its module passes (``UPipeState.attention``'s
+        # ``scale``: Gemma's query_pre_attn_scalar, Granite's attention_multiplier), layer by layer
+        softmax_scale=None,
+        head_chunk_size=head_chunk_size,
+        num_heads=heads.num_heads,
+        num_kv_heads=heads.num_kv_heads,
+        ring_group=ring_group,
+        overlap_comm=overlap_comm,
+        accumulate_in_input_dtype=accumulate_in_input_dtype,
         fused=fused,
+        recompute_attention_output=recompute_attention_output,
         fallback_reason=fallback,
         architecture=arch,
-        overlap_comm=bool(overlap_comm),
-        ring_group=ring_group if ring_size > 1 else None,
-        ring_size=ring_size,
-        accumulate_in_input_dtype=bool(accumulate_in_input_dtype),
-        recompute_attention_output=bool(recompute_attention_output),
     )
     register_attention_function()
     for attn in attentions:
@@ -186,19 +180,6 @@ def apply_upipe(
     if hasattr(hf_model, "generate"):
         hf_model.generate = types.MethodType(_refuse_generate, hf_model)
     return model
-
-
-def _build_plan(heads: HeadLayout, group_size: int, ring_size: int, head_chunk_size: int | None) -> StagePlan:
-    """The stage plan over the Ulysses group; with a ring, an error says that C_u, not C_u x R, splits the heads."""
-    try:
-        return build_plan(heads.num_heads, heads.num_kv_heads, group_size, head_chunk_size)
-    except ValueError as err:
-        if ring_size == 1:
-            raise
-        raise ValueError(
-            f"with a ring group of {ring_size} ranks the heads are split over the Ulysses group of {group_size} ranks "
-            f"(sequence-parallel size {group_size * ring_size} / ring size {ring_size}): {err}"
-        ) from None
 
 
 def _refuse_generate(self: nn.Module, *args: Any, **kwargs: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 
 import torch
@@ -46,7 +47,20 @@ def local_shard(t, rank, world, batch_dim_idx):
 
 
 def run_case(
-    rank, world, layout, heads, kv_heads, u, batch, causal, dtype, attention, seed=0, seq_per_rank=6, overlap=False
+    rank,
+    world,
+    layout,
+    heads,
+    kv_heads,
+    u,
+    batch,
+    causal,
+    dtype,
+    attention,
+    seed=0,
+    seq_per_rank=6,
+    overlap=False,
+    group=None,
 ):
     head_dim = 8
     q, k, v, dout = make_inputs(seed, batch, seq_per_rank * world, heads, kv_heads, head_dim, dtype)
@@ -54,7 +68,8 @@ def run_case(
     ref_out = reference_attention(*full, causal)
     ref_out.backward(dout)
     locals_ = [local_shard(t, rank, world, layout).to(dtype).requires_grad_(True) for t in (q, k, v)]
-    attn = UPipeDistributedAttention(attention, dist.group.WORLD, head_chunk_size=u, overlap_comm=overlap)
+    group = dist.group.WORLD if group is None else group
+    attn = UPipeDistributedAttention(attention, group, head_chunk_size=u, overlap_comm=overlap)
     out = attn(*locals_, layout)
     out.backward(local_shard(dout, rank, world, layout).to(dtype))
     errors = {"out": relative_error(out, local_shard(ref_out.detach(), rank, world, layout))}
@@ -157,6 +172,63 @@ def packed_matrix(rank, world):
     return failures, count
 
 
+def runtimes_case(rank, world):
+    """Per-layer runtimes (``ds_upipe.runtime``): two differently configured layers in one process
+    (U = C with the SDPA kernel on packed rows, U = H with the math kernel, overlap and a window),
+    interleaved (forward A, forward B, backward A, backward B), then a layer on a group destroyed and
+    created again; each equals its float64 reference.  Returns relative errors by name."""
+    seq, heads, kv_heads = 6 * world, 16, 4
+    q, k, v, dout = make_inputs(11, 2, seq, heads, kv_heads, 8, torch.float64)
+    rows = [packed_documents(seq, world, 20 + r) for r in range(2)]
+    window = 5
+    full_a, full_b = ([t.clone().requires_grad_(True) for t in (q, k, v)] for _ in range(2))
+    refs = [per_document_reference(*full_a, rows), masked_reference(*full_b, window=window)]
+    for ref in refs:
+        ref.backward(dout)
+    layer_a = UPipeDistributedAttention(TorchSDPAKernel(), dist.group.WORLD)
+    layer_b = UPipeDistributedAttention(MathKernel(), dist.group.WORLD, head_chunk_size=heads, overlap_comm=True)
+    assert layer_a.runtime is not layer_b.runtime
+    locals_a, locals_b = ([local_shard(t, rank, world, 0).requires_grad_(True) for t in (q, k, v)] for _ in range(2))
+    outs = [layer_a(*locals_a, 0, cu_seqlens=rows), layer_b(*locals_b, 0, window=window)]
+    errors = {}
+    for name, out, locs, full, ref in zip("ab", outs, (locals_a, locals_b), (full_a, full_b), refs):
+        out.backward(local_shard(dout, rank, world, 0))
+        errors[f"out_{name}"] = relative_error(out, local_shard(ref.detach(), rank, world, 0))
+        for t, loc, glob in zip("qkv", locs, full):
+            errors[f"d{t}_{name}"] = relative_error(loc.grad, local_shard(glob.grad, rank, world, 0))
+    # a destroyed group and a new one in its place: the new layer's runtime knows only the new group
+    for attempt in range(2):
+        group = dist.new_group(list(range(world)))
+        errs = run_case(
+            rank, world, 0, heads, kv_heads, 2 * world, 1, True, torch.float64, TorchSDPAKernel(), group=group
+        )
+        errors.update({f"{n}_group{attempt}": e for n, e in errs.items()})
+        dist.destroy_process_group(group)
+    errors["ring_subgroups_of_a_destroyed_group"] = _ring_subgroups_reused(world)
+    return errors
+
+
+def _ring_subgroups_reused(world):
+    """1.0 if the Ulysses / ring subgroups that ``sp_setup.upipe_groups`` made for a destroyed
+    sequence-parallel group come back for the new group created in its place (the ``id()``-keyed
+    cache issue 22 found: the new group object often reuses the old one's id), else 0.0."""
+    from ds_upipe.integration.config import parse_config
+    from ds_upipe.integration.sp_setup import upipe_groups
+
+    ds_config = {"sequence_parallel_size": world, "zero_optimization": {"stage": 3}, "upipe": {"ring_size": 2}}
+    settings = parse_config({**ds_config, "train_micro_batch_size_per_gpu": 1})
+    subgroups = []
+    for _ in range(3):
+        group = dist.new_group(list(range(world)))
+        subgroups.append(upipe_groups(group, settings))
+        assert upipe_groups(group, settings) is subgroups[-1]  # kept while the group lives
+        dist.destroy_process_group(group)
+        del group
+        gc.collect()  # free the destroyed group object, so that the next one may take its id
+    ulysses = {id(u) for u, _ in subgroups}
+    return float(len(ulysses) != len(subgroups))
+
+
 def other_attention_and_packing(rank, world):
     """One spawn: ``other_attention_matrix``, ``packed_matrix``, ``window_sink_matrix`` and
     ``window_sink_errors``."""
@@ -165,6 +237,7 @@ def other_attention_and_packing(rank, world):
         "packed": packed_matrix(rank, world),
         "windows": window_sink_matrix(rank, world),
         "window_errors": window_sink_errors(rank, world),
+        "runtimes": runtimes_case(rank, world),
     }
 
 

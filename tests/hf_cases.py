@@ -417,6 +417,8 @@ def misc_cases(rank, world):
         )
     results["qwen3_fused_qk_norm_tiles"] = qk_norm_tiles_case(world)
     results["peft_lora"] = peft_case(world)
+    results["two_models"] = two_models_case(world)
+    results["recreated_group"] = recreated_group_case(world)
     results["right_padding_mask"] = right_padding_case(world)
     results["autocast_fallback"] = autocast_case(world)
     results["deepcopy"] = deepcopy_case(world)
@@ -653,6 +655,54 @@ def interleaved_forwards_case(arch, fused, checkpointing, world):
         model.zero_grad(set_to_none=True)
         errors[f"loss_{name}"] = relative_error(loss.detach(), ref_loss)
         errors[f"grads_{name}"] = max(relative_error(grads[n], ref_grads[n]) for n in ref_grads)
+    return errors
+
+
+def two_models_case(world):
+    """Two differently configured models in one process (each its own runtime: U, overlap, fused,
+    kernel), interleaved: forward A, forward B, backward A, backward B; each equals its own float64
+    reference.  Fails if a runtime's settings or per-call data leak between the models (e.g. one
+    process-wide plan or kernel: A's U = C run with B's U = H mismatches the stages)."""
+    group = dist.group.WORLD
+    data = make_batch(7, 2, 6 * world)
+    model_a, model_b = build_model("llama"), build_model("qwen3", seed=1)
+    refs = [reference_step(copy.deepcopy(m), data) for m in (model_a, model_b)]
+    patch_model(model_a, group, None, True, False, False)
+    patch_model(model_b, group, 8, False, True, False, kernel="math")
+    states = [hf_patches.upipe_state(m) for m in (model_a, model_b)]
+    assert states[0] is not states[1] and states[0].settings() != states[1].settings()
+    assert (states[0].head_chunk_size, states[1].head_chunk_size) == (world, 8)
+    shard = hf_patches.shard_batch(data, group)
+    losses, logits = [], []
+    for model in (model_a, model_b):
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+        logits.append(hf_patches.gather_sequence(out.logits.detach(), group))
+        losses.append(hf_patches.sequence_parallel_loss(out.logits, shard["shift_labels"], group, grad_reduction="sum"))
+    errors = {}
+    for name, model, loss, logit, (r_logits, r_loss, r_grads) in zip("ab", (model_a, model_b), losses, logits, refs):
+        loss.backward()
+        grads = summed_grads(model, group)
+        errors[f"logits_{name}"] = relative_error(logit, r_logits)
+        errors[f"loss_{name}"] = relative_error(loss.detach(), r_loss)
+        errors[f"grads_{name}"] = max(relative_error(grads[n], r_grads[n]) for n in r_grads)
+    return errors
+
+
+def recreated_group_case(world):
+    """A sequence-parallel group destroyed and a new one created in its place: a model patched on the
+    new group computes right (nothing of the old group's is found again by the new one, e.g. through
+    an id() reused by the new group object)."""
+    data = make_batch(8, 1, 6 * world)
+    errors = {}
+    for attempt in range(2):
+        group = dist.new_group(list(range(world)))
+        model = build_model("llama", seed=attempt)
+        ref = reference_step(copy.deepcopy(model), data)
+        patch_model(model, group, None, attempt == 0, attempt == 1, False)
+        for name, err in compare(ref, sharded_step(model, data, group), 6 * world).items():
+            errors[f"{name}_{attempt}"] = err
+        dist.destroy_process_group(group)
     return errors
 
 

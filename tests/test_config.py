@@ -184,7 +184,7 @@ def test_ring_stage_memory_is_per_ring_block():
     half = attention_stage_bytes(2, **dims, seq_length=512)
     ring = attention_stage_bytes(2, **dims, seq_length=1024, ring_size=2)
     heads = dict(num_heads=DIMS["num_heads"], num_kv_heads=DIMS["num_kv_heads"], head_dim=DIMS["head_dim"])
-    fake = fake_run.core_step(**heads, group_size=4, head_chunk_size=2, seq_len=1024, dtype="fp32", ring_size=2)
+    fake = fake_run.core_step(**heads, sp_size=4, head_chunk_size=2, seq_len=1024, dtype="fp32", ring_size=2)
     assert ring == fake.activations and half < ring < no_ring, (half, ring, no_ring)
 
 
@@ -242,6 +242,36 @@ def test_auto_plans_the_configured_accumulation():
     for acc, want in (("fp32", 2), ("input", 4)):
         cfg = UPipeConfig(head_chunk_size="auto", memory_budget_gib=budget, seq_length=4096, accumulate_dtype=acc)
         assert choose_head_chunk_size(cfg, **bf16) == want
+
+
+def test_auto_plans_the_configured_overlap():
+    """overlap_comm keeps the next stage's gathered q (and a second stage's buffers) alive beside the
+    current stage's: "auto" measures that, so a budget between the two needs picks a smaller U with
+    overlap (issue 22: U = 8 was picked for a budget U = 8 exceeds with overlap)."""
+    plain, overlapped = (attention_stage_bytes(4, **DIMS, seq_length=4096, overlap_comm=on) for on in (False, True))
+    assert overlapped > plain, (plain, overlapped)
+    budget = (plain + overlapped) / 2 / 2**30
+    for overlap, want in ((False, 4), (True, 2)):
+        cfg = UPipeConfig(head_chunk_size="auto", memory_budget_gib=budget, seq_length=4096, overlap_comm=overlap)
+        assert choose_head_chunk_size(cfg, **DIMS) == want
+
+
+def test_auto_measures_every_u_in_one_run(monkeypatch):
+    """One fake run (one child process in a training job) for all valid U, not one per U.  Mutation:
+    measuring U by U (``attention_stage_bytes`` per U) makes ``calls`` the number of valid U."""
+    from ds_upipe.integration import fake_run
+
+    calls = []
+    isolated = fake_run.isolated
+
+    def counting(function, **kwargs):
+        calls.append(kwargs.get("head_chunk_sizes"))
+        return isolated(function, **kwargs)
+
+    monkeypatch.setattr(fake_run, "isolated", counting)
+    cfg = UPipeConfig(head_chunk_size="auto", memory_budget_gib=1.0, seq_length=1024)
+    assert choose_head_chunk_size(cfg, **DIMS) == max(valid_head_chunk_sizes(8, 2, 2))
+    assert calls == [valid_head_chunk_sizes(8, 2, 2)]
 
 
 def test_auto_picks_largest_that_fits():

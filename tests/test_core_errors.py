@@ -81,29 +81,40 @@ def test_document_boundaries_without_processes():
         DocumentBoundaries.of([[0, 8], [0, 2, 8]]).check(3, 8)
 
 
-def test_input_check_reads_the_host_once_per_layout():
-    """The input exchange runs every call, but the host read (``.tolist()``, a device sync per layer on
-    CUDA) only for a layout the module has not checked: the second call of a shape does not read it,
-    a new shape does; gathered rows that differ from the passed ones fail the device comparison."""
+def test_input_check_exchanges_once_per_layout():
+    """The input exchange (a collective and a host read) runs once per input layout per layer: the
+    second call of a shape runs none, a new shape runs one, the first shape again none.  Mutation: no
+    cache (exchange every call) fails the exchange counts and the refusing ``_gather`` below."""
     import torch
 
-    from ds_upipe import UPipeDistributedAttention
+    from ds_upipe import UPipeDistributedAttention, validation
     from ds_upipe.kernels import TorchSDPAKernel
 
     layer = UPipeDistributedAttention(TorchSDPAKernel(causal=True), None, head_chunk_size=2)
     q, k, v = (torch.randn(1, 8, 4, 8, dtype=torch.float64) for _ in range(3))
     for _ in range(3):
         layer(q, k, v, 0)
-    assert layer.checked_inputs.host_checks == 1
+    assert layer.checked_inputs.exchanges == 1
     layer(q[:, :4], k[:, :4], v[:, :4], 0)
-    assert layer.checked_inputs.host_checks == 2
-    # another rank's row changed while this one's did not: the device comparison refuses it
-    from ds_upipe import validation
+    assert layer.checked_inputs.exchanges == 2
+    layer.overlap_comm = True  # a setting is part of the layout: checked again
+    layer(q, k, v, 0)
+    assert layer.checked_inputs.exchanges == 3
+    layer.overlap_comm = False
+
+    def no_collective(*args):
+        raise AssertionError("a checked layout ran the exchange")
 
     gather = validation._gather
     try:
-        validation._gather = lambda mine, group, ring_group: torch.cat([mine, mine + 1])
-        with pytest.raises(RuntimeError):
-            layer(q, k, v, 0)
+        validation._gather = no_collective
+        layer(q, k, v, 0)
+        layer(q[:, :4], k[:, :4], v[:, :4], 0)
+        with pytest.raises(AssertionError, match="ran the exchange"):  # a new layout is exchanged
+            layer(q[:, :2], k[:, :2], v[:, :2], 0)
     finally:
         validation._gather = gather
+    # a second layer (its own runtime) checks its first call itself
+    other = UPipeDistributedAttention(TorchSDPAKernel(causal=True), None, head_chunk_size=2)
+    other(q, k, v, 0)
+    assert other.checked_inputs.exchanges == 1

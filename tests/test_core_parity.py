@@ -40,6 +40,16 @@ def test_math_kernel_generic_callable_and_packed_rows(world, other_and_packed):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_two_runtimes_and_a_recreated_group(world, other_and_packed):
+    """Two differently configured layers interleaved in one process, and layers on a destroyed and
+    re-created group, each equal to its float64 reference (``core_cases.runtimes_case``)."""
+    for rank, result in enumerate(other_and_packed[world]):
+        errors = result["runtimes"]
+        assert len(errors) == 2 * 4 + 2 * 4 + 1, errors
+        assert max(errors.values()) <= 1e-10, f"rank {rank}: {errors}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_sliding_windows_and_sinks(world, other_and_packed):
     """Windows below, equal to and beyond a shard and the sequence, crossing shards, with and without
     GPT-OSS sinks (their gradient summed over the ranks), packed rows, vs an explicit-mask eager

@@ -10,6 +10,8 @@ from tests import family_cases, hf_cases, rl_cases
 F64 = hf_cases.TOLERANCE[hf_cases.torch.float64]
 NUM_PARITY_CASES = 2 * len(hf_cases.ARCH_CONFIGS) + 9
 
+#: ds_upipe.validation.check_settings: the one cross-rank settings message of every route
+DIFFERS = "differs across the ranks of the sequence-parallel group ("
 REFUSALS = {  # case -> words its message must contain (the offending value and the rule)
     "mistral_sliding_window_zero": ["MistralAttention.sliding_window must be a positive int", "got 0"],
     "unsupported_arch": ["BertModel is bidirectional", "BertSelfAttention.is_causal=False"],
@@ -30,9 +32,11 @@ REFUSALS = {  # case -> words its message must contain (the offending value and 
     "use_cache": ["use_cache=True", "generation (KV cache / incremental decoding) is not supported"],
     "generate": ["LlamaForCausalLM.generate()", "generation (KV cache / incremental decoding) is not supported"]
     + ["without sequence parallelism", "attn_implementation='sdpa'"],
-    "rank_head_chunk": ["UPipe settings differ", "head_chunk_size (U) per rank [2, 4]"],
-    "rank_flags": ["fused projections per rank [True, False]", "overlap_comm per rank [False, True]"]
-    + ["accumulate_in_input_dtype per rank [True, False]", "recompute_attention_output per rank [True, False]"],
+    "rank_head_chunk": [f"head_chunk_size {DIFFERS}rank 0: 2, rank 1: 4)", "every rank must build UPipe"],
+    "rank_flags": [f"fused_projections {DIFFERS}rank 0: True, rank 1: False)"]
+    + [f"overlap_comm {DIFFERS}rank 0: False, rank 1: True)"]
+    + [f"accumulate_in_input_dtype {DIFFERS}rank 0: True, rank 1: False)"]
+    + [f"recompute_attention_output {DIFFERS}rank 0: True, rank 1: False)"],
     "generate_use_cache": ["Qwen2ForCausalLM.generate()", "is not supported under UPipe sequence parallelism"],
     "uneven_shards": ["[5, 4]", "equal"],
 }

@@ -131,7 +131,7 @@ def _record(model: torch.nn.Module) -> dict[str, Any]:
         "overlap": state.overlap_comm if state else None,
         "fused": state.fused if state else None,
         "accumulate_input": state.accumulate_in_input_dtype if state else None,
-        "recompute": state.recomputes_attention_output if state else None,
+        "recompute": state.recompute_attention_output if state else None,
         "tiles": [stack.loss_tile_tokens, stack.norm_tile_tokens, stack.mlp_tile_tokens] if stack else None,
         "checkpointing": bool(hf.is_gradient_checkpointing),
         "pairs": len(getattr(hf, "upipe_checkpoint_pairs", None) or []),
@@ -267,7 +267,7 @@ def _two_models(path: str) -> dict[str, Any]:
             got = model(input_ids=ids[:, shard], position_ids=positions).logits
         out[name] = {
             "U": state.head_chunk_size,
-            "recompute": state.recomputes_attention_output,
+            "recompute": state.recompute_attention_output,
             "accumulate_input": state.accumulate_in_input_dtype,
             "fused": state.fused,
             "stages": state.stage_runs[0] - before,

@@ -6,7 +6,7 @@ grads)`` while holding the replayed ``outputs``: one hidden state per layer outp
 reads (the layer's last op, the residual add, does not save its result), alive through the layer's
 whole backward -- at the attention's backward, where a long-context step peaks.  ``releasing``
 wraps the checkpoint's ``run_function`` so that in the replay each output is handed back as
-``RecomputedOutput``: a zero-stride stand-in of the same shape (one element of storage) whose
+``OutputStandIn``: a zero-stride stand-in of the same shape (one element of storage) whose
 gradient goes unchanged to the real output's graph.  The real output is then freed as soon as
 the layer returns, unless its own graph saved it (then it stays, and the result is the same).
 The first forward (without grad: the outputs are the next layer's input) is untouched.
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 
-class RecomputedOutput(torch.autograd.Function):
+class OutputStandIn(torch.autograd.Function):
     """Identity for gradients; the forward value is a stand-in that holds no memory."""
 
     @staticmethod
@@ -39,7 +39,7 @@ class RecomputedOutput(torch.autograd.Function):
 
 def _stand_in(value: Any) -> Any:
     if isinstance(value, Tensor) and value.requires_grad and value.is_floating_point():
-        return RecomputedOutput.apply(value)
+        return OutputStandIn.apply(value)
     if isinstance(value, tuple | list):
         return type(value)(_stand_in(v) for v in value)
     return value

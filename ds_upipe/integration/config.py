@@ -341,8 +341,13 @@ def check_heads(num_heads: int, num_kv_heads: int, sequence_parallel_size: int, 
         ) from None
 
 
-def attention_stage_bytes(
-    head_chunk_size: int,
+def attention_stage_bytes(head_chunk_size: int, **kwargs: Any) -> int:
+    """``attention_stage_bytes_by_u`` of one U."""
+    return attention_stage_bytes_by_u([head_chunk_size], **kwargs)[head_chunk_size]
+
+
+def attention_stage_bytes_by_u(
+    head_chunk_sizes: list[int],
     *,
     num_heads: int,
     num_kv_heads: int,
@@ -353,36 +358,37 @@ def attention_stage_bytes(
     dtype_bytes: int,
     ring_size: int = 1,
     accumulate_in_input_dtype: bool = False,
-) -> int:
-    """Per-rank attention stage memory of UPipe at this head chunk size, in bytes: the intermediate
+    overlap_comm: bool = False,
+) -> dict[int, int]:
+    """Per-rank attention stage memory of UPipe at each head chunk size, in bytes: the intermediate
     peak (peak minus q, k, v, out, dout, dq, dk, dv) of ``UPipeDistributedAttention`` forward+backward,
     measured by running it on fake tensors as rank 0 of the group (``fake_run.core_step``, the same
-    fake-tensor execution ``ds-upipe plan`` uses; in a process that already has a process group it
-    runs in a child process) with the configured accumulation (``accumulate_in_input_dtype``:
-    upipe.accumulate_dtype = "input", 16-bit dK/dV sums).  Kernel-internal CUDA workspaces are not
-    included."""
+    fake-tensor execution ``ds-upipe plan`` uses) with the configured accumulation
+    (``accumulate_in_input_dtype``: upipe.accumulate_dtype = "input", 16-bit dK/dV sums) and
+    ``overlap_comm`` (two stages' buffers in flight), every U in one run (in a process that already has a
+    process group: one child process).  Kernel-internal CUDA workspaces are not included."""
     from . import fake_run
 
     dtype = {2: "bf16", 4: "fp32", 8: "fp64"}[dtype_bytes]
     # with a ring the real RingAttentionKernel runs too, over a fake ring group (rank 0 of C_u x R): a stage
     # attends over its ring block, with the K/V block in flight and the travelling dK/dV counted as allocated
-    sp_size = group_size * ring_size
     multiple = SequenceLayout(group_size, ring_size).sequence_multiple
     seq = max(multiple, seq_length - seq_length % multiple)
-    peak = fake_run.isolated(
-        "core_step",
+    peaks = fake_run.isolated(
+        "core_step_activations",
+        head_chunk_sizes=list(head_chunk_sizes),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        group_size=sp_size,
-        head_chunk_size=head_chunk_size,
+        sp_size=group_size * ring_size,
         seq_len=seq,
         batch=micro_batch_size,
         dtype=dtype,
         ring_size=ring_size,
         accumulate_in_input_dtype=accumulate_in_input_dtype,
+        overlap_comm=overlap_comm,
     )
-    return int(peak["total"] - peak["weights"])
+    return {int(u): int(b) for u, b in peaks.items()}
 
 
 def choose_head_chunk_size(
@@ -407,23 +413,22 @@ def choose_head_chunk_size(
             where = "" if ring == 1 else f" (with upipe.ring_size={ring} the heads are split over the Ulysses degree)"
             raise ValueError(f"invalid ds_config: upipe.head_chunk_size: {err}{where}") from None
     budget = upipe.memory_budget_gib * 2**30
-    fits = [
-        u
-        for u in valid_head_chunk_sizes(num_heads, num_kv_heads, group_size)
-        if attention_stage_bytes(
-            u,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            group_size=group_size,
-            seq_length=upipe.seq_length,
-            micro_batch_size=micro_batch_size,
-            dtype_bytes=dtype_bytes,
-            ring_size=upipe.ring_size,
-            accumulate_in_input_dtype=upipe.accumulate_dtype == "input",
-        )
-        <= budget
-    ]
+    # every valid U measured in one fake run, with the configured accumulation and overlap; the same
+    # choice on every rank (the same measurement of the same config, checked equal across ranks)
+    need = attention_stage_bytes_by_u(
+        valid_head_chunk_sizes(num_heads, num_kv_heads, group_size),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        group_size=group_size,
+        seq_length=upipe.seq_length,
+        micro_batch_size=micro_batch_size,
+        dtype_bytes=dtype_bytes,
+        ring_size=upipe.ring_size,
+        accumulate_in_input_dtype=upipe.accumulate_dtype == "input",
+        overlap_comm=upipe.overlap_comm,
+    )
+    fits = [u for u, size in need.items() if size <= budget]
     return max(fits) if fits else group_size
 
 

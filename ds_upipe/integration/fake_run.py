@@ -277,15 +277,15 @@ def _run(step, external, weights, kernel, names, forward, stop_at: int | None, p
 
 
 @contextlib.contextmanager
-def fake_world(group_size: int) -> Iterator[dist.ProcessGroup]:
-    """This process as rank 0 of a ``fake`` process group of ``group_size`` ranks, for the duration."""
+def fake_world(world_size: int) -> Iterator[dist.ProcessGroup]:
+    """This process as rank 0 of a ``fake`` process group of ``world_size`` ranks, for the duration."""
     if dist.is_initialized():
         raise RuntimeError(
             "fake_world needs a process without a default process group; use fake_run.isolated(...) instead"
         )
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", rank=0, world_size=group_size, store=FakeStore())
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
         yield dist.group.WORLD
     finally:
@@ -321,7 +321,7 @@ def isolated(function: str, **kwargs: Any) -> dict[str, Any]:
     """``function(**kwargs).as_dict()`` of this module, in this process when it has no process group,
     else in a child Python process (a training job's ranks: the fake group cannot coexist with theirs)."""
     if not dist.is_initialized():
-        return globals()[function](**kwargs).as_dict()
+        return _as_dict(globals()[function](**kwargs))
     code = "import json,sys; from ds_upipe.integration import fake_run; fake_run._child()"
     payload = json.dumps({"function": function, "kwargs": kwargs})
     done = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, text=True, check=False)
@@ -332,8 +332,12 @@ def isolated(function: str, **kwargs: Any) -> dict[str, Any]:
 
 def _child() -> None:
     request = json.loads(sys.stdin.read())
-    result = globals()[request["function"]](**request["kwargs"]).as_dict()
+    result = _as_dict(globals()[request["function"]](**request["kwargs"]))
     print(json.dumps(result))
+
+
+def _as_dict(result: Any) -> dict[str, Any]:
+    return result if isinstance(result, dict) else result.as_dict()
 
 
 # -- what is measured ----------------------------------------------------------------------------------
@@ -378,7 +382,7 @@ class StepSpec:
 
     model: ModelShape
     attention: str  # "alst" (DeepSpeed's UlyssesSPAttentionHF around transformers' sdpa) or "upipe"
-    group_size: int  # C
+    sp_size: int  # C: the whole sequence-parallel group, C_u x ring_size (fake_run uses no other group size)
     seq_len: int  # global tokens S (each rank holds S / C)
     head_chunk_size: int | None = None  # UPipe's U (None: C)
     fused: bool = True
@@ -395,7 +399,7 @@ class StepSpec:
     loss_tile_tokens: int | None = None
     kernel: str = "none"  # the analytic CUDA workspace: "none" (CPU), "fa2", "fa3"
     comm_backend: str = "nccl"  # whose async-Work buffer lifetime to reproduce: "nccl" or "gloo"
-    #: UPipe x Ring: group_size = C_u x ring_size; rank 0 runs UPipe over its C_u Ulysses ranks and the real
+    #: UPipe x Ring: sp_size = C_u x ring_size; rank 0 runs UPipe over its C_u Ulysses ranks and the real
     #: RingAttentionKernel over a fake ring group of ring_size ranks (its K/V and dK/dV blocks in flight)
     ring_size: int = 1
     #: the layer runs as a checkpointed layer's replay in backward (``integration.checkpointing``)
@@ -406,8 +410,10 @@ class StepSpec:
             raise ValueError(f"comm_backend={self.comm_backend!r}: choose 'nccl' or 'gloo'")
         if self.attention not in ("alst", "upipe"):
             raise ValueError(f"attention={self.attention!r}: choose 'alst' or 'upipe'")
-        if self.seq_len < self.group_size or self.seq_len % self.group_size:
-            raise ValueError(f"seq_len={self.seq_len} is not a positive multiple of the group size {self.group_size}")
+        if self.seq_len < self.sp_size or self.seq_len % self.sp_size:
+            raise ValueError(
+                f"seq_len={self.seq_len} is not a positive multiple of the sequence-parallel size {self.sp_size}"
+            )
         if self.ring_size != 1:
             from ..layout import sequence_layout
 
@@ -416,7 +422,7 @@ class StepSpec:
                     f"ring_size={self.ring_size}: DeepSpeed ALST has no ring; plan UPipe x Ring instead "
                     "(head_chunk_size = num_heads is Ulysses x Ring)"
                 )
-            layout = sequence_layout(self.group_size, self.ring_size)
+            layout = sequence_layout(self.sp_size, self.ring_size)
             multiple = layout.sequence_multiple  # two zigzag chunks per ring rank
             if self.seq_len % multiple:
                 raise ValueError(
@@ -430,7 +436,7 @@ class StepSpec:
 
     @property
     def local_tokens(self) -> int:
-        return self.seq_len // self.group_size
+        return self.seq_len // self.sp_size
 
 
 class _HeldWork:
@@ -491,7 +497,7 @@ def _patched_model(spec: StepSpec, group: dist.ProcessGroup, layers: int = 1) ->
             from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
             _deepspeed_comm_on_fake_world()
-            UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", spec.group_size, spec.batch)
+            UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", spec.sp_size, spec.batch)
         else:
             ulysses, ring = _sequence_groups(spec, group)
             hf_patches.apply_upipe(
@@ -523,13 +529,13 @@ def _patched_model(spec: StepSpec, group: dist.ProcessGroup, layers: int = 1) ->
 
 
 def _sequence_groups(spec: StepSpec, group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
-    """(Ulysses group, ring group or None) of rank 0 in the fake world of ``spec.group_size`` ranks: the
+    """(Ulysses group, ring group or None) of rank 0 in the fake world of ``spec.sp_size`` ranks: the
     groups ``ds_upipe.ring.build_sequence_groups`` makes in a real run (new_group works on the fake backend)."""
     if spec.ring_size == 1:
         return group, None
     from ..ring import build_sequence_groups
 
-    return build_sequence_groups(spec.group_size, spec.ring_size)
+    return build_sequence_groups(spec.sp_size, spec.ring_size)
 
 
 def _names(model: torch.nn.Module) -> dict[int, str]:
@@ -551,7 +557,7 @@ def layer_step(spec: StepSpec, live: bool = False) -> Peak:
     dtype = DTYPES[spec.dtype]
     s, hidden = spec.local_tokens, spec.model.hidden_size
     with (
-        fake_world(spec.group_size) as group,
+        fake_world(spec.sp_size) as group,
         FakeTensorMode(),
         _patched_model(spec, group) as model,
         _backend_retention(spec.comm_backend),
@@ -596,7 +602,7 @@ def loss_step(spec: StepSpec, live: bool = False) -> Peak:
 
     dtype = DTYPES[spec.dtype]
     s, hidden = spec.local_tokens, spec.model.hidden_size
-    with fake_world(spec.group_size) as group, FakeTensorMode(), _patched_model(spec, group) as model:
+    with fake_world(spec.sp_size) as group, FakeTensorMode(), _patched_model(spec, group) as model:
         h = torch.empty(spec.batch, s, hidden, dtype=dtype).requires_grad_(True)
         labels = torch.zeros(spec.batch, s, dtype=torch.long)
 
@@ -645,7 +651,7 @@ def model_step(spec: StepSpec, keep_gradients: bool = False, live: bool = False,
     s, hidden = spec.local_tokens, spec.model.hidden_size
     phase = ["forward"]
     with (
-        fake_world(spec.group_size) as group,
+        fake_world(spec.sp_size) as group,
         FakeTensorMode(),
         _patched_model(spec, group, layers=layers) as model,
         _backend_retention(spec.comm_backend),
@@ -700,7 +706,7 @@ def core_step(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    group_size: int,
+    sp_size: int,
     head_chunk_size: int,
     seq_len: int,
     batch: int = 1,
@@ -708,10 +714,11 @@ def core_step(
     kernel: str = "none",
     ring_size: int = 1,
     accumulate_in_input_dtype: bool = False,
+    overlap_comm: bool = False,
 ) -> Peak:
     """Rank 0's peak over ``UPipeDistributedAttention`` (TorchSDPAKernel) forward+backward on
     [b, S/C, H, d] q and [b, S/C, Hkv, d] k, v, with the output gradient materialized; with
-    ``ring_size`` R > 1 UPipe runs over C_u = C / R ranks and ring attention over R (fake groups).  ``weights``
+    ``ring_size`` R > 1 UPipe runs over C_u = sp_size / R ranks and ring attention over R (fake groups).  ``weights``
     holds the bytes of q, k, v, out, dout, dq, dk, dv (the inputs, output and their gradients), so
     ``activations`` is the stage buffers: the "intermediate" of docs/benchmarks.md."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -721,9 +728,9 @@ def core_step(
     from ..ring import build_sequence_groups
 
     t = DTYPES[dtype]
-    s = seq_len // group_size
-    with fake_world(group_size) as world, FakeTensorMode():
-        group, ring = (world, None) if ring_size == 1 else build_sequence_groups(group_size, ring_size)
+    s = seq_len // sp_size
+    with fake_world(sp_size) as world, FakeTensorMode():
+        group, ring = (world, None) if ring_size == 1 else build_sequence_groups(sp_size, ring_size)
         # validate_inputs=False: the documented trusted-inputs switch; the check's one all_gather of
         # a few int64 per rank ends in .tolist(), which fake tensors cannot run
         attn = UPipeDistributedAttention(
@@ -733,6 +740,7 @@ def core_step(
             validate_inputs=False,
             ring_group=ring,
             accumulate_in_input_dtype=accumulate_in_input_dtype,
+            overlap_comm=overlap_comm,
         )
         q = torch.empty(batch, s, num_heads, head_dim, dtype=t).requires_grad_(True)
         k = torch.empty(batch, s, num_kv_heads, head_dim, dtype=t).requires_grad_(True)
@@ -749,3 +757,8 @@ def core_step(
     io = 2 * (2 * q.numel() + k.numel() + v.numel()) * q.element_size()  # q k v out dout dq dk dv
     peak.weights = io
     return peak
+
+
+def core_step_activations(head_chunk_sizes: list[int], **kwargs: Any) -> dict[str, int]:
+    """``core_step(...).activations`` of every U, in one process (``"auto"``: one child process for all U)."""
+    return {str(u): core_step(head_chunk_size=u, **kwargs).activations for u in head_chunk_sizes}

@@ -8,7 +8,8 @@ returns the mpu) and wraps the data loaders in ``UlyssesSPDataLoaderAdapter``; t
 computes the loss across the sequence ranks (``deepspeed_sp_compute_loss``).
 
 ``enable()`` keeps all of that and changes four things, process-wide, until ``disable()`` (nine
-attributes of deepspeed, transformers and their classes, each named in ``enable``):
+attributes of deepspeed, transformers and their classes, each named in ``enable``; why process-wide:
+``_ORIGINALS``):
 
 1. ``ulysses_sp.UlyssesSPAttentionHF`` becomes ``UPipeSPAttentionHF``.  Called by accelerate, its
    ``register_with_transformers`` reads the ds_config from the accelerator's DeepSpeed plugin and,
@@ -70,8 +71,14 @@ from .sp_setup import (
 )
 
 #: what enable() replaced, to restore in disable(): (owner, attribute) -> original.  enable() is a
-#: process-wide switch by design (it replaces attributes of deepspeed's and transformers' classes);
-#: everything a registration decides lives on its ``Registration`` and on the models it patched.
+#: process-wide switch by design: accelerate and the Trainer reach ALST through module attributes they
+#: look up at call time (``ulysses_sp.UlyssesSPAttentionHF``, ``deepspeed.initialize``, the Trainer's
+#: methods), and replacing those attributes is the only hook they offer; in particular
+#: ``deepspeed.initialize`` is where accelerate's engine first meets the model and the mpu, which is
+#: where a registration by name or path can apply its model keys and where the engine's gradient
+#: average is corrected.  Each replacement holds no state: everything a registration decides lives
+#: on its ``Registration`` (found from the mpu it is given, weakly keyed by its group) and on the
+#: models it patched, so a second model or group never sees another's.
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
 
 
@@ -505,27 +512,25 @@ def _alst_checks_and_groups(args: dict[str, Any]) -> tuple[Any, Callable[..., An
 
 
 def _unfused_state(text_config: Any, group: Any, head_chunk_size: int, settings: SPSettings) -> Any:
-    """The UPipe settings of the registered core attention function (the unfused path)."""
+    """The runtime of the registered core attention function (the unfused path), built as
+    ``apply_upipe`` builds a patched model's (``UPipeState.build``) from the block's settings."""
     from hf_patches import UPipeState
 
-    from ..kernels import make_kernel
-    from ..schedule import build_plan
     from .sp_setup import upipe_groups
 
     ulysses_group, ring_group = upipe_groups(group, settings)
-    group_size = torch.distributed.get_world_size(ulysses_group)
-    return UPipeState(
+    upipe, heads = settings.upipe, HeadLayout.from_config(text_config)
+    return UPipeState.build(
         group=ulysses_group,
-        group_size=group_size,
-        plan=build_plan(text_config.num_attention_heads, text_config.num_key_value_heads, group_size, head_chunk_size),
-        kernel=make_kernel(settings.upipe.kernel, causal=True),
-        fused=False,
-        fallback_reason=None,
-        architecture=getattr(text_config, "model_type", ""),
-        overlap_comm=settings.upipe.overlap_comm,
+        kernel=upipe.kernel,
+        head_chunk_size=head_chunk_size,
+        num_heads=heads.num_heads,
+        num_kv_heads=heads.num_kv_heads,
         ring_group=ring_group,
-        ring_size=settings.ring_size,
-        accumulate_in_input_dtype=settings.upipe.accumulate_dtype == "input",
+        overlap_comm=upipe.overlap_comm,
+        accumulate_in_input_dtype=upipe.accumulate_dtype == "input",
+        fused=False,
+        architecture=getattr(text_config, "model_type", ""),
     )
 
 

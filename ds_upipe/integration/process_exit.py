@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 SHM_DIR = Path("/dev/shm")
+#: whether the exit path is installed: process-level because what it installs is (signal handlers and
+#: the atexit hook belong to the process); it only removes this process's shm segments at exit
 _REGISTERED: list[bool] = []
 
 

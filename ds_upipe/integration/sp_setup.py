@@ -25,7 +25,11 @@ from .checkpoint_pairs import check_pairs_fit, install_checkpoint_pairs
 from .checkpointing import install_exact_pinned_pool, releasing
 from .config import SPSettings, UPipeConfig, check_heads, choose_head_chunk_size, tiled
 
-#: attention functions ALST replaced in transformers' process-global registry, to restore them
+#: attention functions ALST replaced in transformers' registry, to restore them.  Process-level because
+#: what it undoes is: transformers' ``ALL_ATTENTION_FUNCTIONS`` is one registry per process by design,
+#: and ALST's ``register_with_transformers`` replaces the function under the model's implementation
+#: name for every model of the process (ds_upipe's own UPipe attention is registered under its own
+#: name, "upipe", and reads all its settings from the calling module's runtime).
 REPLACED_ATTENTION: dict[str, Callable[..., Any]] = {}
 
 

@@ -595,7 +595,7 @@ def step_spec(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_l
     return StepSpec(
         model=dims.shape(),
         attention="alst" if scheme.kind == "ulysses" else "upipe",
-        group_size=setup.gpus,
+        sp_size=setup.gpus,
         seq_len=seq_len,
         head_chunk_size=scheme.head_chunk_size,
         fused=scheme.fused,

@@ -1,0 +1,267 @@
+"""``UPipeRuntime``: the one UPipe runtime object, built one way by every route.
+
+The core layer (``UPipeDistributedAttention``), ``hf_patches.apply_upipe`` and the Trainer /
+accelerate registration (``ds_upipe.integration.hf_integration``) each own one per layer or per
+model, made by ``UPipeRuntime.build`` (``hf_patches.UPipeState`` is this class with the HF model's
+extra facts).  It owns what every UPipe attention call of its owner shares:
+
+- the groups (the Ulysses group of C_u ranks, the ring group of R ranks or None) and their sizes;
+- the stage plan where the head counts are known when it is built (the HF routes: from the model
+  config), else one per head layout (the core layer, from its inputs): ``plan_for``;
+- the local kernel and its wrapping for one call (``attention``): sliding window, ring, sinks,
+  packed documents, in that order;
+- the one record of settings every rank must share (``settings``, compared by
+  ``ds_upipe.validation.check_settings``), and the per-layout input-check cache (``checked_inputs``);
+- the pipeline context of one call (``context``), which the autograd node keeps until its backward.
+
+Per-forward data (packed boundaries, window, sinks) is passed to ``attention``/``context`` per call
+and kept by the call's context only; nothing here is read back by a later call.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .kernels import AttentionKernel, CallableKernel, make_kernel, with_softmax_scale
+from .layout import SequenceLayout
+from .packing import DocumentBoundaries, DocumentKernel
+from .pipeline import PipelineContext, plan_indices
+from .ring import RingAttentionKernel
+from .schedule import StagePlan, build_plan
+from .sinks import SinkKernel, sinks_shape_code
+from .validation import CheckedInputs, RuntimeSettings
+from .windows import windowed
+
+
+@dataclass(kw_only=True)
+class UPipeRuntime:
+    """One UPipe runtime (module docstring).  Build it with ``UPipeRuntime.build``; its plain fields
+    marked settable may be changed afterwards (every call reads them then)."""
+
+    #: the Ulysses group (the whole sequence-parallel group without a ring) and its size C_u
+    group: dist.ProcessGroup | None
+    group_size: int
+    #: the local attention: an ``AttentionKernel``, or (core layer) a generic callable with
+    #: DistributedAttention's contract, run as a ``CallableKernel``
+    kernel: AttentionKernel | Callable[..., Tensor]
+    #: U as configured (None: U = C); the plan's U where the plan is known (``plan``)
+    head_chunk_size: int | None = None
+    #: the stage plan, where the head counts were known at build (None: per call, ``plan_for``)
+    plan: StagePlan | None = None
+    #: UPipe x Ring: the ring group (None: no ring) and its size R; the sequence-parallel group is
+    #: then C_u x R ranks, each holding its zigzag shard (``ds_upipe.ring.zigzag_positions``)
+    ring_group: dist.ProcessGroup | None = None
+    ring_size: int = 1
+    #: prefetch the next stage's all-to-alls while the current one computes (settable)
+    overlap_comm: bool = False
+    #: the ring's K/V exchange overlaps compute (None: follows ``overlap_comm``)
+    ring_overlap: bool | None = None
+    #: sum half-precision gradients over the stages in the input dtype instead of float32 (settable)
+    accumulate_in_input_dtype: bool = False
+    #: HF models: q/k/v projected per stage from the layer input (fused; the core layer: False)
+    fused: bool = False
+    #: backward recomputes each stage's attention output instead of keeping it: what runs (fused
+    #: HF mode only; ``build`` sets it False where the projections run unfused) (settable)
+    recompute_attention_output: bool = False
+    #: stages run by this runtime's attention calls (forward + backward), for tests and launch checks
+    stage_runs: list[int] = field(default_factory=lambda: [0])
+    #: the core layer's input exchange, cached per input layout (``validation.CheckedInputs``)
+    checked_inputs: CheckedInputs = field(default_factory=CheckedInputs)
+    #: ring attention around the kernel, per (window, overlap, scale): one object per setting, so its
+    #: counters (``RingAttentionKernel.work``) add up over the runtime's calls
+    ring_kernels: dict[tuple[int | None, bool, float | None], RingAttentionKernel] = field(
+        default_factory=dict, repr=False
+    )
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        group: dist.ProcessGroup | None,
+        kernel: AttentionKernel | Callable[..., Tensor] | str,
+        head_chunk_size: int | None = None,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        softmax_scale: float | None = None,
+        ring_group: dist.ProcessGroup | None = None,
+        overlap_comm: bool = False,
+        ring_overlap: bool | None = None,
+        accumulate_in_input_dtype: bool = False,
+        fused: bool = False,
+        recompute_attention_output: bool = False,
+        **extra: Any,
+    ) -> Any:
+        """The runtime of one layer or model, the same way for every route.
+
+        ``kernel``: an ``AttentionKernel``, a callable (core layer) or a ``make_kernel`` name (causal,
+        ``softmax_scale``).  ``num_heads``/``num_kv_heads`` (where known) build and validate the plan
+        now (ValueError naming the valid U; with a ring, saying that C_u, not C_u x R, splits the heads).
+        ``fused``: HF fused projections (``recompute_attention_output`` runs only then).
+        ``extra``: the fields of a subclass (``hf_patches.UPipeState``)."""
+        if head_chunk_size is not None and (
+            isinstance(head_chunk_size, bool) or not isinstance(head_chunk_size, int) or head_chunk_size < 1
+        ):
+            raise ValueError(f"head_chunk_size must be a positive int or None, got {head_chunk_size!r}")
+        initialized = dist.is_initialized()
+        group_size = dist.get_world_size(group) if initialized else 1
+        ring_size = dist.get_world_size(ring_group) if ring_group is not None and initialized else 1
+        if isinstance(kernel, str):
+            kernel = make_kernel(kernel, causal=True, softmax_scale=softmax_scale)
+        plan = None
+        if num_heads is not None and num_kv_heads is not None:
+            plan = _ring_aware_plan(num_heads, num_kv_heads, group_size, ring_size, head_chunk_size)
+            head_chunk_size = plan.head_chunk_size
+        return cls(
+            group=group,
+            group_size=group_size,
+            kernel=kernel,
+            head_chunk_size=head_chunk_size,
+            plan=plan,
+            ring_group=ring_group if ring_size > 1 else None,
+            ring_size=ring_size,
+            overlap_comm=bool(overlap_comm),
+            ring_overlap=ring_overlap,
+            accumulate_in_input_dtype=bool(accumulate_in_input_dtype),
+            fused=bool(fused),
+            # unfused, the model's o_proj keeps the attention output anyway: nothing to recompute
+            recompute_attention_output=bool(recompute_attention_output) and bool(fused),
+            **extra,
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> UPipeRuntime:
+        """A copy of a patched model (reference model, EMA) joins the same sequence-parallel group:
+        a process group cannot be copied, and the copy must run its collectives with the same ranks."""
+        for group in (self.group, self.ring_group):
+            memo.setdefault(id(group), group)
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        for f in fields(self):
+            setattr(clone, f.name, copy.deepcopy(getattr(self, f.name), memo))
+        return clone
+
+    @property
+    def layout(self) -> SequenceLayout:
+        return SequenceLayout(self.group_size, self.ring_size)
+
+    @property
+    def uses_kernel(self) -> bool:
+        """The local attention is an AttentionKernel with an lse (a CallableKernel passed in directly
+        counts as the callable it wraps: no lse, recomputed per stage)."""
+        return isinstance(self.kernel, AttentionKernel) and not isinstance(self.kernel, CallableKernel)
+
+    @property
+    def overlaps_ring(self) -> bool:
+        """Whether the ring's K/V exchange overlaps compute (moot without a ring)."""
+        return self.ring_size > 1 and (self.overlap_comm if self.ring_overlap is None else self.ring_overlap)
+
+    def plan_for(self, num_heads: int, num_kv_heads: int) -> StagePlan:
+        """The stage plan for these head counts (the built one where they match)."""
+        plan = self.plan
+        if plan is not None and (plan.num_heads, plan.num_kv_heads) == (num_heads, num_kv_heads):
+            return plan
+        return build_plan(num_heads, num_kv_heads, self.group_size, self.head_chunk_size)
+
+    def settings(self, window: int | None = None, sinks: Tensor | None = None, scatter_idx: int = 2) -> RuntimeSettings:
+        """What every rank must agree on for a call with this window and these sinks."""
+        kernel = self.kernel if self.uses_kernel else None
+        return RuntimeSettings(
+            head_chunk_size=self.head_chunk_size,
+            scatter_idx=scatter_idx,
+            overlap_comm=self.overlap_comm,
+            uses_kernel=kernel is not None,
+            causal=None if kernel is None else bool(kernel.causal),
+            softmax_scale=None if kernel is None else kernel.softmax_scale,
+            ring_size=self.ring_size,
+            ring_overlap=self.overlaps_ring,
+            accumulate_in_input_dtype=self.accumulate_in_input_dtype,
+            fused=self.fused,
+            recompute_attention_output=self.recompute_attention_output,
+            num_heads=None if self.plan is None else self.plan.num_heads,
+            num_kv_heads=None if self.plan is None else self.plan.num_kv_heads,
+            window=window,
+            sinks=sinks_shape_code(sinks),
+        )
+
+    def attention(
+        self,
+        documents: DocumentBoundaries | None = None,
+        window: int | None = None,
+        sinks: Tensor | None = None,
+        *,
+        scale: float | None = None,
+        batch_dim_idx: int = 0,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> AttentionKernel:
+        """What each stage of one call runs.  A generic callable runs as a ``CallableKernel`` with this
+        call's layout and extra arguments (windows, sinks, documents and rings need a kernel: refused
+        by the input checks).  A kernel is restricted to ``window`` (``ds_upipe.windows``), run as ring
+        attention over the ring group (``overlap_comm`` / ``ring_overlap`` as set now; not with packed
+        rows: refused by the input checks), given the call's ``sinks`` (``ds_upipe.sinks``, on the
+        ring's merged lse) and run per document of ``documents`` (this forward's packed boundaries,
+        ``DocumentKernel``).  ``scale``: the call's softmax scale (None: the kernel's;
+        ``kernels.with_softmax_scale``: a model's own scale, Gemma's query_pre_attn_scalar, Granite's
+        attention_multiplier, reaches the kernel's ops exactly)."""
+        if not isinstance(self.kernel, AttentionKernel):
+            return CallableKernel(self.kernel, batch_dim_idx, args, kwargs)
+        kernel = windowed(with_softmax_scale(self.kernel, scale), window)
+        if documents is None and self.ring_size > 1:
+            key = (window, self.overlaps_ring, scale)
+            if key not in self.ring_kernels:
+                self.ring_kernels[key] = RingAttentionKernel(kernel, self.ring_group, overlap=self.overlaps_ring)
+            kernel = self.ring_kernels[key]
+        if sinks is not None:
+            kernel = SinkKernel(kernel, sinks)
+        if documents is not None and not documents.is_trivial:
+            kernel = DocumentKernel(kernel, documents)
+        return kernel
+
+    def context(
+        self,
+        device: torch.device,
+        documents: DocumentBoundaries | None = None,
+        window: int | None = None,
+        sinks: Tensor | None = None,
+        *,
+        scale: float | None = None,
+        plan: StagePlan | None = None,
+        attention: AttentionKernel | None = None,
+    ) -> PipelineContext:
+        """One attention call's pipeline context (the autograd node keeps it, so its backward sees the
+        same documents, window and sinks).  ``plan``: the call's (default the built one);
+        ``attention``: the call's kernel (default ``self.attention(documents, window, sinks, scale=scale)``)."""
+        plan = self.plan if plan is None else plan
+        if plan is None:
+            raise ValueError("UPipeRuntime.context: no plan (pass plan=runtime.plan_for(num_heads, num_kv_heads))")
+        return PipelineContext(
+            plan=plan,
+            indices=plan_indices(plan, device),
+            group=self.group,
+            attention=self.attention(documents, window, sinks, scale=scale) if attention is None else attention,
+            stage_counter=self.stage_runs,
+            overlap_comm=self.overlap_comm,
+            accumulate_in_input_dtype=self.accumulate_in_input_dtype,
+            recompute_output=self.recompute_attention_output,
+        )
+
+
+def _ring_aware_plan(
+    num_heads: int, num_kv_heads: int, group_size: int, ring_size: int, head_chunk_size: int | None
+) -> StagePlan:
+    """The stage plan over the Ulysses group; with a ring, an error says that C_u, not C_u x R, splits the heads."""
+    try:
+        return build_plan(num_heads, num_kv_heads, group_size, head_chunk_size)
+    except ValueError as err:
+        if ring_size == 1:
+            raise
+        raise ValueError(
+            f"with a ring group of {ring_size} ranks the heads are split over the Ulysses group of {group_size} ranks "
+            f"(sequence-parallel size {group_size * ring_size} / ring size {ring_size}): {err}"
+        ) from None
