@@ -150,29 +150,32 @@ def gather_inputs(
 
 
 class CheckedInputs:
-    """The input exchange of one runtime (per layer of the core, ``UPipeRuntime.checked_inputs``),
-    run once per input layout: no collective and no host sync for a layout already checked.
+    """The input exchange of one runtime (per layer of the core, ``UPipeRuntime.checked_inputs``)
+    without a host sync once a layout has been checked.
 
-    ``gather_inputs`` + ``check_inputs`` cost a tiny all_gather and a host read (``.tolist()``: a
-    device sync on CUDA, which stalls the host's kernel launches) per call.  Here a row (this rank's
-    own: shapes, dtypes, settings, document fingerprint) that passed before with every rank's row
-    equal to it returns the checked result at once.  A new row is exchanged and checked on the host,
-    raising the usual ValueError on every rank.  Every rank caches exactly the rows every rank shared,
-    in the same order, so the caches of the ranks stay equal and a layout all ranks change to (a new
-    batch shape, new packed boundaries) is exchanged by all of them.
+    ``gather_inputs`` + ``check_inputs`` read the gathered rows on the host (``.tolist()``): a device
+    sync per layer on CUDA, which stalls the host's kernel launches every layer.  Here each rank
+    still all_gathers its row every call (a tiny collective, so every rank issues the same
+    collectives whatever it has cached), but a row (this rank's own: shapes, dtypes, settings,
+    document fingerprint) that passed before with every rank's row equal to it skips the host read:
+    the gathered rows are compared with it on the device (``torch._assert_async``, no sync; no
+    tensor is kept between calls).  A rank whose row is new checks on the host and raises the usual
+    ValueError; if another rank's row changed while this one's did not, the device comparison fails
+    (an error, not a hang).
 
-    What this gives up: a rank whose inputs or settings change alone, back to a layout every rank
-    had already checked while another rank's are new, is no longer refused by the exchange (the
-    rank with the cached row skips it): it fails in the stage loop's first all-to-all instead (a
-    size error on gloo; on NCCL it may hang).  Ranks that keep one layout, or change it together,
-    are unaffected.  Bounded: the last ``max_layouts`` layouts are kept (packed batches, whose
-    boundaries change per batch, are exchanged every call)."""
+    Why the exchange is not skipped for a checked layout: a rank that changes alone (its inputs or
+    settings) back to a layout every rank had checked would then skip it while another rank's new
+    row is exchanged, and the ranks would meet in different collectives (a size error on gloo, a
+    hang on NCCL) instead of the ValueError every rank raises here.  ``validate_inputs=False`` (the
+    layer's) drops the exchange where the caller guarantees the inputs agree; the HF path checks once
+    per model forward, outside the layers.  Bounded: the last ``max_layouts`` layouts are kept
+    (packed batches, whose boundaries change per batch, always check on the host)."""
 
     def __init__(self, max_layouts: int = 8) -> None:
         self.max_layouts = max_layouts
         self._passed: dict[tuple[int, ...], tuple[int, int, int]] = {}
-        #: how many calls ran the exchange (for tests)
-        self.exchanges = 0
+        #: how many calls read the rows on the host (for tests)
+        self.host_checks = 0
 
     def __call__(
         self,
@@ -188,14 +191,17 @@ class CheckedInputs:
     ) -> tuple[int, int, int]:
         """``check_inputs``'s (num_heads, num_kv_heads, head_chunk_size) of every rank's inputs."""
         row = _row(query, key, value, batch_dim_idx, settings, documents)
-        layout = tuple(row)
-        if layout in self._passed:  # every rank checked this layout together before
-            return self._passed[layout]
-        self.exchanges += 1
         mine = torch.tensor(row, dtype=torch.long, device=query.device).unsqueeze(0)
-        values = _gather(mine, group, ring_group).tolist()
+        rows = _gather(mine, group, ring_group)
+        layout = tuple(row)
+        if layout in self._passed:
+            # no sync on CUDA (a device-side assert); on CPU a RuntimeError at once
+            torch._assert_async((rows == mine).all())
+            return self._passed[layout]
+        self.host_checks += 1
+        values = rows.tolist()
         result = check_inputs([_decode(r) for r in values], ulysses_size=ulysses_size)
-        if all(r == row for r in values):  # only a layout every rank shares is skipped later
+        if all(r == row for r in values):  # only a layout every rank shares is checked on the device later
             if len(self._passed) >= self.max_layouts:
                 self._passed.pop(next(iter(self._passed)))
             self._passed[layout] = result
