@@ -29,6 +29,7 @@ attention a DeepSpeed user writes, and the baseline of the core-level measuremen
 from __future__ import annotations
 
 import abc
+import copy
 import math
 import re
 from collections.abc import Callable
@@ -722,6 +723,26 @@ class FlashAttnKernel(AttentionKernel):
 
 
 KERNELS: dict[str, type[AttentionKernel]] = {k.name: k for k in (TorchSDPAKernel, MathKernel, FlashAttnKernel)}
+
+
+def with_softmax_scale(kernel: AttentionKernel, scale: float | None, head_dim: int | None = None) -> AttentionKernel:
+    """``kernel`` with softmax scale ``scale`` (None: ``kernel`` itself): the same kernel when its scale is
+    already exactly that, else a shallow copy with ``softmax_scale = scale``.  The scale reaches the kernel's
+    ops as it is (no pre-scaled q), so a model's own scale (Gemma's ``query_pre_attn_scalar``, Granite's
+    ``attention_multiplier``) is exact in every dtype.  A ``CallableKernel`` decides its own scale
+    (1/sqrt(head_dim)): another one is refused."""
+    if scale is None or kernel.softmax_scale == scale:
+        return kernel
+    if isinstance(kernel, CallableKernel):
+        if head_dim is not None and abs(scale * math.sqrt(head_dim) - 1.0) <= 1e-12:
+            return kernel
+        raise ValueError(
+            f"softmax scale {scale} (the attention module's) differs from 1/sqrt(head_dim) and {kernel!r} takes no "
+            "scale: use an AttentionKernel ('sdpa', 'math', 'flash_attn')"
+        )
+    scaled = copy.copy(kernel)
+    scaled.softmax_scale = float(scale)
+    return scaled
 
 
 def make_kernel(

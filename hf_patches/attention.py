@@ -78,7 +78,17 @@ def fused_attention_forward(
         raise ValueError(f"{type(self).__name__}: position_embeddings (cos, sin) are required")
     cos, sin = position_embeddings
     proj = FusedProjections.of(self)
-    ctx = state.context(hidden_states.device, kwargs.get(DOCUMENTS_KWARG), module_sliding_window(self))
+    if cos.shape[-1] * 2 == proj.head_dim:
+        # GPT-OSS's RoPE: cos/sin of half the head dim, (x1 cos - x2 sin, x2 cos + x1 sin) on the two halves,
+        # which is rotate-half RoPE with cos/sin repeated over both halves (the same products and sums)
+        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+    ctx = state.context(
+        hidden_states.device,
+        kwargs.get(DOCUMENTS_KWARG),
+        module_sliding_window(self),
+        proj.sinks,
+        getattr(self, "scaling", None),
+    )
     out = FusedUPipeAttention.apply(hidden_states, cos, sin, ctx, proj, *proj.params())
     return out, None
 
@@ -105,11 +115,15 @@ def upipe_attention_function(
     sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """transformers attention-interface function: [b, h, s, d] local q/k/v in, [b, s, h, d] out."""
+    """transformers attention-interface function: [b, h, s, d] local q/k/v in, [b, s, h, d] out.
+
+    Honoured per call: ``scaling`` (the kernel runs with the module's scale: Gemma's
+    ``query_pre_attn_scalar``, Granite's ``attention_multiplier``), ``sliding_window`` and GPT-OSS's
+    ``s_aux`` sinks.  Refused: a mask, dropout, ``is_causal=False`` and any other attention-changing
+    argument a model may pass (``UNHONOURED_KWARGS``: logit softcapping, position biases, sparse indices)."""
     state = _state(module)
     _check_call(module, attention_mask, None, dropout)
-    if scaling is not None and abs(scaling - state.kernel.scale_for(query.shape[-1])) > 1e-12 * scaling:
-        raise ValueError(f"{type(module).__name__}: scaling {scaling} differs from the kernel's softmax scale")
+    _check_unhonoured(module, kwargs)
     # one dtype for the kernel: under autocast RoPE promotes q/k to float32 while v stays 16-bit, and
     # the kernel's aten op is not autocast-listed, so cast as autocast would for transformers' sdpa
     device_type = query.device.type
@@ -123,12 +137,33 @@ def upipe_attention_function(
     if sinks is not None:
         check_sinks(sinks, query.shape[1])
     window = check_window(sliding_window, "sliding_window")
-    ctx = state.context(q.device, kwargs.get(DOCUMENTS_KWARG), window, sinks)
+    ctx = state.context(q.device, kwargs.get(DOCUMENTS_KWARG), window, sinks, scaling)
     if sinks is None:
         out = UPipeAttentionFunction.apply(q, k, v, ctx)
     else:
         out = UPipeAttentionFunction.apply(q, k, v, ctx, 0, sinks)
     return out, None
+
+
+#: attention-function arguments some transformers models pass that UPipe's kernels do not implement
+#: (refused when not None / not the default): Gemma 2's logit ``softcap``, T5-style ``position_bias``,
+#: other models' ``sinks`` (GPT-OSS passes ``s_aux``, honoured), sparse-attention ``indices`` /
+#: ``block_indices``
+UNHONOURED_KWARGS = ("softcap", "position_bias", "sinks", "indices", "block_indices")
+
+
+def _check_unhonoured(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    if kwargs.get("is_causal", True) is False:
+        raise ValueError(
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) calls its attention with "
+            "is_causal=False (bidirectional): UPipe's kernels are causal"
+        )
+    for name in UNHONOURED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) passes {name}="
+                f"{type(kwargs[name]).__name__} to its attention function, which UPipe's kernels do not implement"
+            )
 
 
 def register_attention_function() -> None:

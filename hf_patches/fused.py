@@ -2,8 +2,10 @@
 
 The full local Q, K, V of a layer never exist: a stage computes its U query heads (and, at a
 round's first stage, its KV heads) from x = the attention input and the matching weight rows,
-applies the bias (Qwen2), the per-head RMSNorm (Qwen3) and RoPE to that chunk, and hands it to
-the core stage loop (``ds_upipe.pipeline``); o_proj runs once on the assembled output.  The node
+applies the bias (Qwen2, GPT-OSS), the per-head RMSNorm (Qwen3, Qwen3-MoE; Gemma 3's (1 + w) kind) and
+RoPE to that chunk, and hands it to the core stage loop (``ds_upipe.pipeline``); attention sinks
+(GPT-OSS) wrap the stage kernel (``ds_upipe.sinks``) and are an input of the node, so their gradient
+reaches the module's parameter; o_proj runs once on the assembled output.  The node
 saves only x, the attention output (which o_proj needs anyway) and the per-stage lse; with
 ``recompute_output`` only x, and backward recomputes each stage's output (one more kernel forward per
 stage), taking o_proj's weight gradient stage by stage (``pipeline.RecomputedOutput``).  Backward
@@ -25,6 +27,7 @@ from torch import Tensor, nn
 
 from ds_upipe.pipeline import Piece, PipelineContext, RecomputedOutput, Slot, pipeline_backward, pipeline_forward
 from ds_upipe.schedule import StagePlan
+from ds_upipe.sinks import find_sink_kernel
 
 from .tiling import NORM_TILE_BYTES
 
@@ -41,11 +44,40 @@ def _heads_flat(grad: Tensor) -> Tensor:
     return grad.flatten(2, 3) if grad.dim() == 5 else grad
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Qwen3RMSNorm.forward as a function of its weight (so backward can differentiate a leaf)."""
+@dataclass(frozen=True)
+class NormSpec:
+    """A per-head q/k RMSNorm of a known kind: ``"rms"`` (Qwen3RMSNorm, Qwen3MoeRMSNorm: ``w * norm(x)``,
+    normalized in float32, multiplied in the input dtype) or ``"gemma"`` (Gemma3RMSNorm: ``norm(x) * (1 + w)``
+    in float32, then cast to the input dtype), with its epsilon."""
+
+    kind: str
+    eps: float
+
+    def __call__(self, x: Tensor, weight: Tensor) -> Tensor:
+        return rms_norm(x, weight, self.eps, gemma=self.kind == "gemma")
+
+    def out_dtype(self, x: Tensor, weight: Tensor) -> torch.dtype:
+        return x.dtype if self.kind == "gemma" else torch.result_type(weight, x)
+
+
+#: the per-head norm classes fused mode reproduces (transformers' class name -> NormSpec kind)
+NORM_KINDS = {"Qwen3RMSNorm": "rms", "Qwen3MoeRMSNorm": "rms", "Gemma3RMSNorm": "gemma"}
+
+
+def norm_spec(norm: nn.Module) -> NormSpec:
+    """The ``NormSpec`` of a q/k norm module of a kind in ``NORM_KINDS`` (KeyError otherwise)."""
+    kind = NORM_KINDS[type(norm).__name__]
+    return NormSpec(kind, float(norm.eps if kind == "gemma" else norm.variance_epsilon))
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, gemma: bool = False) -> Tensor:
+    """Qwen3RMSNorm.forward (or, ``gemma``, Gemma3RMSNorm.forward) as a function of its weight (so backward
+    can differentiate a leaf), op for op as transformers computes it."""
     input_dtype = x.dtype
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (h * (1.0 + weight.float())).type_as(x)
     return weight * h.to(input_dtype)
 
 
@@ -63,22 +95,22 @@ def qk_norm_tile_tokens(chunk: Tensor) -> int:
     return max(1, QK_NORM_TILE_BYTES // (4 * b * n * d))
 
 
-def rms_norm_tiled(x: Tensor, weight: Tensor, eps: float, tile_tokens: int) -> Tensor:
-    """``rms_norm`` of a [b, s, n, d] chunk without autograd, ``tile_tokens`` tokens (dim 1) at a time."""
+def rms_norm_tiled(x: Tensor, weight: Tensor, spec: NormSpec, tile_tokens: int) -> Tensor:
+    """The norm of a [b, s, n, d] chunk without autograd, ``tile_tokens`` tokens (dim 1) at a time."""
     s = x.shape[1]
     if tile_tokens >= s:
-        return rms_norm(x, weight, eps)
-    out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+        return spec(x, weight)
+    out = torch.empty(x.shape, dtype=spec.out_dtype(x, weight), device=x.device)
     for start in range(0, s, tile_tokens):
         n = min(tile_tokens, s - start)
-        out.narrow(1, start, n).copy_(rms_norm(x.narrow(1, start, n), weight, eps))
+        out.narrow(1, start, n).copy_(spec(x.narrow(1, start, n), weight))
     return out
 
 
 def rms_norm_backward(
-    pre_norm: Tensor, weight: Tensor, eps: float, grad: Tensor, need_weight: bool, tile_tokens: int
+    pre_norm: Tensor, weight: Tensor, spec: NormSpec, grad: Tensor, need_weight: bool, tile_tokens: int
 ) -> tuple[Tensor, Tensor | None]:
-    """(d pre_norm, d weight or None) of ``rms_norm`` given the output gradient, by autograd over
+    """(d pre_norm, d weight or None) of the norm given the output gradient, by autograd over
     ``tile_tokens`` tokens (dim 1) at a time: transformers' own norm math per tile, so its float32
     temporaries are a tile's, not the chunk's.  The weight gradient is returned as the tiles' sum in
     float32 (float64 for float64), for the caller's accumulator to round once."""
@@ -90,7 +122,7 @@ def rms_norm_backward(
         n = min(tile_tokens, s - start)
         leaf = pre_norm.narrow(1, start, n).detach().requires_grad_(True)
         with torch.enable_grad():
-            normed = rms_norm(leaf, weight_leaf, eps)
+            normed = spec(leaf, weight_leaf)
         inputs = (leaf, weight_leaf) if need_weight else (leaf,)
         grads = torch.autograd.grad(normed, inputs, grad.narrow(1, start, n).to(normed.dtype))
         if n == s:  # one tile: the result as it is
@@ -109,7 +141,7 @@ def rms_norm_backward(
 
 @dataclass
 class FusedProjections:
-    """References to one attention module's projection modules.
+    """References to one attention module's projection modules (and its sinks, GPT-OSS).
 
     Weights are read from the modules at call time, never cached: under ZeRO-3 they are gathered
     only while the attention module's forward (or backward) runs."""
@@ -121,21 +153,29 @@ class FusedProjections:
     q_norm: nn.Module | None
     k_norm: nn.Module | None
     head_dim: int
+    #: the module's attention sinks (GPT-OSS ``sinks``: one logit per query head), None without
+    sinks: nn.Parameter | None = None
+    #: the q/k norms' kind and epsilon (None without q/k norms)
+    norm: NormSpec | None = None
 
     @staticmethod
     def of(attn: nn.Module) -> FusedProjections:
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        sinks = getattr(attn, "sinks", None)
         return FusedProjections(
             attn.q_proj,
             attn.k_proj,
             attn.v_proj,
             attn.o_proj,
-            getattr(attn, "q_norm", None),
-            getattr(attn, "k_norm", None),
+            q_norm,
+            k_norm,
             attn.head_dim,
+            sinks if isinstance(sinks, Tensor) else None,
+            None if q_norm is None else norm_spec(q_norm),
         )
 
     def params(self) -> tuple[Tensor | None, ...]:
-        """(Wq, bq, Wk, bk, Wv, bv, q_norm, k_norm, Wo, bo): the autograd inputs of the fused Function."""
+        """(Wq, bq, Wk, bk, Wv, bv, q_norm, k_norm, Wo, bo, sinks): the autograd inputs of the fused Function."""
         return (
             self.q_proj.weight,
             self.q_proj.bias,
@@ -147,17 +187,19 @@ class FusedProjections:
             None if self.k_norm is None else self.k_norm.weight,
             self.o_proj.weight,
             self.o_proj.bias,
+            self.sinks,
         )
 
     def zero3_params(self) -> list[nn.Parameter]:
         """Parameters read outside their own module's forward (ZeRO-3 must gather them for the
-        attention module; see ``deepspeed.zero.register_external_parameter``)."""
-        return [p for p in self.params() if p is not None]
+        attention module; see ``deepspeed.zero.register_external_parameter``).  The sinks are the
+        attention module's own parameter: ZeRO-3 gathers them for its forward anyway."""
+        return [p for p in self.params()[:_SK] if p is not None]
 
 
 # indices into FusedProjections.params()
-_WQ, _BQ, _WK, _BK, _WV, _BV, _QN, _KN, _WO, _BO = range(10)
-NUM_PARAMS = 10
+_WQ, _BQ, _WK, _BK, _WV, _BV, _QN, _KN, _WO, _BO, _SK = range(11)
+NUM_PARAMS = 11
 
 
 def _dense_like(t: Tensor, other: Tensor) -> Tensor:
@@ -289,7 +331,7 @@ class FusedProjectionSource:
         if norm is not None:
             if self.backward:
                 self._pre_norm[slot.key] = y
-            y = rms_norm_tiled(y, self.weights[norm_idx], norm.variance_epsilon, qk_norm_tile_tokens(y))
+            y = rms_norm_tiled(y, self.weights[norm_idx], self.proj.norm, qk_norm_tile_tokens(y))
         apply_rope(y.view(out.shape), self.cos.unsqueeze(2), self.sin.unsqueeze(2), out=out)
 
     def _pre_norm_of(self, key: tuple[str, int, int | None], piece: Piece) -> Tensor | None:
@@ -352,7 +394,7 @@ class FusedProjectionSource:
         grad_input, grad_weight = rms_norm_backward(
             pre_norm,
             self.weights[norm_idx],
-            self._norm(norm_idx).variance_epsilon,
+            self.proj.norm,
             grad,
             self.need_p[norm_idx],
             qk_norm_tile_tokens(pre_norm),
@@ -490,4 +532,8 @@ class FusedUPipeAttention(torch.autograd.Function):
                     grads[_WO] = dy.t() @ out.view(-1, num_heads * d)
             if fctx.proj.o_proj.bias is not None and source.need_p[_BO]:
                 grads[_BO] = dy.sum(0)
+            sink_kernel = find_sink_kernel(fctx.pctx.attention)
+            if sink_kernel is not None and source.need_p[_SK]:
+                # summed over the stages by the kernel (this rank's heads and tokens), as for the unfused node
+                grads[_SK] = sink_kernel.grad.to(fctx.proj.sinks.dtype)
         return (grad_x, None, None, None, None, *grads)

@@ -1,4 +1,5 @@
-"""``apply_upipe``: patch a Llama/Mistral/Qwen2/Qwen3 model in place for UPipe sequence parallelism."""
+"""``apply_upipe``: patch a transformers causal decoder in place for UPipe sequence parallelism
+(which models: ``hf_patches.architectures``)."""
 
 from __future__ import annotations
 
@@ -13,41 +14,14 @@ from ds_upipe.heads import HeadLayout
 from ds_upipe.kernels import make_kernel
 from ds_upipe.schedule import StagePlan, build_plan
 
-from .attention import (
-    ATTN_IMPLEMENTATION,
-    fused_attention_forward,
-    module_sliding_window,
-    register_attention_function,
-)
+from .architectures import find_decoder, fused_blocker_of
+from .attention import ATTN_IMPLEMENTATION, fused_attention_forward, register_attention_function
 from .fused import FusedProjections
 from .inputs import GENERATION_UNSUPPORTED, check_and_prepare
 from .rope import use_global_positions
 from .state import UPipeState
 
 logger = logging.getLogger("hf_patches")
-
-#: architecture -> (causal LM class, base model class, attention class), names in transformers
-_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "LlamaModel", "LlamaAttention"),
-    "mistral": ("MistralForCausalLM", "MistralModel", "MistralAttention"),
-    "qwen2": ("Qwen2ForCausalLM", "Qwen2Model", "Qwen2Attention"),
-    "qwen3": ("Qwen3ForCausalLM", "Qwen3Model", "Qwen3Attention"),
-}
-
-
-def _classes() -> dict[str, tuple[type, type, type]]:
-    """The supported transformers classes, imported lazily (transformers is heavy)."""
-    import transformers.models.llama.modeling_llama as llama
-    import transformers.models.mistral.modeling_mistral as mistral
-    import transformers.models.qwen2.modeling_qwen2 as qwen2
-    import transformers.models.qwen3.modeling_qwen3 as qwen3
-
-    mods = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3}
-    return {arch: tuple(getattr(mods[arch], name) for name in names) for arch, names in _ARCHITECTURES.items()}
-
-
-def supported_model_classes() -> list[str]:
-    return [name for names in _ARCHITECTURES.values() for name in names[:2]]
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -65,8 +39,37 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return inner
 
 
-def _find_architecture(hf_model: nn.Module, caller: str = "apply_upipe") -> tuple[str, nn.Module, type]:
-    """(arch, base model, attention class) or a ValueError naming the supported classes."""
+#: the long-context stack's classes (``apply_long_context_stack`` replaces their norms' and MLPs' forwards,
+#: so it lists the layouts it knows): architecture -> (causal LM class, base model class, attention class).
+#: ``apply_upipe`` takes any causal decoder whose attention calls the registry (``hf_patches.architectures``).
+_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "LlamaModel", "LlamaAttention"),
+    "mistral": ("MistralForCausalLM", "MistralModel", "MistralAttention"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Model", "Qwen2Attention"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Model", "Qwen3Attention"),
+}
+
+
+def _classes() -> dict[str, tuple[type, type, type]]:
+    """The long-context stack's transformers classes, imported lazily (transformers is heavy)."""
+    import transformers.models.llama.modeling_llama as llama
+    import transformers.models.mistral.modeling_mistral as mistral
+    import transformers.models.qwen2.modeling_qwen2 as qwen2
+    import transformers.models.qwen3.modeling_qwen3 as qwen3
+
+    mods = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3}
+    return {arch: tuple(getattr(mods[arch], name) for name in names) for arch, names in _ARCHITECTURES.items()}
+
+
+def supported_model_classes() -> list[str]:
+    """The classes ``apply_long_context_stack`` patches.  ``apply_upipe`` takes any causal decoder whose
+    attention calls transformers' attention registry (fused where ``architectures.FUSED_ATTENTIONS`` lists it)."""
+    return [name for names in _ARCHITECTURES.values() for name in names[:2]]
+
+
+def _find_architecture(hf_model: nn.Module, caller: str = "apply_long_context_stack") -> tuple[str, nn.Module, type]:
+    """(arch, base model, attention class) of the long-context stack's class table, or a ValueError naming
+    the supported classes."""
     for arch, (causal_lm, base, attention) in _classes().items():
         if type(hf_model) is causal_lm:
             return arch, hf_model.model, attention
@@ -76,32 +79,6 @@ def _find_architecture(hf_model: nn.Module, caller: str = "apply_upipe") -> tupl
         f"unsupported model class {type(hf_model).__name__}: {caller} supports "
         f"{', '.join(supported_model_classes())} (optionally wrapped by PEFT or a DeepSpeed engine)"
     )
-
-
-def _check_config(arch: str, config: Any, attentions: list[nn.Module]) -> None:
-    if not getattr(config, "is_causal", True):
-        raise ValueError("config.is_causal=False (bidirectional attention) is not supported: UPipe's kernel is causal")
-    dropout = getattr(config, "attention_dropout", 0.0) or 0.0
-    if dropout:
-        raise ValueError(f"config.attention_dropout={dropout} is not supported by UPipe; it must be 0.0")
-    # sliding windows (Mistral's config.sliding_window, Qwen2/Qwen3 per layer) are honoured layer by layer:
-    # each call's window reaches the kernel (hf_patches.attention.module_sliding_window, ds_upipe.windows)
-    for attn in attentions:
-        module_sliding_window(attn)  # a bad value is refused here, before any collective
-
-
-def _fused_blocker(attentions: list[nn.Module], norm_class: type | None) -> str | None:
-    """Why fused projections cannot be used (None when they can)."""
-    for attn in attentions:
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            proj = getattr(attn, name)
-            if type(proj) is not nn.Linear:
-                return f"{name} is {type(proj).__module__}.{type(proj).__name__}, not torch.nn.Linear"
-        for name in ("q_norm", "k_norm"):
-            norm = getattr(attn, name, None)
-            if norm is not None and type(norm) is not norm_class:
-                return f"{name} is {type(norm).__name__}, not {norm_class.__name__ if norm_class else 'absent'}"
-    return None
 
 
 def apply_upipe(
@@ -116,14 +93,16 @@ def apply_upipe(
     accumulate_in_input_dtype: bool = False,
     recompute_attention_output: bool = False,
 ) -> nn.Module:
-    """Patch a Llama/Mistral/Qwen2/Qwen3 ``*ForCausalLM`` or base ``*Model`` in place for UPipe.
+    """Patch a causal LM or its base model in place for UPipe: any transformers decoder whose attention
+    modules call the attention-function registry (``hf_patches.architectures``; refusals name the layer).
 
     Args:
         model: the model (also accepted wrapped by PEFT or a DeepSpeed engine).
         process_group: the sequence-parallel group (None: the default group).
         head_chunk_size: U, query heads per stage across the group (None: U = group size).
-        fused_projections: project q/k/v per stage from the layer input (least memory); projections
-            that are not plain ``nn.Linear`` (PEFT LoRA, quantized) fall back to unfused mode.
+        fused_projections: project q/k/v per stage from the layer input (least memory) where the attention is
+            Llama-shaped (``architectures.FUSED_ATTENTIONS``); other attention classes and projections that
+            are not plain ``nn.Linear`` (PEFT LoRA, quantized) fall back to unfused mode (one warning).
         kernel: local attention kernel name for ``ds_upipe.make_kernel`` ('sdpa', 'math', 'flash_attn').
         overlap_comm: issue the next stage's all-to-alls while the current stage computes (two
             stages' buffers alive instead of one); with a ring also the next K/V block's send/recv.
@@ -149,22 +128,20 @@ def apply_upipe(
     if not dist.is_initialized():
         raise ValueError("apply_upipe needs torch.distributed to be initialized (the sequence-parallel group)")
     hf_model = _unwrap(model)
-    arch, base, attention_class = _find_architecture(hf_model)
     if getattr(hf_model, "_upipe_state", None) is not None:
         raise ValueError(f"{type(hf_model).__name__} is already patched by apply_upipe")
-    config = hf_model.config
-    attentions = [m for m in base.modules() if isinstance(m, attention_class)]
-    if not attentions:
-        raise ValueError(f"no {attention_class.__name__} modules found in {type(hf_model).__name__}")
-    _check_config(arch, config, attentions)
+    found = find_decoder(hf_model)
+    arch, base, attentions = found.model_type, found.base, found.attentions
+    config = base.config
 
     group_size = dist.get_world_size(process_group)
     ring_size = 1 if ring_group is None else dist.get_world_size(ring_group)
     heads = HeadLayout.from_config(config)
     # validates U, H, Hkv against C_u (a ring does not split heads)
     plan = _build_plan(heads, group_size, ring_size, head_chunk_size)
-    scaling = attentions[0].scaling
-    attn_kernel = make_kernel(kernel, causal=True, softmax_scale=scaling)
+    # 1/sqrt(head_dim) here; each call runs with the scale its module passes (``UPipeState.attention``'s
+    # ``scale``: Gemma's query_pre_attn_scalar, Granite's attention_multiplier), layer by layer
+    attn_kernel = make_kernel(kernel, causal=True)
 
     if recompute_attention_output and not fused_projections:
         raise ValueError(
@@ -172,9 +149,7 @@ def apply_upipe(
             "nn.Linear) keeps the attention output for its weight gradient anyway; set fused_projections=True "
             "or recompute_attention_output=False"
         )
-    fallback = (
-        _fused_blocker(attentions, _qwen3_norm_class() if arch == "qwen3" else None) if fused_projections else None
-    )
+    fallback = fused_blocker_of(attentions) if fused_projections else None
     fused = fused_projections and fallback is None
     if fallback is not None and dist.get_rank(process_group) == 0:  # one line per group
         logger.warning(
@@ -204,7 +179,8 @@ def apply_upipe(
             attn.forward = types.MethodType(fused_attention_forward, attn)
             _register_zero3_external(attn)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    use_global_positions(base)
+    if isinstance(getattr(base, "rotary_emb", None), nn.Module):  # models without RoPE have nothing to make global
+        use_global_positions(base)
     base._upipe_state = hf_model._upipe_state = state
     base._upipe_input_hook = base.register_forward_pre_hook(_check_inputs, with_kwargs=True)
     if hasattr(hf_model, "generate"):
@@ -235,12 +211,6 @@ def _check_inputs(base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     """Forward pre-hook of the base model.  It reads the state from the module it runs on, so a
     ``copy.deepcopy`` of the model (whose hooks are the same functions) runs with its own state."""
     return check_and_prepare(base, args, kwargs, base._upipe_state)
-
-
-def _qwen3_norm_class() -> type:
-    import transformers.models.qwen3.modeling_qwen3 as qwen3
-
-    return qwen3.Qwen3RMSNorm
 
 
 def _register_zero3_external(attn: nn.Module) -> None:

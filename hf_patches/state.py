@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_upipe.kernels import AttentionKernel
+from ds_upipe.kernels import AttentionKernel, with_softmax_scale
 from ds_upipe.packing import DocumentBoundaries, DocumentKernel
 from ds_upipe.pipeline import PipelineContext, plan_indices
 from ds_upipe.ring import RingAttentionKernel, SequenceLayout
@@ -86,7 +86,11 @@ class UPipeState:
         return SequenceLayout(self.group_size, self.ring_size)
 
     def attention(
-        self, documents: DocumentBoundaries | None = None, window: int | None = None, sinks: torch.Tensor | None = None
+        self,
+        documents: DocumentBoundaries | None = None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        scale: float | None = None,
     ) -> AttentionKernel:
         """What each stage runs: the kernel, or ring attention around it over the ring group (a new one
         per call, so it follows ``overlap_comm`` as set now; forward and backward share the call's).
@@ -94,8 +98,9 @@ class UPipeState:
         runs per document (``DocumentKernel``: one flash-attn varlen call per stage around
         ``flash_attn``, one call per document otherwise; the input check refuses packing with a ring).
         ``window``: the layer's sliding window (``ds_upipe.windows``), inside each document and ring block;
-        ``sinks``: the call's attention sinks (``ds_upipe.sinks``), on the ring's merged lse, per document."""
-        kernel = windowed(self.kernel, window)
+        ``sinks``: the call's attention sinks (``ds_upipe.sinks``), on the ring's merged lse, per document;
+        ``scale``: the call's softmax scale (None: the kernel's), ``ds_upipe.kernels.with_softmax_scale``."""
+        kernel = windowed(with_softmax_scale(self.kernel, scale), window)
         if documents is None and self.ring_size > 1:
             kernel = RingAttentionKernel(kernel, self.ring_group, overlap=self.overlap_comm)
         if sinks is not None:
@@ -108,6 +113,7 @@ class UPipeState:
         documents: DocumentBoundaries | None = None,
         window: int | None = None,
         sinks: torch.Tensor | None = None,
+        scale: float | None = None,
     ) -> PipelineContext:
         """One attention call's pipeline context; ``documents`` are that call's packed-sequence
         boundaries (the autograd node keeps the context, so its backward sees the same ones)."""
@@ -116,7 +122,7 @@ class UPipeState:
             plan=self.plan,
             indices=plan_indices(self.plan, device),
             group=self.group,
-            attention=self.attention(documents, window, sinks),
+            attention=self.attention(documents, window, sinks, scale),
             stage_counter=self.stage_runs,
             overlap_comm=self.overlap_comm,
             accumulate_in_input_dtype=self.accumulate_in_input_dtype,

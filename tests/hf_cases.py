@@ -244,9 +244,10 @@ def packed_matrix(rank, world):
 def group_of_four(rank, world):
     """The C=4 parity spawn: the model matrix, the packed rows, and sequence-parallel DPO / GRPO
     (tests/rl_cases.py; in this spawn to save a spawn of four)."""
-    from tests import rl_cases
+    from tests import family_cases, rl_cases
 
     return {
+        "families": family_cases.family_matrix(rank, world),
         "parity": parity_matrix(rank, world),
         "packed": packed_matrix(rank, world),
         "rl": rl_cases.in_spawn_of_four(rank, world),
@@ -731,8 +732,14 @@ def refusal_cases(rank, world):
     expect(
         "mistral_sliding_window_zero", lambda: hf_patches.apply_upipe(build_model("mistral", sliding_window=0), group)
     )
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
-    expect("unsupported_arch", lambda: hf_patches.apply_upipe(gpt2, group))
+    bert = transformers.BertModel(
+        transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    )
+    expect("unsupported_arch", lambda: hf_patches.apply_upipe(bert, group))
+    from tests import family_cases
+
+    for name, build in family_cases.refused_models().items():
+        expect(name, lambda build=build: hf_patches.apply_upipe(build(), group))
     expect("bad_head_chunk", lambda: hf_patches.apply_upipe(build_model("llama"), group, head_chunk_size=3))
     expect("attention_dropout", lambda: hf_patches.apply_upipe(build_model("llama", attention_dropout=0.1), group))
     expect(
@@ -909,7 +916,10 @@ def deepspeed_cases(rank, world):
 
 def c2_group(rank, world):
     """Everything of the C=2 test group in one spawn."""
+    from tests import family_cases
+
     return {
+        "families": family_cases.family_matrix(rank, world),
         "parity": parity_matrix(rank, world),
         "misc": misc_cases(rank, world),
         "refusals": refusal_cases(rank, world),

@@ -1,0 +1,244 @@
+"""Which transformers models ``apply_upipe`` patches, found from the model's own modules.
+
+No class table decides whether a model runs: any causal decoder whose attention modules call
+transformers' attention-function registry (``ALL_ATTENTION_FUNCTIONS``, the hook through which every
+such model lets another implementation run its core attention) runs unfused UPipe under the module's
+own projections, norms and RoPE.  The modules are recognised by what they are (their class's
+``forward`` reads the registry; the model declares ``_supports_attention_backend``), one per decoder
+layer.  What UPipe cannot honour is refused here, naming the layer and the reason, before any
+collective: layers that are not attention (linear attention, state-space mixers), bidirectional and
+encoder-decoder models, cross-attention, chunked attention, KV-shared layers, logit softcapping,
+attention dropout, multi-head latent attention.
+
+Fused per-stage projections replace the module's ``forward`` by one that must compute exactly what it
+did, so they are limited to the forwards known to be Llama-shaped (``FUSED_ATTENTIONS``: plain
+``nn.Linear`` q/k/v/o with optional bias, rotate-half RoPE, an optional per-head q/k norm of a kind in
+``hf_patches.fused.NORM_KINDS``, optional sinks); a structural check alone cannot see what a forward
+does between its projections (SmolLM3 skips RoPE on some layers, OLMo 2 normalizes all heads together,
+Phi-3 fuses q/k/v into one matrix, GLM-4 rotates part of each head).  Other models run unfused with one
+warning naming the reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from .fused import NORM_KINDS
+
+#: ``config.layer_types`` entries UPipe runs (each module's ``sliding_window`` gives the window)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+#: transformers attention classes whose forward fused mode reproduces -> the q/k norm kind it needs
+#: (None: no q/k norm).  All: plain nn.Linear q/k/v/o (bias optional), rotate-half RoPE (GPT-OSS: the
+#: same on half-dim cos/sin), the registry call with scaling, sliding_window and (GPT-OSS) s_aux only.
+FUSED_ATTENTIONS: dict[str, str | None] = {
+    "LlamaAttention": None,
+    "MistralAttention": None,
+    "MixtralAttention": None,
+    "Qwen2Attention": None,
+    "Qwen3Attention": "rms",
+    "Qwen3MoeAttention": "rms",
+    "GraniteAttention": None,
+    "Gemma3Attention": "gemma",
+    "GptOssAttention": None,
+}
+
+#: class names of sequence mixers that are not softmax attention (state-space, linear attention); "SSM" / "Ssm"
+#: case-sensitive as a CamelCase word (GptOssMLP is an MLP)
+_NON_ATTENTION_MIXER = re.compile(
+    r"(?i:mamba|deltanet|linearattention|lightningattention|rwkv|recurrent)|(?:SSM|Ssm)(?![a-z])"
+)
+
+
+@dataclass
+class DecoderModel:
+    """What ``find_decoder`` found: the model type, the decoder stack (base model) and one attention
+    module per decoder layer, in layer order."""
+
+    model_type: str
+    base: nn.Module
+    attentions: list[nn.Module]
+
+
+def calls_attention_registry(module: nn.Module) -> bool:
+    """Whether the module's class forward looks its attention function up in transformers' registry."""
+    forward = inspect.unwrap(type(module).forward)  # through decorators such as deprecate_kwarg
+    code = getattr(forward, "__code__", None)
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+
+
+def _decoder_stack(hf_model: nn.Module, caller: str) -> nn.Module:
+    """The base model holding the decoder layers: the model itself or its ``base_model_prefix`` child."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(hf_model, PreTrainedModel):
+        raise ValueError(
+            f"{caller} patches a transformers PreTrainedModel (a causal LM or its base model), got "
+            f"{type(hf_model).__module__}.{type(hf_model).__name__}"
+        )
+    if getattr(hf_model.config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{type(hf_model).__name__} is an encoder-decoder model: UPipe runs causal decoder-only models "
+            "(its kernels are causal self-attention over one sequence)"
+        )
+    prefix = getattr(hf_model, "base_model_prefix", "") or "model"
+    candidates = [hf_model, getattr(hf_model, prefix, None), getattr(hf_model, "model", None)]
+    for base in candidates:
+        if isinstance(base, nn.Module) and hasattr(base, "language_model") and not hasattr(base, "layers"):
+            raise ValueError(
+                f"{type(hf_model).__name__} is a multimodal model: patch its text model "
+                f"(e.g. {type(hf_model).__name__}.model.language_model, or a *ForCausalLM built from its text "
+                "config); its image tokens use masks UPipe's causal kernels do not implement"
+            )
+        if isinstance(base, PreTrainedModel) and _layers(base) is not None:
+            return base
+    for module in hf_model.modules():
+        if calls_attention_registry(module) and getattr(module, "is_causal", True) is False:
+            raise ValueError(
+                f"{caller}: {type(hf_model).__name__} is bidirectional ({type(module).__name__}.is_causal=False): "
+                "UPipe runs causal decoders (its kernels are causal)"
+            )
+    raise ValueError(
+        f"{caller}: {type(hf_model).__name__} has no decoder layers (an nn.ModuleList of "
+        "config.num_hidden_layers layers) in itself or its base model"
+    )
+
+
+def _layers(base: nn.Module) -> nn.ModuleList | None:
+    """The decoder layers: the base model's ModuleList of ``config.num_hidden_layers`` modules."""
+    count = getattr(base.config, "num_hidden_layers", None)
+    for child in base.children():
+        if isinstance(child, nn.ModuleList) and len(child) == count:
+            return child
+    return None
+
+
+def _refuse(layer: int, module: nn.Module, why: str) -> ValueError:
+    return ValueError(f"apply_upipe: decoder layer {layer} ({type(module).__name__}): {why}")
+
+
+def _check_config(config: Any) -> None:
+    """Model-wide refusals read from the (text) config."""
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk:
+        raise ValueError(
+            f"apply_upipe: config.attention_chunk_size={chunk} (chunked attention, Llama 4) is not supported: "
+            "UPipe's kernels are causal or sliding-window"
+        )
+    for key in ("layer_types", "layers_block_type"):
+        for i, kind in enumerate(getattr(config, key, None) or ()):
+            if kind not in ATTENTION_LAYER_TYPES and kind != "attention":
+                raise ValueError(
+                    f"apply_upipe: decoder layer {i} is {kind!r} (config.{key}): UPipe runs softmax attention "
+                    f"layers only ({', '.join(ATTENTION_LAYER_TYPES)}); linear-attention and state-space "
+                    "layers are not supported"
+                )
+    shared = getattr(config, "num_kv_shared_layers", 0)
+    if shared:
+        raise ValueError(
+            f"apply_upipe: config.num_kv_shared_layers={shared} (layers reusing another layer's keys and values) "
+            "is not supported"
+        )
+    if getattr(config, "kv_lora_rank", None):
+        raise ValueError(
+            "apply_upipe: multi-head latent attention (config.kv_lora_rank) is not supported: its query/key and "
+            "value head dims differ"
+        )
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(
+            f"apply_upipe: config.attn_logit_softcapping={softcap} (tanh capping of the attention logits) is not "
+            "supported by UPipe's kernels (none computes it)"
+        )
+
+
+def _dropout(module: nn.Module, config: Any) -> float:
+    for value in (getattr(module, "attention_dropout", None), getattr(module, "attn_dropout", None)):
+        if isinstance(value, nn.Dropout):
+            value = value.p
+        if isinstance(value, (int, float)) and value:
+            return float(value)
+    return float(getattr(config, "attention_dropout", 0.0) or 0.0)
+
+
+def _check_attention(layer: int, module: nn.Module, config: Any) -> None:
+    from .attention import module_sliding_window
+
+    if getattr(module, "is_causal", True) is False:
+        raise _refuse(layer, module, "is_causal=False (bidirectional attention): UPipe's kernels are causal")
+    if getattr(module, "is_cross_attention", False):
+        raise _refuse(layer, module, "cross-attention is not supported (self-attention over one sequence only)")
+    if getattr(module, "is_kv_shared_layer", False):
+        raise _refuse(layer, module, "a KV-shared layer (keys and values of another layer) is not supported")
+    if getattr(module, "attn_logit_softcapping", None) is not None:
+        raise _refuse(layer, module, "attention logit softcapping is not supported by UPipe's kernels")
+    dropout = _dropout(module, config)
+    if dropout:
+        raise _refuse(layer, module, f"attention_dropout={dropout} is not supported by UPipe; it must be 0.0")
+    module_sliding_window(module)  # a bad window is refused here, before any collective
+
+
+def find_decoder(hf_model: nn.Module, caller: str = "apply_upipe") -> DecoderModel:
+    """The decoder stack and its attention modules, or a ValueError naming the layer and the reason."""
+    config = getattr(hf_model, "config", None)
+    if config is not None:  # model-wide refusals first: they name the rule, whatever the module layout
+        _check_config(config.get_text_config() if hasattr(config, "get_text_config") else config)
+    base = _decoder_stack(hf_model, caller)
+    config = base.config
+    _check_config(config)
+    if not getattr(type(base), "_supports_attention_backend", False):
+        raise ValueError(
+            f"{caller}: {type(base).__name__} does not declare _supports_attention_backend: its attention does not "
+            "go through transformers' attention-function registry, where UPipe runs"
+        )
+    attentions = []
+    for i, layer in enumerate(_layers(base)):
+        mixers = sorted({type(m).__name__ for m in layer.modules() if _NON_ATTENTION_MIXER.search(type(m).__name__)})
+        if mixers:
+            raise _refuse(i, layer, f"{', '.join(mixers)} is not softmax attention (state-space / linear attention)")
+        found = [m for m in layer.modules() if calls_attention_registry(m)]
+        if not found:
+            raise _refuse(
+                i, layer, "no attention module that calls transformers' attention registry (a non-attention layer)"
+            )
+        if len(found) > 1:
+            names = ", ".join(type(m).__name__ for m in found)
+            raise _refuse(i, layer, f"{len(found)} attention modules ({names}): cross-attention is not supported")
+        _check_attention(i, found[0], config)
+        attentions.append(found[0])
+    return DecoderModel(getattr(config, "model_type", "") or type(base).__name__, base, attentions)
+
+
+def fused_blocker(attn: nn.Module) -> str | None:
+    """Why fused per-stage projections cannot reproduce this attention module (None when they can)."""
+    cls = type(attn)
+    name = cls.__name__
+    if name not in FUSED_ATTENTIONS or not cls.__module__.startswith("transformers.models."):
+        return (
+            f"{name} is not one of the Llama-shaped attention forwards fused mode reproduces "
+            f"({', '.join(FUSED_ATTENTIONS)})"
+        )
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        module = getattr(attn, proj, None)
+        if type(module) is not nn.Linear:
+            return f"{proj} is {type(module).__module__}.{type(module).__name__}, not torch.nn.Linear"
+    kind = FUSED_ATTENTIONS[name]
+    for norm_name in ("q_norm", "k_norm"):
+        norm = getattr(attn, norm_name, None)
+        if (norm is None) != (kind is None) or (norm is not None and NORM_KINDS.get(type(norm).__name__) != kind):
+            return f"{norm_name} is {type(norm).__name__}, not a {kind or 'absent'} per-head norm"
+    return None
+
+
+def fused_blocker_of(attentions: list[nn.Module]) -> str | None:
+    """The first module's reason fused mode cannot run (None when every module can)."""
+    for attn in attentions:
+        reason = fused_blocker(attn)
+        if reason is not None:
+            return reason
+    return None

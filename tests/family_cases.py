@@ -1,0 +1,185 @@
+"""Rank-side bodies of the generic-path tests (issue 21): transformers families beyond the Llama four, built
+from tiny configs, patched by ``apply_upipe`` found from their modules, against the same model unpatched in
+one process (logits, loss and every parameter gradient, sinks and router weights included, float64).
+
+Run inside the C = 2 and C = 4 parity spawns of tests/test_hf_parity.py (``family_matrix``), so the
+families add no spawn of their own.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import hf_patches
+from tests import hf_cases
+
+#: every family shares these (hidden 64, 2 layers, H = 8 query heads of head_dim 8, 2 KV heads: KV < C at C = 4)
+COMMON: dict[str, Any] = dict(
+    vocab_size=101,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    use_cache=False,
+    tie_word_embeddings=False,
+)
+
+_MOE = dict(num_experts_per_tok=2, output_router_logits=False, experts_implementation="eager")  # grouped_mm: no float64
+_SLIDING_FULL = ["sliding_attention", "full_attention"]
+
+#: family -> (model_type, overrides, runs fused)
+FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
+    "llama": ("llama", {}, True),
+    "mistral": ("mistral", dict(sliding_window=5), True),
+    "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=3, layer_types=_SLIDING_FULL), True),
+    "qwen3": ("qwen3", {}, True),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=32, **_MOE), True),
+    "mixtral": ("mixtral", dict(num_local_experts=4, sliding_window=None, **_MOE), True),
+    "granite": ("granite", dict(attention_multiplier=0.3, embedding_multiplier=2.0, residual_multiplier=0.5), True),
+    "gemma3": (
+        "gemma3_text",
+        dict(query_pre_attn_scalar=24, sliding_window=4, layer_types=_SLIDING_FULL, final_logit_softcapping=None),
+        True,
+    ),
+    "gpt_oss": ("gpt_oss", dict(num_local_experts=4, sliding_window=4, layer_types=_SLIDING_FULL, **_MOE), True),
+    "phi3": ("phi3", dict(sliding_window=None, pad_token_id=0), False),
+    "olmo2": ("olmo2", {}, False),
+    "glm4": ("glm4", dict(pad_token_id=0), False),
+    "smollm3": ("smollm3", dict(no_rope_layer_interval=2, pad_token_id=0), False),
+}
+
+
+def build_family(family: str, dtype=torch.float64, seed: int = 0, **overrides):
+    """The family's tiny causal LM (random weights; sinks random too so that they matter)."""
+    import transformers
+
+    model_type, family_overrides, _ = FAMILIES[family]
+    config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **family_overrides, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_()
+    return model
+
+
+def family_case(family, fused, world, u=None, seq=None, seed=0, checkpointing=None, packed=False, **overrides):
+    """One family, patched, on sequence shards == unpatched on the whole sequence (float64)."""
+    group = dist.group.WORLD
+    seq = seq or 6 * world
+    model = build_family(family, seed=seed, **overrides)
+    ref_model = copy.deepcopy(model)
+    state = hf_cases.patch_model(model, group, u, fused, False, False)
+    errors = {"fused_ok": float(state.fused != (fused and FAMILIES[family][2]))}
+    if checkpointing is not None:
+        hf_cases._checkpointing(model, checkpointing)
+    if packed:
+        batch, cus = hf_cases.packed_batch(seed, seq, world)
+        ref = hf_cases.per_document_reference(ref_model, batch, cus)
+    else:
+        batch = hf_cases.make_batch(seed, 2, seq)
+        ref = hf_cases.reference_step(ref_model, batch)
+    errors.update(hf_cases.compare(ref, hf_cases.sharded_step(model, batch, group), seq))
+    return errors
+
+
+def family_ring_case(family, fused, layout, u=None, **overrides):
+    """The family under UPipe x Ring (C_u x R = layout) on zigzag shards == unpatched, float64."""
+    cu, r = layout
+    ulysses, ring = hf_cases.ring_groups(cu, r)
+    world = dist.group.WORLD
+    seq = 6 * cu * r
+    data = hf_cases.make_batch(40, 2, seq)
+    model = build_family(family, **overrides)
+    ref_model = copy.deepcopy(model)
+    hf_patches.apply_upipe(model, ulysses, head_chunk_size=u, fused_projections=fused, ring_group=ring)
+    got = hf_cases.sharded_step(model, data, world, ring_size=r)
+    return hf_cases.compare(hf_cases.reference_step(ref_model, data), got, seq)
+
+
+def _cases(world: int) -> dict[str, tuple]:
+    """name -> (function, args, kwargs).  Every family fused (where it applies) and unfused at U = C (at C = 4
+    once, fused where it applies); at U = H and with windows smaller than / equal to / larger than a shard of
+    6 tokens and crossing shards; at C = 2 packed rows and HF checkpointing; at C = 4 a ring of 2 x 2."""
+    cases: dict[str, tuple] = {}
+    for family, (_, _, fusable) in FAMILIES.items():
+        # C = 4 (test time): each family once, fused where it applies; C = 2 has both modes
+        for fused in ((True, False) if world == 2 else (True,)) if fusable else (False,):
+            cases[f"{family}_{'fused' if fused else 'unfused'}"] = (family_case, (family, fused, world), {})
+    h = COMMON["num_attention_heads"]
+    cases["gpt_oss_fused_U=H_W6"] = (family_case, ("gpt_oss", True, world), dict(u=h, sliding_window=6))
+    cases["gpt_oss_unfused_U=H_W9"] = (family_case, ("gpt_oss", False, world), dict(u=h, sliding_window=9))
+    cases["gemma3_unfused_U=H_W6"] = (family_case, ("gemma3", False, world), dict(u=h, sliding_window=6))
+    cases["gemma3_fused_W13"] = (family_case, ("gemma3", True, world), dict(sliding_window=13))
+    cases["qwen3_moe_fused_U=H"] = (family_case, ("qwen3_moe", True, world), dict(u=h))
+    cases["granite_unfused_U=H"] = (family_case, ("granite", False, world), dict(u=h))
+    cases["phi3_unfused_W5"] = (family_case, ("phi3", False, world), dict(sliding_window=5))
+    if world == 4:  # packing and checkpointing at C = 2 only
+        return {**cases, **_ring_cases(h)}
+    cases["gpt_oss_fused_packed"] = (family_case, ("gpt_oss", True, world), dict(packed=True))
+    cases["gemma3_unfused_packed"] = (family_case, ("gemma3", False, world), dict(packed=True))
+    cases["mixtral_fused_packed_W5"] = (family_case, ("mixtral", True, world), dict(packed=True, sliding_window=5))
+    cases["gpt_oss_fused_checkpointing"] = (family_case, ("gpt_oss", True, world), dict(checkpointing="reentrant"))
+    cases["gemma3_fused_checkpointing"] = (family_case, ("gemma3", True, world), dict(checkpointing="non_reentrant"))
+    cases["olmo2_unfused_checkpointing"] = (family_case, ("olmo2", False, world), dict(checkpointing="reentrant"))
+    return cases
+
+
+def _ring_cases(h: int) -> dict[str, tuple]:
+    return {
+        "gpt_oss_fused_ring_2x2_W5": (family_ring_case, ("gpt_oss", True, (2, 2)), dict(sliding_window=5)),
+        "gemma3_unfused_ring_2x2": (family_ring_case, ("gemma3", False, (2, 2)), {}),
+        "granite_fused_ring_2x2": (family_ring_case, ("granite", True, (2, 2)), dict(u=h)),
+    }
+
+
+def family_matrix(rank: int, world: int) -> dict[str, dict[str, float]]:
+    """Every case of ``_cases(world)``: {name: errors}."""
+    logger = logging.getLogger("hf_patches")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # the unfused families' one warning each
+    try:
+        return {name: fn(*args, **kwargs) for name, (fn, args, kwargs) in _cases(world).items()}
+    finally:
+        logger.setLevel(level)
+
+
+def num_family_cases(world: int) -> int:
+    return len(_cases(world))
+
+
+def _tiny(model_type: str, **overrides):
+    import transformers
+
+    config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **overrides})
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def refused_models() -> dict[str, Any]:
+    """case -> a builder of a tiny model ``apply_upipe`` must refuse (messages checked in test_hf_parity)."""
+    import transformers
+
+    return {
+        "refuse_softcapping": lambda: _tiny("gemma2", attn_logit_softcapping=50.0),
+        "refuse_linear_attention": lambda: _tiny(
+            "qwen3_next", layer_types=["linear_attention", "full_attention"], num_experts=2, moe_intermediate_size=16
+        ),
+        "refuse_chunked": lambda: _tiny("llama4_text", attention_chunk_size=8),
+        "refuse_hybrid_ssm": lambda: _tiny("falcon_h1"),
+        "refuse_encoder_decoder": lambda: transformers.T5ForConditionalGeneration(
+            transformers.T5Config(d_model=32, d_ff=32, num_layers=1, num_heads=2, vocab_size=50, d_kv=16)
+        ),
+        "refuse_dropout_gpt2": lambda: transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, attn_pdrop=0.1)
+        ),
+    }
