@@ -18,8 +18,10 @@ What the dense tiled MLP (``tiling.TiledPerToken``) does not cover, and this mod
   untiled hook would have put it.
 - Several outputs (GPT-OSS's block returns ``(hidden, router_scores)``).
 - ZeRO-3: the block is marked a DeepSpeed z3 leaf module (``deepspeed.utils.set_z3_leaf_module``,
-  what accelerate's ``transformer_moe_cls_names`` does for MoE blocks) when the stack is applied
-  before the engine registers its hooks: the block's parameters (all experts) are gathered once when
+  what accelerate's ``transformer_moe_cls_names`` does for MoE blocks, and what DeepSpeed's own
+  ``zero_optimization.leaf_module`` defaults do at engine start for Mixtral's, Qwen2-MoE's and
+  Qwen3-MoE's blocks, not GPT-OSS's) when the stack is applied before the engine registers its hooks:
+  the block's parameters (all experts) are gathered once when
   the block is called and once for its backward, not once per tile, and their gradients are reduced
   after the block's backward.  Applied to a model whose ZeRO-3 hooks already exist, the block stays
   as it is and each tile's router / experts call gathers their weights (correct, more traffic); the

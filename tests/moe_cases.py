@@ -70,3 +70,11 @@ def build_moe_model(family: str, dtype=torch.float64, seed: int = 0, base: bool 
             if "router" in name or ".gate." in name or name.endswith("sinks") or "expert" in name:
                 param.normal_(0.0, 0.5 if ("router" in name or ".gate." in name) else 0.1)
     return model
+
+
+def save_moe_checkpoint(family: str, path, seed: int = 1):
+    """A tiny float32 MoE checkpoint (save_pretrained) with transformers' default experts implementation
+    (grouped_mm), for ``examples/finetune_trainer.py --model PATH``."""
+    model = build_moe_model(family, torch.float32, seed=seed, experts_implementation=None)
+    model.save_pretrained(path)
+    return path
