@@ -11,7 +11,9 @@ the usual ``ParallelismConfig(sp_backend="deepspeed", sp_size=N)``; the one line
 
 By default the model is a tiny Llama built from a config and the data are random tokens (nothing is
 downloaded); ``--model PATH`` fine-tunes a local HF checkpoint instead (with ZeRO-3 it is loaded
-under ``deepspeed.zero.Init``, already partitioned, so ``TrainingArguments`` comes first).  Runs on
+under ``deepspeed.zero.Init``, already partitioned, so ``TrainingArguments`` comes first), e.g. a
+sparse MoE model (Qwen3-MoE, Mixtral; GPT-OSS, which has no sdpa, on CPU with
+``--attn_implementation gpt_oss_eager --own_eager_attention``).  Runs on
 CPU (float32, gloo) and on GPU (bf16) without changes.  ``--metrics_out`` writes the per-step
 training losses, the eval loss and how many UPipe stages ran (rank 0) as JSON.
 
