@@ -11,7 +11,9 @@ the usual ``ParallelismConfig(sp_backend="deepspeed", sp_size=N)``; the one line
 
 By default the model is a tiny Llama built from a config and the data are random tokens (nothing is
 downloaded); ``--model PATH`` fine-tunes a local HF checkpoint instead (with ZeRO-3 it is loaded
-under ``deepspeed.zero.Init``, already partitioned, so ``TrainingArguments`` comes first).  Runs on
+under ``deepspeed.zero.Init``, already partitioned, so ``TrainingArguments`` comes first), e.g. a
+sparse MoE model (Qwen3-MoE, Mixtral; GPT-OSS, which has no sdpa, on CPU with
+``--attn_implementation gpt_oss_eager --own_eager_attention``).  Runs on
 CPU (float32, gloo) and on GPU (bf16) without changes.  ``--metrics_out`` writes the per-step
 training losses, the eval loss and how many UPipe stages ran (rank 0) as JSON.
 
@@ -33,6 +35,7 @@ from tiny_llama import (
     PackedRows,
     RandomDocuments,
     RandomTokens,
+    register_own_eager_attention,
     report_metrics,
     sequence_parallelism,
     stage_runs_per_rank,
@@ -51,6 +54,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--deepspeed", default="examples/ds_config_upipe.json", help="ds_config JSON with the upipe block")
     p.add_argument("--sp_size", type=int, default=2, help="sequence-parallel size (1: no sequence parallelism)")
     p.add_argument("--model", default=None, help="local HF checkpoint (default: a tiny Llama built from a config)")
+    p.add_argument(
+        "--attn_implementation",
+        default="sdpa",
+        help="the model's attention implementation, also accelerate's sp_attn_implementation",
+    )
+    p.add_argument(
+        "--own_eager_attention",
+        action="store_true",
+        help="register the --model's own eager attention (its modeling file's eager_attention_forward) under the "
+        "name --attn_implementation: for models without sdpa (GPT-OSS, whose eager applies its sinks) on CPU, "
+        "where accelerate refuses 'eager' under sequence parallelism",
+    )
     p.add_argument("--seq_len", type=int, default=64, help="tokens per sequence (a multiple of sp_size)")
     p.add_argument("--train_samples", type=int, default=12)
     p.add_argument("--eval_samples", type=int, default=5)
@@ -69,9 +84,14 @@ def build_model(opts: argparse.Namespace) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     torch.manual_seed(opts.seed)
+    if opts.own_eager_attention:
+        register_own_eager_attention(opts.model, opts.attn_implementation)
     if opts.model:
-        return AutoModelForCausalLM.from_pretrained(opts.model, attn_implementation="sdpa", dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(
+            opts.model, attn_implementation=opts.attn_implementation, dtype=torch.float32
+        )
     config = tiny_llama_config(opts.seq_len)
+    config._attn_implementation = opts.attn_implementation
     return LlamaForCausalLM(config)
 
 
@@ -85,7 +105,7 @@ def main() -> None:
     hf_integration.enable()  # the one line: UPipe (or ALST) from the ds_config's "upipe" block
     stages = StageCounter().start()  # UPipe stages run in this process (0 under ALST)
 
-    parallelism = sequence_parallelism(opts.sp_size)
+    parallelism = sequence_parallelism(opts.sp_size, opts.attn_implementation)
     args = TrainingArguments(
         output_dir=opts.output_dir,
         deepspeed=opts.deepspeed,
@@ -176,6 +196,8 @@ def main() -> None:
         "eval_local_seq_lens": sorted(set(eval_lengths)),
         "upipe_documents_per_row": sorted(documents_per_row),
         "long_context": long_context(),
+        # blocks ZeRO-3 gathers whole, once per call (the tiled MLP marks sparse MoE blocks so)
+        "z3_leaf_modules": sorted({type(m).__name__ for m in model.modules() if getattr(m, "_z3_leaf", False)}),
         "wall_s": wall,
     }
     report_metrics(result, opts.metrics_out, torch.distributed.get_rank() == 0)

@@ -20,16 +20,36 @@ def tiny_llama_config(seq_len: int) -> LlamaConfig:
     return tiny_config(max_position_embeddings=seq_len)
 
 
-def sequence_parallelism(sp_size: int) -> Any:
+def sequence_parallelism(sp_size: int, attn_implementation: str = "sdpa") -> Any:
     """accelerate's ``ParallelismConfig(sp_backend="deepspeed", sp_size=...)`` for the Trainer (None at
-    sp_size 1).  The model's attention implementation: ALST wraps it, UPipe checks it the same way and
+    sp_size 1).  ``attn_implementation``, the model's: ALST wraps it, UPipe checks it the same way and
     replaces it."""
     if sp_size == 1:
         return None
     from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
 
     sp_handler = DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")
+    # accelerate 1.x accepts only sdpa, flash_attention_2/3 and hub flash kernels here; a name registered
+    # with register_own_eager_attention (GPT-OSS on CPU) is set after that check
+    sp_handler.sp_attn_implementation = attn_implementation
     return ParallelismConfig(sp_backend="deepspeed", sp_size=sp_size, sp_handler=sp_handler)
+
+
+def register_own_eager_attention(model_path: str, name: str) -> None:
+    """Register the eager attention of the checkpoint's model type (``eager_attention_forward`` of its
+    transformers modeling file) in transformers' attention registry under ``name``, with eager's mask
+    (without a mask function of its own name transformers builds no mask at all).  For a model without
+    sdpa support (GPT-OSS: its eager applies the attention sinks) on CPU: accelerate refuses
+    ``sp_attn_implementation="eager"`` under sequence parallelism, a registered name it accepts."""
+    import importlib
+
+    from transformers import AttentionInterface, AttentionMaskInterface, AutoConfig
+    from transformers.masking_utils import eager_mask
+
+    model_type = AutoConfig.from_pretrained(model_path).model_type
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    AttentionInterface.register(name, modeling.eager_attention_forward)
+    AttentionMaskInterface.register(name, eager_mask)
 
 
 def stage_runs_per_rank(train_stages: int, all_stages: int) -> dict[str, list[int]]:

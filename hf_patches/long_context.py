@@ -22,7 +22,9 @@ attention ALST registered, and on a plain model.  See docs/hf_patches.md.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
+import sys
 import types
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -32,6 +34,7 @@ from torch import nn
 
 from .data import IGNORE_INDEX
 from .loss import tiled_causal_lm_loss, tiled_sequence_parallel_loss
+from .moe_tiling import find_router, mark_zero3_leaf, tiled_moe
 from .patch import _find_architecture, _unwrap
 from .tiling import _forward_function, tiled_mlp, tiled_norm
 
@@ -118,6 +121,21 @@ def _layer_modules(base: nn.Module, name: str) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def _decoder_of(hf_model: nn.Module) -> nn.Module:
+    """The base model whose ``layers`` the stack tiles: an ``apply_upipe`` class, or any causal LM /
+    base model laid out as transformers' decoders are (``model.layers[i].mlp``, the layer norms,
+    ``model.norm``): the stack leaves the attention alone, so it needs no attention class.  Others
+    get ``_find_architecture``'s error."""
+    try:
+        return _find_architecture(hf_model, caller="apply_long_context_stack")[1]
+    except ValueError:
+        base = getattr(hf_model, "model", hf_model)
+        layers = getattr(base, "layers", None)
+        if isinstance(layers, nn.ModuleList) and len(layers) and isinstance(getattr(base, "norm", None), nn.Module):
+            return base
+        raise
+
+
 def _norm_forward(self: nn.Module, hidden_states: Any) -> Any:
     return tiled_norm(self, self._long_context_forward, hidden_states, self._long_context_tile_tokens)
 
@@ -126,22 +144,56 @@ def _mlp_forward(self: nn.Module, x: Any) -> Any:
     return tiled_mlp(self, self._long_context_forward, x, self._long_context_tile_tokens)
 
 
+def _moe_forward(self: nn.Module, x: Any, *, router: str, index: int) -> Any:
+    # the router by name: a module attribute would register it as a second parent's submodule
+    return tiled_moe(
+        self, self._long_context_forward, self.get_submodule(router), index, x, self._long_context_tile_tokens
+    )
+
+
 def _replace_forward(module: nn.Module, forward: Any, tile_tokens: int | None) -> None:
     module._long_context_forward = _forward_function(module)  # checked before anything is replaced
     module._long_context_tile_tokens = tile_tokens
     module.forward = types.MethodType(forward, module)
 
 
+_AUX_ATTRIBUTES = ("router_aux_loss_coef", "num_experts", "num_experts_per_tok")
+
+
+def _aux_loss_function(hf_model: nn.Module) -> Any:
+    """The modeling file's ``load_balancing_loss_func`` of an MoE causal LM (None for a dense one)."""
+    if not hasattr(hf_model, "router_aux_loss_coef"):
+        return None
+    return getattr(sys.modules[type(hf_model).__module__], "load_balancing_loss_func", None)
+
+
+def _check_aux_loss(hf_model: nn.Module) -> None:
+    """The tiled loss adds an MoE model's load-balancing loss as its own forward does (transformers'
+    Mixtral / Qwen3-MoE / GPT-OSS pattern); refuse an MoE causal LM that does it another way."""
+    if not hasattr(hf_model, "router_aux_loss_coef"):
+        return
+    missing = [a for a in _AUX_ATTRIBUTES if not hasattr(hf_model, a)]
+    if _aux_loss_function(hf_model) is None:
+        missing.append(f"{type(hf_model).__module__}.load_balancing_loss_func")
+    if missing:
+        raise ValueError(
+            f"tiled_loss cannot add {type(hf_model).__name__}'s router aux loss: it lacks {', '.join(missing)} "
+            "(the tiled loss follows transformers' MoE causal LMs); turn tiled_loss off for this model"
+        )
+
+
 def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The causal LM's forward with the tiled loss: with ``labels`` or ``shift_labels``, the base
-    model's last hidden state goes to the tiled loss and no logits are made."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    model's last hidden state goes to the tiled loss and no logits are made.  An MoE model's router
+    aux loss (``output_router_logits``) is added as its own forward adds it."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     original = self._long_context_forward
-    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    signature = inspect.signature(original)
+    bound = signature.bind(self, *args, **kwargs)
     arguments = dict(bound.arguments)
     arguments.pop(next(iter(arguments)))  # self
-    for name, param in inspect.signature(original).parameters.items():
+    for name, param in signature.parameters.items():
         if param.kind is inspect.Parameter.VAR_KEYWORD:
             arguments.update(arguments.pop(name, {}))
     labels, shift_labels = arguments.pop("labels", None), arguments.pop("shift_labels", None)
@@ -153,6 +205,12 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return original(self, *args, **kwargs)
     num_items = arguments.pop("num_items_in_batch", None)
     arguments.pop("logits_to_keep", None)
+    aux_function = _aux_loss_function(self)
+    want_aux = False
+    if aux_function is not None:  # as the MoE forward: the argument, else the config
+        want_aux = arguments.get("output_router_logits")
+        want_aux = bool(self.config.output_router_logits if want_aux is None else want_aux)
+        arguments["output_router_logits"] = want_aux
     stack: LongContextStack = self._long_context_stack
     outputs = self.model(**arguments)
     hidden = outputs.last_hidden_state
@@ -172,7 +230,15 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             self, hidden, shift_labels, num_items_in_batch=num_items, ignore_index=stack.ignore_index
         )
     rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
-    return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+    if aux_function is None:
+        return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+    aux_loss = None
+    if want_aux:
+        aux_loss = aux_function(
+            outputs.router_logits, self.num_experts, self.num_experts_per_tok, arguments.get("attention_mask")
+        )
+        loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=None, **rest)
 
 
 def check_long_context_stack(model: nn.Module, **options: Any) -> None:
@@ -198,7 +264,7 @@ def _plan(
 ) -> tuple[nn.Module, LongContextStack, list[tuple[str, nn.Module, Any, int | None]]]:
     """(the HF model, its LongContextStack, the modules to patch): all checks, no change."""
     hf_model = _unwrap(model)
-    _, base, _ = _find_architecture(hf_model, caller="apply_long_context_stack")
+    base = _decoder_of(hf_model)
     if getattr(hf_model, "_long_context_stack", None) is not None:
         raise ValueError(f"{type(hf_model).__name__} already has the long-context stack")
     _check_options(hf_model, tiled_loss, forward_loss, grad_reduction, ignore_index)
@@ -222,7 +288,15 @@ def _plan(
         norms = [m for name in _LAYER_NORMS for m in _layer_modules(base, name)] + [("norm", base.norm)]
         targets += [(name, m, _norm_forward, stack.norm_tile_tokens) for name, m in norms]
     if tiled_mlp:
-        targets += [(name, m, _mlp_forward, stack.mlp_tile_tokens) for name, m in _layer_modules(base, "mlp")]
+        for name, mlp in _layer_modules(base, "mlp"):
+            found = find_router(base, name, mlp)  # a sparse MoE block's router (or a ValueError naming the layer)
+            forward = _mlp_forward
+            if found is not None:
+                router = next(n for n, m in mlp.named_modules() if m is found[0])
+                forward = functools.partial(_moe_forward, router=router, index=found[1])
+            targets.append((name, mlp, forward, stack.mlp_tile_tokens))
+    if tiled_loss:
+        _check_aux_loss(hf_model)
     for _, module, _, _ in targets:  # every check before the first change
         _forward_function(module)
     if tiled_loss:
@@ -279,6 +353,8 @@ def apply_long_context_stack(
         ignore_index=ignore_index,
     )
     for name, module, forward, tile_tokens in targets:
+        if getattr(forward, "func", None) is _moe_forward:
+            mark_zero3_leaf(module)  # ZeRO-3 gathers the experts once per block call, not per tile
         _replace_forward(module, forward, tile_tokens)
         stack.patched.append(name)
     if tiled_loss:

@@ -516,3 +516,35 @@ def test_checkpoint_pairs_are_planned_from_what_the_stores_keep():
     assert planner.from_ds_config(cfg)[0].checkpoint_pairs == 3
     with pytest.raises(ValueError, match="checkpoint_pairs=3: pairs has 5 layers, so at most 2"):
         planner.host_terms(dims, replace(setup, checkpoint_pairs=3), seq)
+
+
+def test_moe_presets_count_every_expert_and_plan_a_step(tmp_path):
+    """Qwen3-30B-A3B and GPT-OSS-20B: published sizes (30.5B total / 3.3B active; 20.9B total), every
+    expert in the model states and in ZeRO-3's gathered layer, the fake run's dense stand-in MLP of
+    top-k x (expert intermediate + 3/4 hidden), the same dims from their config.json, one step
+    planned at 128K tokens on the preset's GPUs (fits 80 GB) with the basis in the breakdown."""
+    qwen, oss = planner.model_dims("qwen3-30b-a3b"), planner.model_dims("gpt-oss-20b")
+    assert abs(qwen.total_params / 30.53e9 - 1) < 0.005 and abs(qwen.active_params_per_token / 3.35e9 - 1) < 0.01
+    assert abs(oss.total_params / 20.91e9 - 1) < 0.005  # the gpt-oss model card: 20.91B
+    # the card's 3.61B active excludes the embedding (its unembedding counts)
+    assert abs((oss.active_params_per_token - oss.embedding_params) / 3.61e9 - 1) < 0.01
+    experts = 128 * 3 * 2048 * 768
+    assert qwen.params_per_layer == experts + 128 * 2048 + 2 * 2048 * 4096 + 2 * 2048 * 512 + 2 * 2048 + 2 * 128
+    setup = planner.TrainSetup(gpus=planner.PRESET_GPUS["qwen3-30b-a3b"])
+    assert planner.zero_buffer_bytes(qwen, setup) >= 2 * 2 * experts  # the gathered block: all experts, bf16
+    assert qwen.shape().intermediate_size == 8 * (768 + 1536) and qwen.shape().model_type == "qwen3"
+    assert oss.shape().intermediate_size == 4 * (2880 + 2160) and oss.shape().attention_bias
+    config = {
+        "model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 64, "num_hidden_layers": 24, "vocab_size": 201088,
+        "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128, "attention_bias": True,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert planner.model_dims(str(tmp_path)) == replace(oss, name=str(tmp_path / "config.json"))
+    for dims, name in ((qwen, "qwen3-30b-a3b"), (oss, "gpt-oss-20b")):
+        setup = planner.TrainSetup(gpus=planner.PRESET_GPUS[name])
+        method = planner.AttentionScheme("upipe", setup.gpus)
+        p = planner.predict(dims, setup, method, 128 * 2**10)
+        assert p.fits and p.model_states_gib * GiB == planner.model_state_bytes(dims, setup), (name, p)
+        assert "stand-in" in planner.describe(dims, setup) and "experts" in planner.moe_basis(dims)
+    assert "full causal (an upper bound)" in planner.moe_basis(oss)

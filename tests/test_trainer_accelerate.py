@@ -296,6 +296,58 @@ def test_long_context_stack_equals_no_sp(trainer_runs, accelerate_runs, entry, n
     assert (min(run["stage_runs_train"]) > 0) == name.startswith("upipe")
 
 
+#: the MoE launches: family -> extra example flags (GPT-OSS has no sdpa in transformers; on CPU its own
+#: eager attention, which applies the sinks, runs under a registered name)
+MOE_LAUNCHES = {
+    "qwen3_moe": (),
+    "gpt_oss": ("--attn_implementation", "gpt_oss_eager", "--own_eager_attention"),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per MoE family (tests/moe_cases.py, a save_pretrained checkpoint loaded under ZeRO-3's zero.Init):
+    UPipe (SP 2, ZeRO-3) with the long-context stack from the ds_config, and the plain non-SP run."""
+    from tests.moe_cases import save_moe_checkpoint
+
+    work = tmp_path_factory.mktemp("trainer_moe")
+    stack = _with_stack("examples/ds_config_upipe.json", work / "ds_config_upipe_stack.json")
+    runs = {}
+    for family, flags in MOE_LAUNCHES.items():
+        model = ("--model", str(save_moe_checkpoint(family, work / family)), *flags)
+        runs[family] = {
+            "upipe_stack": _torchrun(2, work / f"{family}_stack.json", "--deepspeed", stack, "--sp_size", "2", *model),
+            "no_sp": _torchrun(
+                1,
+                work / f"{family}_no_sp.json",
+                "--deepspeed",
+                "examples/ds_config_upipe.json",
+                "--sp_size",
+                "1",
+                *model,
+            ),
+        }
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(MOE_LAUNCHES))
+def test_moe_long_context_stack_equals_no_sp(moe_runs, family):
+    """Qwen3-MoE and GPT-OSS (sinks, alternating sliding windows, biased experts) through the Trainer:
+    UPipe (SP 2, ZeRO-3) with the tiled loss, norms and MoE MLPs (router and experts per token tile, the
+    blocks ZeRO-3 leaf modules) == the plain non-SP run: losses, gradient norms, eval loss."""
+    runs = moe_runs[family]
+    _check_parity(runs, ("upipe_stack",))
+    run = runs["upipe_stack"]
+    assert run["long_context"] == {"tiled_loss": True, "tiled_norm": True, "tiled_mlp": True, "logits": None}, run
+    assert min(run["stage_runs_train"]) > 0 and run["upipe"]["fused"], run
+    block = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "gpt_oss": "GptOssMLP"}[family]
+    assert run["z3_leaf_modules"] == [block], run
+    # DeepSpeed's zero_optimization.leaf_module defaults list Qwen3-MoE's block, not GPT-OSS's: the stack marks it
+    assert runs["no_sp"]["z3_leaf_modules"] == ([block] if family == "qwen3_moe" else []), runs["no_sp"]
+    assert runs["no_sp"]["long_context"] is None
+
+
 # ---------------------------------------------------------------------------------------------------
 # in-process: what enable() changes, and the config rules (same ValueError on every rank: pure functions)
 

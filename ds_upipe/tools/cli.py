@@ -52,7 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
         "ALST and UPipe at every U, with ZeRO-3, offloaded checkpoints and the long-context stack.",
     )
     plan.add_argument("--config", type=Path, help="a ds_config JSON: predict only what it runs")
-    plan.add_argument("--model", default="llama3-8b", help="preset (llama3-8b, qwen3-32b) or a config.json path")
+    plan.add_argument(
+        "--model",
+        default="llama3-8b",
+        help="preset (llama3-8b, qwen3-32b, qwen3-30b-a3b, gpt-oss-20b) or a config.json path",
+    )
     plan.add_argument("--gpus", type=int, default=None, help="sequence-parallel GPUs (default: the preset's, or 8)")
     plan.add_argument(
         "--ring-size",

@@ -55,9 +55,26 @@ PAPER_STEPS = [128 * 2**10, 256 * 2**10, 512 * 2**10, 2**20, 2 * 2**20, 3 * 2**2
 # -- model dimensions --------------------------------------------------------------------------
 
 
+#: transformers model types the planner reads, -> the dense stand-in its fake run builds (see ModelDims)
+MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3",
+    "mixtral": "mistral",
+    "gpt_oss": "llama",
+}
+
+
 @dataclass(frozen=True)
 class ModelDims:
-    """What the planner needs to know about a Llama-family decoder."""
+    """What the planner needs to know about a Llama-family decoder, dense or sparse MoE.
+
+    An MoE model (``num_experts`` > 0: Qwen3-MoE, Mixtral, GPT-OSS) is counted with all its experts in
+    the parameters (model states, ZeRO-3's gathered block), and its fake run builds the dense layer of
+    ``MODEL_TYPES`` whose MLP has ``mlp_stand_in_intermediate``: the activations one token makes in its
+    top-k experts (the sparse block's routing is data dependent, which fake tensors cannot run)."""
 
     name: str
     num_heads: int
@@ -71,11 +88,34 @@ class ModelDims:
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k
     attention_bias: bool = False  # Qwen2: q/k/v biases
     model_type: str = "llama"
+    #: sparse MoE MLP: experts per layer (0: dense), experts per token (top-k); ``intermediate_size`` is
+    #: then each expert's
+    num_experts: int = 0
+    experts_per_token: int = 0
+    output_bias: bool = False  # GPT-OSS: o_proj bias too
+    expert_bias: bool = False  # GPT-OSS: router and expert biases
+    attention_sinks: bool = False  # GPT-OSS: one sink logit per head
+    #: sliding-window layers (GPT-OSS: every other layer, 128 tokens): planned as full causal attention
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_kv_heads", "head_dim", "hidden_size", "intermediate_size", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type={self.model_type!r}: the planner runs {', '.join(MODEL_TYPES)}")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token} must be in 1..num_experts={self.num_experts}")
+
+    @property
+    def mlp_stand_in_intermediate(self) -> int:
+        """The fake run's dense MLP width.  Dense: the model's.  MoE: per token and expert, the eager
+        expert loop keeps the gathered input, gate/up (2 x I), the activation and product (2 x I), the
+        expert output and its weighted copy: 4 x I + 3 x hidden elements, where a dense SwiGLU MLP of
+        width I' keeps about 4 x I'; so I' = top_k x (I + 3/4 x hidden)."""
+        if not self.num_experts:
+            return self.intermediate_size
+        return self.experts_per_token * (self.intermediate_size + 3 * self.hidden_size // 4)
 
     @property
     def q_size(self) -> int:
@@ -87,16 +127,35 @@ class ModelDims:
 
     def layer_param_counts(self) -> dict[str, int]:
         h, q, kv, i = self.hidden_size, self.q_size, self.kv_size, self.intermediate_size
-        return {
+        counts = {
             "q_proj": h * q + (q if self.attention_bias else 0),
             "k_proj": h * kv + (kv if self.attention_bias else 0),
             "v_proj": h * kv + (kv if self.attention_bias else 0),
-            "o_proj": q * h,
+            "o_proj": q * h + (h if self.output_bias else 0),
             "gate_proj": h * i,
             "up_proj": h * i,
             "down_proj": i * h,
             "norms": 2 * h + (2 * self.head_dim if self.qk_norm else 0),
         }
+        if self.attention_sinks:
+            counts["sinks"] = self.num_heads
+        if self.num_experts:
+            e, bias = self.num_experts, self.expert_bias
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                counts[name] = e * (counts[name] + ((h if name == "down_proj" else i) if bias else 0))
+            counts["router"] = e * h + (e if bias else 0)
+        return counts
+
+    @property
+    def active_params_per_token(self) -> int:
+        """Parameters one token uses (an MoE layer's top-k experts and its router; all of a dense one)."""
+        if not self.num_experts:
+            return self.total_params
+        counts = self.layer_param_counts()
+        experts = sum(counts[n] for n in ("gate_proj", "up_proj", "down_proj"))
+        per_layer = self.params_per_layer - experts + experts * self.experts_per_token // self.num_experts
+        lm_head = 0 if self.tie_word_embeddings else self.embedding_params
+        return self.embedding_params + lm_head + self.num_layers * per_layer + self.hidden_size
 
     @property
     def params_per_layer(self) -> int:
@@ -116,9 +175,9 @@ class ModelDims:
         from ..integration.fake_run import ModelShape
 
         return ModelShape(
-            model_type=self.model_type,
+            model_type=MODEL_TYPES[self.model_type],
             hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
+            intermediate_size=self.mlp_stand_in_intermediate,
             num_attention_heads=self.num_heads,
             num_key_value_heads=self.num_kv_heads,
             head_dim=self.head_dim,
@@ -128,28 +187,43 @@ class ModelDims:
 
     @staticmethod
     def from_config(config: dict, name: str = "config") -> ModelDims:
-        """From a transformers config dict (config.json of a Llama/Mistral/Qwen2/Qwen3 model)."""
+        """From a transformers config dict (config.json of a Llama/Mistral/Qwen2/Qwen3 model, or of the
+        sparse MoE Qwen3-MoE / Mixtral / GPT-OSS)."""
         cfg = config.get("text_config", config)
         missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers") if k not in cfg]
         if missing:
             raise ValueError(f"config lacks {missing}: not a Llama-family transformers config")
         heads = HeadLayout.from_config(cfg)
         model_type = cfg.get("model_type", "llama")
-        if model_type not in ("llama", "mistral", "qwen2", "qwen3"):
-            raise ValueError(f"model_type={model_type!r}: the planner runs llama, mistral, qwen2 and qwen3 layers")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type={model_type!r}: the planner runs {', '.join(MODEL_TYPES)} layers")
+        experts = cfg.get("num_experts", cfg.get("num_local_experts", 0)) if model_type in _MOE_TYPES else 0
+        if model_type == "qwen3_moe" and (cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1):
+            raise ValueError("a Qwen3-MoE config with dense layers (mlp_only_layers, decoder_sparse_step != 1)")
+        gpt_oss = model_type == "gpt_oss"
+        intermediate = cfg.get("moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size")
+        window = cfg.get("sliding_window") or 0
+        if model_type == "qwen3_moe" and not cfg.get("use_sliding_window"):
+            window = 0
         return ModelDims(
             name=name,
             num_heads=heads.num_heads,
             num_kv_heads=heads.num_kv_heads,
             head_dim=heads.head_dim,
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg.get("intermediate_size", 4 * cfg["hidden_size"]),
+            intermediate_size=intermediate or 4 * cfg["hidden_size"],
             num_layers=cfg["num_hidden_layers"],
             vocab_size=cfg.get("vocab_size", 32000),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             model_type=model_type,
+            num_experts=experts,
+            experts_per_token=cfg.get("num_experts_per_tok", 0) if experts else 0,
+            output_bias=gpt_oss and bool(cfg.get("attention_bias", True)),
+            expert_bias=gpt_oss,
+            attention_sinks=gpt_oss,
+            sliding_window=window,
         )
 
     @staticmethod
@@ -157,12 +231,50 @@ class ModelDims:
         return ModelDims.from_config(json.loads(Path(path).read_text()), name=str(path))
 
 
+_MOE_TYPES = ("qwen3_moe", "mixtral", "gpt_oss")
+
 PRESETS = {
     "llama3-8b": ModelDims("llama3-8b", 32, 8, 128, 4096, 14336, 32, 128256),
     "qwen3-32b": ModelDims("qwen3-32b", 64, 8, 128, 5120, 25600, 64, 151936, qk_norm=True, model_type="qwen3"),
+    # Qwen/Qwen3-30B-A3B config.json: 128 experts of moe_intermediate_size 768, top-8, every layer sparse
+    "qwen3-30b-a3b": ModelDims(
+        "qwen3-30b-a3b",
+        32,
+        4,
+        128,
+        2048,
+        768,
+        48,
+        151936,
+        qk_norm=True,
+        model_type="qwen3_moe",
+        num_experts=128,
+        experts_per_token=8,
+    ),
+    # openai/gpt-oss-20b config.json: 32 experts of 2,880, top-4, q/k/v/o and expert biases, sinks,
+    # sliding_window 128 on every other layer (planned as full causal: an upper bound)
+    "gpt-oss-20b": ModelDims(
+        "gpt-oss-20b",
+        64,
+        8,
+        64,
+        2880,
+        2880,
+        24,
+        201088,
+        attention_bias=True,
+        model_type="gpt_oss",
+        num_experts=32,
+        experts_per_token=4,
+        output_bias=True,
+        expert_bias=True,
+        attention_sinks=True,
+        sliding_window=128,
+    ),
 }
-#: each preset's GPUs in the paper (Llama3-8B on 8 x 80 GB, Qwen3-32B on 16)
-PRESET_GPUS = {"llama3-8b": 8, "qwen3-32b": 16}
+#: each preset's GPUs (the paper's: Llama3-8B on 8 x 80 GB, Qwen3-32B on 16; the MoE presets by their
+#: ZeRO-3 model states: Qwen3-30B-A3B 30.5B params -> 16, GPT-OSS-20B 20.9B -> 8)
+PRESET_GPUS = {"llama3-8b": 8, "qwen3-32b": 16, "qwen3-30b-a3b": 16, "gpt-oss-20b": 8}
 
 
 def model_dims(name_or_path: str) -> ModelDims:
@@ -882,12 +994,36 @@ def paper_step(n: int) -> str:
     return fmt_tokens(fitting[-1]) if fitting else "<128K"
 
 
+def moe_basis(dims: ModelDims) -> str:
+    """How an MoE model (and a windowed one) is planned, for the reports ("" for a dense full-causal one)."""
+    notes = []
+    if dims.num_experts:
+        notes.append(
+            f"MoE: {dims.num_experts} experts of {dims.intermediate_size}, top-{dims.experts_per_token}; all experts "
+            "in the model states and ZeRO-3's gathered layer; the fake run's MLP is a dense stand-in of width "
+            f"{dims.mlp_stand_in_intermediate} (top-k x (expert intermediate + 3/4 hidden): one token's activations "
+            "in its experts)"
+        )
+    if dims.sliding_window:
+        notes.append(f"sliding-window layers ({dims.sliding_window} tokens) planned as full causal (an upper bound)")
+    if dims.attention_sinks:
+        notes.append("attention sinks: one logit per head, no activation term")
+    return "; ".join(notes)
+
+
 def describe(dims: ModelDims, setup: TrainSetup) -> str:
+    moe = (
+        f", {dims.num_experts} experts top-{dims.experts_per_token}, {dims.active_params_per_token / 1e9:.2f}B active"
+        if dims.num_experts
+        else ""
+    )
+    basis = moe_basis(dims)
     return (
         f"{dims.name}: H={dims.num_heads} KV={dims.num_kv_heads} d={dims.head_dim} hidden={dims.hidden_size} "
         f"intermediate={dims.intermediate_size} layers={dims.num_layers} vocab={dims.vocab_size} "
-        f"({dims.total_params / 1e9:.2f}B params)\n"
-        f"{setup.gpus} GPUs x {setup.gpu_memory_gib:g} GiB"
+        f"({dims.total_params / 1e9:.2f}B params{moe})\n"
+        + (f"{basis}\n" if basis else "")
+        + f"{setup.gpus} GPUs x {setup.gpu_memory_gib:g} GiB"
         + (f" (Ulysses {setup.ulysses_size} x ring {setup.ring_size})" if setup.ring_size > 1 else "")
         + f", ZeRO-{setup.zero_stage}, {setup.dtype}, "
         f"checkpointing={setup.checkpointing} (CPU offload={setup.offload_checkpoints}"
@@ -940,6 +1076,7 @@ def breakdown_report(dims: ModelDims, setup: TrainSetup, method: AttentionScheme
     lines = [
         f"breakdown: {p.method} at {fmt_tokens(seq_len)} tokens ({p.total_gib:.2f} GiB of "
         f"{setup.gpu_memory_gib:g}, {'fits' if p.fits else 'does not fit'})",
+        *([f"  model basis: {moe_basis(dims)}"] if moe_basis(dims) else []),
         f"  model states (ZeRO-{setup.zero_stage}, analytic)        {p.model_states_gib:8.2f} GiB",
         f"  ZeRO buffers (analytic)                  {p.zero_buffers_gib:8.2f} GiB",
         f"  reserve (assumed: {RESERVE_BASIS})",
