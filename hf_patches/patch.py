@@ -177,6 +177,8 @@ def apply_upipe(
         use_global_positions(base)
     base._upipe_state = hf_model._upipe_state = state
     base._upipe_input_hook = base.register_forward_pre_hook(_check_inputs, with_kwargs=True)
+    if hasattr(hf_model, "router_aux_loss_coef"):  # a mixture-of-experts causal LM (Qwen3-MoE, Mixtral, GPT-OSS)
+        hf_model._upipe_aux_loss_hook = hf_model.register_forward_pre_hook(_refuse_shard_aux_loss, with_kwargs=True)
     if hasattr(hf_model, "generate"):
         hf_model.generate = types.MethodType(_refuse_generate, hf_model)
     return model
@@ -186,6 +188,24 @@ def _refuse_generate(self: nn.Module, *args: Any, **kwargs: Any) -> None:
     """``generate`` of a patched model: refused at once, before any collective, so every rank that
     calls it raises the same error and no rank waits for another."""
     raise ValueError(f"{type(self).__name__}.generate(): {GENERATION_UNSUPPORTED}")
+
+
+def _refuse_shard_aux_loss(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a patched MoE causal LM: its load-balancing aux loss (``output_router_logits``)
+    would be computed from this rank's sequence shard (each rank's token counts and router
+    probabilities), not from the whole sequence as without sequence parallelism, so it is refused
+    rather than computed wrong.  Raised on every rank (same config, same call) before any collective."""
+    wanted = kwargs.get("output_router_logits")
+    if wanted is None:
+        wanted = getattr(model.config, "output_router_logits", False)
+    if wanted:
+        raise ValueError(
+            f"{type(model).__name__}: output_router_logits=True under UPipe sequence parallelism: the router's "
+            f"load-balancing aux loss (router_aux_loss_coef={model.router_aux_loss_coef}) would be computed from this "
+            "rank's sequence shard only, not from the whole sequence as without sequence parallelism. Pass "
+            "output_router_logits=False (and set config.output_router_logits=False), or train without sequence "
+            "parallelism"
+        )
 
 
 def _check_inputs(base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -791,6 +791,12 @@ def refusal_cases(rank, world):
     for name, build in family_cases.refused_models().items():
         expect(name, lambda build=build: hf_patches.apply_upipe(build(), group))
     expect("bad_head_chunk", lambda: hf_patches.apply_upipe(build_model("llama"), group, head_chunk_size=3))
+    moe = hf_patches.apply_upipe(family_cases.build_family("qwen3_moe"), group)
+    moe_ids = torch.randint(0, 50, (1, 4))
+    moe_pos = torch.arange(rank * 4, (rank + 1) * 4)[None]
+    expect("moe_aux_loss", lambda: moe(input_ids=moe_ids, position_ids=moe_pos, output_router_logits=True))
+    moe.config.output_router_logits = True
+    expect("moe_aux_loss_config", lambda: moe(input_ids=moe_ids, position_ids=moe_pos))
     expect("attention_dropout", lambda: hf_patches.apply_upipe(build_model("llama", attention_dropout=0.1), group))
     expect(
         "recompute_unfused",
