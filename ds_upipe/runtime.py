@@ -36,7 +36,7 @@ from .pipeline import PipelineContext, plan_indices
 from .ring import RingAttentionKernel
 from .schedule import StagePlan, build_plan
 from .sinks import SinkKernel, sinks_shape_code
-from .validation import CheckedInputs, RuntimeSettings
+from .validation import CheckedInputs, RuntimeSettings, resolve_ulysses_head_chunk_size
 from .windows import windowed
 
 
@@ -255,13 +255,10 @@ class UPipeRuntime:
 def _ring_aware_plan(
     num_heads: int, num_kv_heads: int, group_size: int, ring_size: int, head_chunk_size: int | None
 ) -> StagePlan:
-    """The stage plan over the Ulysses group; with a ring, an error says that C_u, not C_u x R, splits the heads."""
-    try:
-        return build_plan(num_heads, num_kv_heads, group_size, head_chunk_size)
-    except ValueError as err:
-        if ring_size == 1:
-            raise
-        raise ValueError(
-            f"with a ring group of {ring_size} ranks the heads are split over the Ulysses group of {group_size} ranks "
-            f"(sequence-parallel size {group_size * ring_size} / ring size {ring_size}): {err}"
-        ) from None
+    """The stage plan over the Ulysses group; with a ring, the error says that C_u, not C_u x R, splits
+    the heads (``validation.resolve_ulysses_head_chunk_size``: one rule for every route)."""
+    if ring_size > 1:
+        head_chunk_size = resolve_ulysses_head_chunk_size(
+            num_heads, num_kv_heads, group_size, ring_size, head_chunk_size
+        )
+    return build_plan(num_heads, num_kv_heads, group_size, head_chunk_size)
