@@ -73,8 +73,10 @@ class UPipeDistributedAttention(DistributedAttention):
     ``RuntimeSettings``: head_chunk_size, overlap_comm, scatter_idx, the kernel's causal and
     softmax_scale, ...) in one tiny all_gather the first time the layer sees an input layout, so a bad
     input, or ranks configured differently, raise the same ValueError on all ranks instead of hanging
-    some of them; a layout every rank has checked runs no exchange again (``validation.CheckedInputs``,
-    which says what that gives up).  It must itself be the same on every rank.
+    some of them.  The exchange runs every call (so every rank issues the same collectives); a layout
+    every rank has checked is then compared on the device, without a host read
+    (``validation.CheckedInputs`` says why the exchange itself is not skipped).  It must itself be the
+    same on every rank.
 
     Everything the layer runs with is its ``runtime`` (``ds_upipe.runtime.UPipeRuntime``), built as
     ``hf_patches.apply_upipe`` builds a model's; ``head_chunk_size``, ``overlap_comm``,
@@ -184,7 +186,7 @@ class UPipeDistributedAttention(DistributedAttention):
         sinks = self.sinks if sinks is None else sinks
         settings = runtime.settings(window, sinks, self.scatter_idx)
         if self.validate_inputs:
-            # one exchange per new layout per module, none for a layout already checked (validation.CheckedInputs)
+            # one tiny exchange per call; a host read only for a layout not yet checked (validation.CheckedInputs)
             num_heads, num_kv_heads, _ = runtime.checked_inputs(
                 query,
                 key,
