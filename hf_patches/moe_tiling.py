@@ -35,14 +35,12 @@ router, a block with more than one recorded router, recorders other than the rou
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
-from .tiling import _grad_input, _no_grad_detached, _zero3_params, exact_chunk_tiles, token_counts
+from .tiling import TiledPerToken, _grad_input, _no_grad_detached, _zero3_params, exact_chunk_tiles, token_counts
 
 
 def _recorders(model: nn.Module) -> list[tuple[str, type | None, str | None, int]]:
@@ -131,7 +129,8 @@ def _tile_call(
     block: nn.Module, forward: Callable, router: nn.Module, index: int, want_logits: bool, x: Tensor
 ) -> tuple[Tensor, ...]:
     """The block on one tile x [1, t, hidden] with transformers' recorders silenced: its outputs as
-    [t, ...] tensors (the first from [1, t, hidden]), then the router logits [t, experts] when wanted."""
+    [1, t, ...] tensors (the tile layout of ``tiling.TiledPerToken``), then the router logits
+    [1, t, experts] when wanted."""
     captured: list[Tensor] = []
 
     def keep(module: nn.Module, args: Any, output: Any) -> None:
@@ -148,79 +147,28 @@ def _tile_call(
             handle.remove()
     parts = list(result) if isinstance(result, (tuple, list)) else [result]
     tokens = x.shape[1]
-    outs = [parts[0].reshape(tokens, *parts[0].shape[2:])]
+    outs = [parts[0].reshape(1, tokens, *parts[0].shape[2:])]
     for part in parts[1:]:
         if not isinstance(part, Tensor) or part.shape[:1] != (tokens,):
             raise RuntimeError(
                 f"{type(block).__name__} returned an output of shape {getattr(part, 'shape', type(part))} for "
                 f"{tokens} tokens; the tiled MLP needs one row per token"
             )
-        outs.append(part)
+        outs.append(part.unsqueeze(0))
     if want_logits:
         if len(captured) != 1 or captured[0].shape[:1] != (tokens,):
             raise RuntimeError(
                 f"{type(block).__name__}'s router ran {len(captured)} times on a tile of {tokens} tokens; the tiled "
                 "MLP needs one call with one row of logits per token"
             )
-        outs.append(captured[0])
+        outs.append(captured[0].unsqueeze(0))
     return tuple(outs)
-
-
-class TiledMoE(torch.autograd.Function):
-    """``call(x_tile)`` -> tuple of [t, ...] tensors on ``tiles`` token tiles of x [1, tokens, hidden],
-    each output written into one [tokens, ...] buffer; backward recomputes one tile at a time and
-    backpropagates the gradients of every output that has one (hidden state, router logits)."""
-
-    @staticmethod
-    def forward(ctx, call: Callable, x: Tensor, tiles: int, params: Sequence[nn.Parameter]) -> tuple[Tensor, ...]:
-        ctx.call = call
-        ctx.params = [p for p in params if p.requires_grad]
-        ctx.step = math.ceil(x.shape[1] / tiles)
-        ctx.set_materialize_grads(False)  # an output nobody uses (GPT-OSS's router scores) gets None
-        ctx.save_for_backward(x)
-        source = x.detach()
-        buffers: list[Tensor] | None = None
-        with torch.no_grad():
-            for start in range(0, source.shape[1], ctx.step):
-                outs = call(source[:, start : start + ctx.step])
-                if buffers is None:
-                    buffers = [o.new_empty((source.shape[1], *o.shape[1:])) for o in outs]
-                for buffer, out in zip(buffers, outs, strict=True):
-                    buffer[start : start + ctx.step] = out
-                del outs
-        assert buffers is not None
-        return tuple(buffers)
-
-    @staticmethod
-    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        (x,) = ctx.saved_tensors
-        needs_x = ctx.needs_input_grad[1]
-        source = x.detach()
-        grad_x = torch.zeros_like(source) if needs_x else None
-        starts = list(range(0, source.shape[1], ctx.step))
-        for i, start in enumerate(starts):
-            for param in ctx.params:  # ZeRO reduces each weight's gradient once, after the last tile
-                param.ds_grad_is_ready = i + 1 == len(starts)
-            tile = source[:, start : start + ctx.step].detach().requires_grad_(needs_x)
-            with torch.enable_grad():
-                outs = ctx.call(tile)
-            pairs = [
-                (out, grad[start : start + ctx.step])
-                for out, grad in zip(outs, grads, strict=True)
-                if grad is not None and out.requires_grad
-            ]
-            if pairs:
-                torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
-            del outs, pairs
-            if grad_x is not None and tile.grad is not None:
-                grad_x[:, start : start + ctx.step] = tile.grad
-        return None, grad_x, None, None
 
 
 def tiled_moe(
     block: nn.Module, forward: Callable, router: nn.Module, index: int, x: Tensor, tile_tokens: int | None
 ) -> Any:
-    """``forward(block, x)`` of a sparse MoE block on token tiles (``TiledMoE``), with the same
+    """``forward(block, x)`` of a sparse MoE block on token tiles (``tiling.TiledPerToken``), with the same
     outputs, the same router logits recorded for transformers' collector and the same gradients as
     the untiled block.  ``tile_tokens`` None: ``tiling.default_tile_tokens`` of the longest rank."""
     from .tiling import default_tile_tokens, mlp_tile_bound
@@ -238,9 +186,8 @@ def tiled_moe(
     collected = _collector().get()
     want_logits = collected is not None and "router_logits" in collected
     call = _no_grad_detached(functools.partial(_tile_call, block, forward, router, index, want_logits))
-    outs = TiledMoE.apply(call, _grad_input(flat, params), tiles, params)
+    outs = [out.squeeze(0) for out in TiledPerToken.apply(call, _grad_input(flat, params), tiles, params)]
     if want_logits:
-        collected["router_logits"].append(outs[-1])
-        outs = outs[:-1]
+        collected["router_logits"].append(outs.pop())
     first = outs[0].view(*x.shape[:-1], outs[0].shape[-1])
     return first if len(outs) == 1 else (first, *outs[1:])

@@ -160,8 +160,8 @@ def _forward_function(module: nn.Module) -> Callable:
 
 
 class TiledPerToken(torch.autograd.Function):
-    """``fn(x)`` of a per-token module (RMSNorm, MLP) on sequence tiles of [batch, seq, hidden] x
-    (``fn(x, *extras)`` with per-token ``extras`` [batch, seq, ...] cut into the same tiles, e.g. the
+    """``fn(x)`` of a per-token module (RMSNorm, MLP, MoE block) on sequence tiles of [batch, seq, hidden]
+    x (``fn(x, *extras)`` with per-token ``extras`` [batch, seq, ...] cut into the same tiles, e.g. the
     labels of ``hf_patches.logprobs``; no gradient flows into them), recomputed tile by tile in
     backward: DeepSpeed's ``SequenceTiledCompute`` for this one case, except that x is kept with
     ``save_for_backward`` instead of on the context.  A saved tensor is released as soon as this
@@ -169,32 +169,39 @@ class TiledPerToken(torch.autograd.Function):
     long as the graph: in a decoder layer that was the residual sum feeding the post-attention norm,
     one hidden state kept through the attention's backward (measured on the Llama3-8B plan).
 
+    ``fn`` returns one [batch, t, ...] tensor or a tuple of them (a MoE block's hidden state and router
+    logits, ``moe_tiling``); each output is written tile by tile into one buffer (no list + cat), and
+    backward backpropagates every output that got a gradient (an output nobody used gets None).
     Parameter gradients accumulate into ``.grad`` through the per-tile backward (the parameters are not
     inputs of the Function), marked ready for ZeRO's reduction only at the last tile, as
-    SequenceTiledCompute does.  The output is written tile by tile into one buffer (no list + cat)."""
+    SequenceTiledCompute does."""
 
     @staticmethod
     def forward(
         ctx, fn: Callable, hidden_states: Tensor, tiles: int, params: Sequence[nn.Parameter], *extras: Tensor
-    ) -> Tensor:
+    ) -> Tensor | tuple[Tensor, ...]:
         ctx.fn = fn
         ctx.params = [p for p in params if p.requires_grad]
         seq = hidden_states.shape[1]
         ctx.step = math.ceil(seq / tiles)
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden_states, *extras)
         source = hidden_states.detach()
-        out: Tensor | None = None
+        buffers: list[Tensor] = []
         with torch.no_grad():
             for start in range(0, seq, ctx.step):
-                tile = fn(source[:, start : start + ctx.step], *(e[:, start : start + ctx.step] for e in extras))
-                if out is None:
-                    out = tile.new_empty((tile.shape[0], seq, *tile.shape[2:]))
-                out[:, start : start + ctx.step] = tile
-                del tile
-        return out
+                result = fn(source[:, start : start + ctx.step], *(e[:, start : start + ctx.step] for e in extras))
+                many = isinstance(result, tuple)
+                outs = result if many else (result,)
+                if not buffers:
+                    buffers = [o.new_empty((o.shape[0], seq, *o.shape[2:])) for o in outs]
+                for buffer, out in zip(buffers, outs, strict=True):
+                    buffer[:, start : start + ctx.step] = out
+                del result, outs
+        return tuple(buffers) if many else buffers[0]
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         hidden_states, *extras = ctx.saved_tensors
         needs_x = ctx.needs_input_grad[1]
         source = hidden_states.detach()
@@ -205,11 +212,21 @@ class TiledPerToken(torch.autograd.Function):
                 param.ds_grad_is_ready = i + 1 == len(starts)
             tile = source[:, start : start + ctx.step].detach().requires_grad_(needs_x)
             with torch.enable_grad():
-                out = ctx.fn(tile, *(e[:, start : start + ctx.step] for e in extras))
-            torch.autograd.backward(out, grad[:, start : start + ctx.step])
-            del out
+                result = ctx.fn(tile, *(e[:, start : start + ctx.step] for e in extras))
+            outs = result if isinstance(result, tuple) else (result,)
+            pairs = [
+                (out, grad[:, start : start + ctx.step])
+                for out, grad in zip(outs, grads, strict=True)
+                if grad is not None and out.requires_grad
+            ]
+            if pairs:
+                torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+            del result, outs, pairs
             if grad_x is not None:
-                grad_x[:, start : start + ctx.step] = tile.grad
+                if tile.grad is None:  # no used output depends on x
+                    grad_x[:, start : start + ctx.step].zero_()
+                else:
+                    grad_x[:, start : start + ctx.step] = tile.grad
         return None, grad_x, None, None, *(None for _ in extras)
 
 

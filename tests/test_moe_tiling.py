@@ -9,9 +9,9 @@ Qwen3-MoE, Mixtral and GPT-OSS tiny models in float64, in one process.
 - refused: Mixtral's router jitter noise, naming the layer;
 - ZeRO-3: the MoE blocks are z3 leaf modules after the stack (gathered once per block call).
 
-Mutations that fail these tests: dropping the last tile's router logits in ``TiledMoE.forward``
+Mutations that fail these tests: dropping the last tile's router logits in ``tiling.TiledPerToken.forward``
 (module and model router_logits, aux loss, router gradients); not backpropagating the router
-logits' gradient in ``TiledMoE.backward`` (router weight gradients); recording the logits twice.
+logits' gradient in ``tiling.TiledPerToken.backward`` (router weight gradients); recording the logits twice.
 """
 
 from __future__ import annotations
