@@ -328,8 +328,8 @@ class FusedProjectionSource:
         self.grads_per_source_rank = False
         self.key_value_grads_per_stage = proj.k_norm is None
         self.grad_x: Tensor | None = None
-        #: dx terms (g, W rows) of the gradients handed over since the last ``finish``
-        self._dx_pending: list[tuple[Tensor, Tensor]] = []
+        #: dx terms (g, weight index, heads) of the gradients handed over since the last ``finish``
+        self._dx_pending: list[tuple[Tensor, int, Tensor]] = []
         self.grad_p: list[Tensor | None] = [None] * NUM_PARAMS
         #: backward, with a q/k norm: the pre-norm chunk of each slot in flight by ``Slot.key``,
         #: dropped by ``finish``
@@ -441,7 +441,8 @@ class FusedProjectionSource:
         if self.need_x:
             # dx's term waits for the rest of its chunk (the other source ranks' heads, V beside K):
             # _flush_grad_x makes one GEMM of them
-            self._dx_pending.append((g, self.head_rows(self.weights[w_idx], heads)))
+            # (its weight rows are selected at the flush, straight into the one buffer the GEMM reads)
+            self._dx_pending.append((g, w_idx, heads))
         if self.need_p[w_idx]:
             self._accumulate(w_idx, heads, g.t() @ self.x2d)
         if self.weights[w_idx + 1] is not None and self.need_p[w_idx + 1]:
@@ -458,12 +459,12 @@ class FusedProjectionSource:
         tenth of the rate, and an untiled product would be an x-sized temporary at the layer's peak."""
         if not self._dx_pending:
             return
-        gs, ws = zip(*self._dx_pending)
+        gs = [g for g, _, _ in self._dx_pending]
+        w = self._pending_weight_rows().to(gs[0].dtype)
         self._dx_pending.clear()
         if self.grad_x is None:
             acc_dtype = self._acc_dtype(self.x.dtype)
             self.grad_x = torch.zeros(self.x2d.shape, dtype=acc_dtype, device=self.x.device)
-        w = (ws[0] if len(ws) == 1 else torch.cat(ws, dim=0)).to(gs[0].dtype)
         if self.grad_x.dtype == gs[0].dtype:
             self.grad_x.addmm_(gs[0] if len(gs) == 1 else torch.cat(gs, dim=1), w)
             return
@@ -471,6 +472,19 @@ class FusedProjectionSource:
         for start in range(0, self.grad_x.shape[0], tokens):
             tile = [g[start : start + tokens] for g in gs]
             self.grad_x[start : start + tokens].add_(torch.mm(tile[0] if len(tile) == 1 else torch.cat(tile, 1), w))
+
+    def _pending_weight_rows(self) -> Tensor:
+        """[W_1; ...; W_n]: the pending terms' weight rows, each selected into its block of one buffer
+        (no per-term copy concatenated again: K's and V's rows of a round are a weight-sized copy)."""
+        terms = [(self.weights[w_idx], heads) for _, w_idx, heads in self._dx_pending]
+        if len(terms) == 1:
+            return self.head_rows(*terms[0])
+        rows = [heads.numel() * self.d for _, heads in terms]
+        first = terms[0][0]
+        out = torch.empty((sum(rows), first.shape[1]), dtype=first.dtype, device=first.device)
+        for (weight, heads), block in zip(terms, out.split(rows)):
+            torch.index_select(weight.unflatten(0, (-1, self.d)), 0, heads, out=block.unflatten(0, (-1, self.d)))
+        return out
 
     def _acc_dtype(self, dtype: torch.dtype) -> torch.dtype:
         if dtype in _LOW_PRECISION and not self.accumulate_in_input_dtype:
