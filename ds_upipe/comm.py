@@ -100,7 +100,9 @@ def _segments(buffer: Tensor, shapes: Sequence[tuple[int, ...]]) -> list[Tensor]
         n = 1
         for dim in shape:
             n *= dim
-        out.append(buffer.narrow(1, offset, n).view(buffer.shape[0], *shape))
+        # a buffer of one segment is viewed as it is (no narrow: one op less per exchange)
+        segment = buffer if n == buffer.shape[1] else buffer.narrow(1, offset, n)
+        out.append(segment.view(buffer.shape[0], *shape))
         offset += n
     return out
 
@@ -228,6 +230,15 @@ def select_heads(src: Tensor, heads: Tensor, out: Tensor) -> None:
     strided view): one indexing op writing straight into it, no [b, s, C*n, d] temporary."""
     c, n = out.shape[2], out.shape[3]
     torch.ops.aten.index.Tensor_out(src, [None, None, heads.view(c, n)], out=out)
+
+
+def put_heads(dst: Tensor, heads: Tensor, src: Tensor) -> None:
+    """dst[..., heads[c * n + i], :] = src[..., c, i, :] for a [..., C, n, d] ``src`` (e.g. a received
+    buffer's strided view): ``select_heads``' inverse, one indexing op for every source rank's heads
+    (``heads`` without repeats) instead of one select and one index_copy per rank."""
+    c, n = src.shape[-3], src.shape[-2]
+    index: list[Tensor | None] = [None] * (dst.dim() - 2)
+    torch.ops.aten.index_put_(dst, [*index, heads.view(c, n)], src)
 
 
 def to_send_layout(full: Tensor, group_size: int) -> Tensor:

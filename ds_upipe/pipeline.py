@@ -25,6 +25,7 @@ from torch import Tensor
 from .comm import (
     PendingExchange,
     heads_send_buffer,
+    put_heads,
     scatter_buffer,
     scatter_segments,
     select_heads,
@@ -366,26 +367,21 @@ def _run(later: list[Callable[[], None]]) -> None:
 
 def _write_stage_output(out: Tensor, slot: Slot, pending: PendingExchange) -> None:
     (o_local,) = pending.wait()
-    _hand_over(_write_output(out), slot, (o_local,), True)
-
-
-def _write_output(out: Tensor) -> Callable[[Slot, Piece, Tensor], None]:
-    def write(slot: Slot, piece: Piece, o: Tensor) -> None:
-        out.index_copy_(2, piece.heads(slot), o)
-
-    return write
+    # every source rank's heads in one op, read from the [C, b, s, n, d] receive buffer as it is
+    put_heads(out, slot.heads, o_local.permute(1, 2, 0, 3, 4))
 
 
 @dataclass
 class RecomputedOutput:
     """Stands for the output in ``pipeline_backward`` when the forward saved neither it nor the stages'
     lse: each stage's attention forward is run again on its gathered q/k/v, and the stage's output,
-    sent back to the local layout, is handed to ``take(slot, piece, o_local)`` (per source rank, [b, s, n, d]).
+    sent back to the local layout, is handed to ``take(slot, o_local)`` ([C, b, s, n, d]: [src] is this
+    rank's sequence chunk of the heads rank src attended over, ``slot.heads[src * n : (src + 1) * n]``).
     Fused mode uses it to compute o_proj's weight gradient stage by stage instead of keeping the whole
     attention output (one hidden state) from forward to backward."""
 
     dtype: torch.dtype
-    take: Callable[[Slot, Piece, Tensor], None]
+    take: Callable[[Slot, Tensor], None]
 
 
 def pipeline_backward(
@@ -434,7 +430,7 @@ def pipeline_backward(
                 o_stage, lse, aux = attention.forward(q_full, k_full, v_full)
                 # before the kernel's backward, whose gradients would otherwise sit beside these buffers
                 (o_local,) = ctx.scatter([o_stage], dtype)
-                _hand_over(recomputed.take, slot, (o_local,), True)
+                recomputed.take(slot, o_local)
                 del o_local
             else:
                 lse, *aux = saved[stage_number * per_stage : (stage_number + 1) * per_stage]

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ds_upipe.comm import put_heads
 from ds_upipe.pipeline import Piece, PipelineContext, RecomputedOutput, Slot, pipeline_backward, pipeline_forward
 from ds_upipe.schedule import StagePlan
 from ds_upipe.sinks import find_sink_kernel
@@ -208,23 +209,48 @@ def _dense_like(t: Tensor, other: Tensor) -> Tensor:
     return torch.empty(t.shape, dtype=torch.result_type(t, other), device=t.device)
 
 
+@dataclass(frozen=True)
+class RopeTables:
+    """RoPE's cos and the two halves of its sin, already broadcast to a chunk's layout: sliced once per
+    source (forward or backward), not again at every stage's RoPE."""
+
+    cos: Tensor
+    sin_lo: Tensor
+    sin_hi: Tensor
+
+    @staticmethod
+    def of(cos: Tensor, sin: Tensor) -> RopeTables:
+        h = sin.shape[-1] // 2
+        return RopeTables(cos, sin[..., :h], sin[..., h:])
+
+
 def apply_rope(y: Tensor, cos: Tensor, sin: Tensor, out: Tensor | None = None) -> Tensor:
     """y * cos + rotate_half(y) * sin: transformers' RoPE (Llama, Mistral, Qwen2 and Qwen3 share it),
     computed with one temporary instead of four, into ``out`` when given (e.g. a strided view of an
     all-to-all's send buffer)."""
+    return apply_rope_tables(y, RopeTables.of(cos, sin), out)
+
+
+def apply_rope_tables(y: Tensor, rope: RopeTables, out: Tensor | None = None) -> Tensor:
+    """``apply_rope`` with its tables prepared."""
     h = y.shape[-1] // 2
-    out = torch.mul(y, cos, out=_dense_like(y, cos) if out is None else out)
-    out[..., :h].addcmul_(y[..., h:], sin[..., :h], value=-1)
-    out[..., h:].addcmul_(y[..., :h], sin[..., h:])
+    out = torch.mul(y, rope.cos, out=_dense_like(y, rope.cos) if out is None else out)
+    out[..., :h].addcmul_(y[..., h:], rope.sin_lo, value=-1)
+    out[..., h:].addcmul_(y[..., :h], rope.sin_hi)
     return out
 
 
 def rope_backward(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Adjoint of ``apply_rope``: grad * cos - rotate_half(grad * sin), computed in place."""
+    return rope_backward_tables(grad, RopeTables.of(cos, sin))
+
+
+def rope_backward_tables(grad: Tensor, rope: RopeTables) -> Tensor:
+    """``rope_backward`` with its tables prepared."""
     h = grad.shape[-1] // 2
-    out = torch.mul(grad, cos, out=_dense_like(grad, cos))
-    out[..., :h].addcmul_(grad[..., h:], sin[..., h:])
-    out[..., h:].addcmul_(grad[..., :h], sin[..., :h], value=-1)
+    out = torch.mul(grad, rope.cos, out=_dense_like(grad, rope.cos))
+    out[..., :h].addcmul_(grad[..., h:], rope.sin_hi)
+    out[..., h:].addcmul_(grad[..., :h], rope.sin_lo, value=-1)
     return out
 
 
@@ -283,10 +309,12 @@ class FusedProjectionSource:
         self.x = x
         self.x2d = x.reshape(-1, x.shape[-1])
         self.cos, self.sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [b, s, 1, d]: broadcast over heads
+        # for [b, s, n, d] chunks and for [b, s, C, n, d] send-buffer views / received gradients
+        self._rope4 = RopeTables.of(self.cos, self.sin)
+        self._rope5 = RopeTables.of(self.cos.unsqueeze(2), self.sin.unsqueeze(2))
         self.proj = proj
         self.weights = proj.params()
         self.d = proj.head_dim
-        self._offsets = torch.arange(self.d, device=x.device)
         self.backward = backward
         # needs_grad: x first, then the params (as in FusedProjections.params())
         self.need_x = bool(needs_grad[0]) if backward else False
@@ -300,8 +328,8 @@ class FusedProjectionSource:
         self.grads_per_source_rank = False
         self.key_value_grads_per_stage = proj.k_norm is None
         self.grad_x: Tensor | None = None
-        #: dx terms (g, W rows) of the gradients handed over since the last ``finish``
-        self._dx_pending: list[tuple[Tensor, Tensor]] = []
+        #: dx terms (g, weight index, heads) of the gradients handed over since the last ``finish``
+        self._dx_pending: list[tuple[Tensor, int, Tensor]] = []
         self.grad_p: list[Tensor | None] = [None] * NUM_PARAMS
         #: backward, with a q/k norm: the pre-norm chunk of each slot in flight by ``Slot.key``,
         #: dropped by ``finish``
@@ -309,16 +337,20 @@ class FusedProjectionSource:
         # the plan's KV replica layout per round, used where a round's dK/dV come whole (a k norm)
         self._kv_rounds = list(kv_rounds)
 
-    def rows(self, heads: Tensor) -> Tensor:
-        """Weight rows (q/k/v) or columns (o_proj) of the given heads."""
-        return (heads[:, None] * self.d + self._offsets).reshape(-1)
+    def head_rows(self, param: Tensor, heads: Tensor, dim: int = 0) -> Tensor:
+        """The rows (q/k/v weights and biases, ``dim`` 0) or columns (o_proj, ``dim`` 1) of ``param`` that
+        belong to ``heads``, in their order: one index_select over ``param`` seen with that dim split
+        into [heads, d] (no per-call row-index tensor of n * d entries)."""
+        blocks = param.unflatten(dim, (-1, self.d)).index_select(dim, heads)
+        return blocks.flatten(dim, dim + 1)
 
     # -- the projection of one chunk ---------------------------------------------------------
-    def _linear(self, rows: Tensor, w_idx: int) -> Tensor:
-        """x @ W[rows]^T + b[rows] as [b, s, n, d]."""
+    def _linear(self, heads: Tensor, w_idx: int) -> Tensor:
+        """x @ W[rows of heads]^T + b[rows of heads] as [b, s, n, d]."""
         weight, bias = self.weights[w_idx], self.weights[w_idx + 1]
-        y = F.linear(self.x, weight.index_select(0, rows), None if bias is None else bias.index_select(0, rows))
-        return y.unflatten(-1, (rows.numel() // self.d, self.d))
+        bias_rows = None if bias is None else self.head_rows(bias, heads)
+        y = F.linear(self.x, self.head_rows(weight, heads), bias_rows)
+        return y.unflatten(-1, (heads.numel(), self.d))
 
     def _norm(self, norm_idx: int) -> nn.Module | None:
         return self.proj.q_norm if norm_idx == _QN else self.proj.k_norm
@@ -326,13 +358,13 @@ class FusedProjectionSource:
     def _chunk(self, slot: Slot, w_idx: int, norm_idx: int, out: Tensor) -> None:
         """Project, normalize and rotate the slot's heads into ``out`` ([b, s, C, n, d], a view of
         the send buffer)."""
-        y = self._linear(self.rows(slot.heads), w_idx)
+        y = self._linear(slot.heads, w_idx)
         norm = self._norm(norm_idx)
         if norm is not None:
             if self.backward:
                 self._pre_norm[slot.key] = y
             y = rms_norm_tiled(y, self.weights[norm_idx], self.proj.norm, qk_norm_tile_tokens(y))
-        apply_rope(y.view(out.shape), self.cos.unsqueeze(2), self.sin.unsqueeze(2), out=out)
+        apply_rope_tables(y.view(out.shape), self._rope5, out=out)
 
     def _pre_norm_of(self, key: tuple[str, int, int | None], piece: Piece) -> Tensor | None:
         pre_norm = self._pre_norm.get(key)
@@ -344,15 +376,15 @@ class FusedProjectionSource:
 
     def key_value(self, slot: Slot, out_key: Tensor, out_value: Tensor) -> None:
         self._chunk(slot, _WK, _KN, out_key)
-        out_value.copy_(self._linear(self.rows(slot.heads), _WV).view(out_value.shape))
+        out_value.copy_(self._linear(slot.heads, _WV).view(out_value.shape))
 
     def add_query_grad(self, slot: Slot, piece: Piece, grad: Tensor) -> None:
         pre_norm = self._pre_norm_of(slot.key, piece)
-        self._linear_backward(self._chunk_backward(grad, pre_norm, _QN), self.rows(piece.heads(slot)), _WQ)
+        self._linear_backward(self._chunk_backward(grad, pre_norm, _QN), piece.heads(slot), _WQ)
 
     def add_key_value_grad(self, slot: Slot, piece: Piece, grad_key: Tensor, grad_value: Tensor) -> None:
         pre_norm = self._pre_norm_of(("key_value", slot.round, None), piece)  # the round's K
-        rows = self.rows(piece.heads(slot))
+        heads = piece.heads(slot)
         # in pieces (per source rank) the replicas' terms simply add up in the weight gradient; a whole
         # round's gradient (a k norm) sums its replicas first
         replicas = self._kv_rounds[slot.round] if piece.source_rank is None and self._kv_rounds else None
@@ -366,9 +398,9 @@ class FusedProjectionSource:
             first = torch.tensor([replicas.slot_to_unique.index(i) for i in range(len(replicas.unique))], device=dev)
             grad_key, grad_value = (self._sum_replicas(g, slots, unique.numel()) for g in (grad_key, grad_value))
             pre_norm = None if pre_norm is None else pre_norm.index_select(2, first)
-            rows = self.rows(unique)
-        self._linear_backward(self._chunk_backward(grad_key, pre_norm, _KN), rows, _WK)
-        self._linear_backward(grad_value, rows, _WV)
+            heads = unique
+        self._linear_backward(self._chunk_backward(grad_key, pre_norm, _KN), heads, _WK)
+        self._linear_backward(grad_value, heads, _WV)
 
     def finish(self, slot: Slot) -> None:
         """Every gradient of ``slot`` is in: its dx terms as one product, its pre-norm chunk dropped."""
@@ -386,9 +418,9 @@ class FusedProjectionSource:
         """``grad``: [b, s, n, d] or a slot's whole [b, s, C, n, d] (read strided by RoPE's backward,
         whose contiguous result is flattened to [b, s, C*n, d] without a copy)."""
         if grad.dim() == 5:
-            grad = rope_backward(grad, self.cos.unsqueeze(2), self.sin.unsqueeze(2)).flatten(2, 3)
+            grad = rope_backward_tables(grad, self._rope5).flatten(2, 3)
         else:
-            grad = rope_backward(grad, self.cos, self.sin)
+            grad = rope_backward_tables(grad, self._rope4)
         if pre_norm is None:
             return grad
         grad_input, grad_weight = rms_norm_backward(
@@ -404,16 +436,17 @@ class FusedProjectionSource:
             self._accumulate(norm_idx, None, grad_weight)
         return grad_input
 
-    def _linear_backward(self, grad: Tensor, rows: Tensor, w_idx: int) -> None:
-        g = grad.reshape(-1, rows.numel()).to(self.x.dtype)
+    def _linear_backward(self, grad: Tensor, heads: Tensor, w_idx: int) -> None:
+        g = grad.reshape(-1, heads.numel() * self.d).to(self.x.dtype)
         if self.need_x:
             # dx's term waits for the rest of its chunk (the other source ranks' heads, V beside K):
             # _flush_grad_x makes one GEMM of them
-            self._dx_pending.append((g, self.weights[w_idx].index_select(0, rows)))
+            # (its weight rows are selected at the flush, straight into the one buffer the GEMM reads)
+            self._dx_pending.append((g, w_idx, heads))
         if self.need_p[w_idx]:
-            self._accumulate(w_idx, rows, g.t() @ self.x2d)
+            self._accumulate(w_idx, heads, g.t() @ self.x2d)
         if self.weights[w_idx + 1] is not None and self.need_p[w_idx + 1]:
-            self._accumulate(w_idx + 1, rows, g.sum(0))
+            self._accumulate(w_idx + 1, heads, g.sum(0))
 
     def _flush_grad_x(self) -> None:
         """dx += [g_1 ... g_n] @ [W_1; ...; W_n] over the pending terms of a slot: one GEMM per
@@ -426,12 +459,12 @@ class FusedProjectionSource:
         tenth of the rate, and an untiled product would be an x-sized temporary at the layer's peak."""
         if not self._dx_pending:
             return
-        gs, ws = zip(*self._dx_pending)
+        gs = [g for g, _, _ in self._dx_pending]
+        w = self._pending_weight_rows().to(gs[0].dtype)
         self._dx_pending.clear()
         if self.grad_x is None:
             acc_dtype = self._acc_dtype(self.x.dtype)
             self.grad_x = torch.zeros(self.x2d.shape, dtype=acc_dtype, device=self.x.device)
-        w = (ws[0] if len(ws) == 1 else torch.cat(ws, dim=0)).to(gs[0].dtype)
         if self.grad_x.dtype == gs[0].dtype:
             self.grad_x.addmm_(gs[0] if len(gs) == 1 else torch.cat(gs, dim=1), w)
             return
@@ -440,21 +473,35 @@ class FusedProjectionSource:
             tile = [g[start : start + tokens] for g in gs]
             self.grad_x[start : start + tokens].add_(torch.mm(tile[0] if len(tile) == 1 else torch.cat(tile, 1), w))
 
+    def _pending_weight_rows(self) -> Tensor:
+        """[W_1; ...; W_n]: the pending terms' weight rows, each selected into its block of one buffer
+        (no per-term copy concatenated again: K's and V's rows of a round are a weight-sized copy)."""
+        terms = [(self.weights[w_idx], heads) for _, w_idx, heads in self._dx_pending]
+        if len(terms) == 1:
+            return self.head_rows(*terms[0])
+        rows = [heads.numel() * self.d for _, heads in terms]
+        first = terms[0][0]
+        out = torch.empty((sum(rows), first.shape[1]), dtype=first.dtype, device=first.device)
+        for (weight, heads), block in zip(terms, out.split(rows)):
+            torch.index_select(weight.unflatten(0, (-1, self.d)), 0, heads, out=block.unflatten(0, (-1, self.d)))
+        return out
+
     def _acc_dtype(self, dtype: torch.dtype) -> torch.dtype:
         if dtype in _LOW_PRECISION and not self.accumulate_in_input_dtype:
             return torch.float32
         return dtype
 
-    def _accumulate(self, idx: int, rows: Tensor | None, grad: Tensor) -> None:
+    def _accumulate(self, idx: int, heads: Tensor | None, grad: Tensor) -> None:
+        """grad_p[idx] += grad, into the rows of ``heads`` (one [d, ...] block per head) when given."""
         param = self.weights[idx]
-        if self.grad_p[idx] is None:
-            acc_dtype = self._acc_dtype(param.dtype)
-            self.grad_p[idx] = torch.zeros(param.shape, dtype=acc_dtype, device=param.device)
-        if rows is None:
-            self.grad_p[idx] += grad
+        acc = self.grad_p[idx]
+        if acc is None:
+            acc = self.grad_p[idx] = torch.zeros(param.shape, dtype=self._acc_dtype(param.dtype), device=param.device)
+        if heads is None:
+            acc += grad
         else:
             # index_add, not copy: KV heads replicated over ranks (Hkv < C) repeat rows.
-            self.grad_p[idx].index_add_(0, rows, grad.to(self.grad_p[idx].dtype))
+            acc.unflatten(0, (-1, self.d)).index_add_(0, heads, grad.to(acc.dtype).unflatten(0, (-1, self.d)))
 
     def results(self) -> tuple[Tensor | None, list[Tensor | None]]:
         """(dx, gradients of the params) in the inputs' dtypes."""
@@ -508,7 +555,7 @@ class FusedUPipeAttention(torch.autograd.Function):
 
         def grad_out(slot: Slot, out: Tensor) -> None:
             """This stage's slice of d(attention output) = dy @ Wo[:, columns of the heads], into ``out``."""
-            out.copy_((dy @ w_o.index_select(1, source.rows(slot.heads))).view(out.shape))
+            out.copy_((dy @ source.head_rows(w_o, slot.heads, dim=1)).view(out.shape))
 
         with torch.no_grad():
             if recompute:
@@ -516,10 +563,14 @@ class FusedUPipeAttention(torch.autograd.Function):
                 # output: the heads' columns are disjoint, so each is written once (no summation)
                 grad_w_o = torch.empty(w_o.shape, dtype=x.dtype, device=x.device) if source.need_p[_WO] else None
 
-                def take_output(slot: Slot, piece: Piece, o_local: Tensor) -> None:
+                def take_output(slot: Slot, o_local: Tensor) -> None:
                     if grad_w_o is not None:
-                        columns = source.rows(piece.heads(slot))
-                        grad_w_o.index_copy_(1, columns, dy.t() @ o_local.reshape(dy.shape[0], -1))
+                        # every source rank's columns in one batched product over the [C, b, s, n, d]
+                        # receive buffer as it is (no per-rank loop, no copy of it), written in one op
+                        c, n = o_local.shape[0], o_local.shape[3]
+                        o_by_rank = o_local.view(c, dy.shape[0], n * d)
+                        o_grad = torch.bmm(dy.t().expand(c, -1, -1), o_by_rank)  # [C, hidden, n*d]
+                        put_heads(grad_w_o.unflatten(1, (-1, d)), slot.heads, o_grad.view(c, -1, n, d).transpose(0, 1))
 
                 pipeline_backward(fctx.pctx, source, RecomputedOutput(x.dtype, take_output), grad_out, ())
                 grad_x, grads = source.results()

@@ -239,20 +239,31 @@ def bad_layout_errors(rank, world):
 
 
 def bench_with_ring(rank, world):
-    """``ds-upipe bench --ring-size 2`` on this world of 4 (Ulysses 2 x ring 2), 256 tokens (at 64 the fused
-    layer's peak is set outside the attention, the same at every U): every core and layer case
-    of ``BenchSpec(ring_size=2)`` run by the bench's own case runners (memory only), with each case's
-    max abs difference to the level's baseline (U = H: Ulysses x Ring)."""
+    """``ds-upipe bench --ring-size 2`` on this world of 4 (Ulysses 2 x ring 2), 512 tokens with an MLP of
+    intermediate size 64: every core and layer case of ``BenchSpec(ring_size=2)`` run by the bench's own
+    case runners (memory only), with each case's max abs difference to the level's baseline (U = H:
+    Ulysses x Ring).  The shape puts the fused/unfused layer's peak inside the attention, where U acts:
+    at 64 tokens it is set outside the attention (the same at every U); at 256 tokens with the default
+    MLP (2 x hidden) the fused U = H peak is o_proj/q_proj weight-gradient temporaries (hidden^2, the same
+    at every U), within 1.5% of U = 2's; at 512 tokens with the default MLP, the MLP sets it."""
     from ds_upipe.tools import bench
 
     spec = bench.BenchSpec(
-        world=world, ring_size=2, seq_lens=[256], heads=8, kv_heads=2, head_dim=16, head_chunk_sizes=[2, 8], repeats=0
+        world=world,
+        ring_size=2,
+        seq_lens=[512],
+        heads=8,
+        kv_heads=2,
+        head_dim=16,
+        intermediate=64,
+        head_chunk_sizes=[2, 8],
+        repeats=0,
     )
     out = {}
     for level, runner in (("core", bench.run_core_case), ("layer", bench.run_layer_case)):
         reference = None
         for method in spec.methods(level):
-            res = runner(method, spec, 256, rank, torch.device("cpu"))
+            res = runner(method, spec, 512, rank, torch.device("cpu"))
             reference = reference or res["values"]
             out[method.name] = (res["intermediate"], bench._max_abs_diff(res["values"], reference))
     return out

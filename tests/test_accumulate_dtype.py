@@ -101,7 +101,7 @@ def test_fused_dx_is_one_input_dtype_gemm_per_stage(monkeypatch, tiles):
             source.add_query_grad(slot, Piece(h, h, 1), grad[:, :, h : h + 1])
         source.finish(slot)  # the stage's pieces are all in: one dx product
     assert gemms.dtypes == [torch.bfloat16] * tiles and source.grad_x.dtype == torch.float32
-    w = proj.params()[0].index_select(0, source.rows(heads)).double()
+    w = source.head_rows(proj.params()[0], heads).double()
     # cos = sin = 1: RoPE's backward of g is rotate-half's transpose applied to g, as the source computes it
     from hf_patches.fused import rope_backward
 

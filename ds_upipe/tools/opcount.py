@@ -6,7 +6,7 @@ bench's core and layer levels):
 - **collectives**: c10d ops dispatched (all-to-all, all_gather, ...), seen by a ``TorchDispatchMode``;
 - **copy bytes**: bytes written by copy-like aten ops (``COPY_OPS``: copy_, _to_copy, clone, cat, stack,
   index_select, index, index_copy(_), index_add(_), index_put(_); for the in-place index ops the
-  bytes of the source written, not of the whole destination), as a multiple of the bytes of this
+  bytes of the source (index_put's values) written, not of the whole destination), as a multiple of the bytes of this
   rank's local q, k, v and attention output (the "x" column);
 - **aten ops**: every aten op dispatched (the host's per-op overhead: on a GPU each is a launch or more);
 - **host syncs**: ops that read device data on the host (``SYNC_OPS``: .item()/.tolist(), nonzero,
@@ -61,6 +61,8 @@ COPY_OPS = frozenset(
 )
 #: in-place index ops whose written bytes are their source's (argument 3), not their whole output
 _INDEX_INTO = frozenset({"index_copy_", "index_copy", "index_add_", "index_add"})
+#: index_put(_): the bytes of its values (argument 2), not of the whole output
+_PUT_INTO = frozenset({"index_put_", "index_put"})
 #: aten ops that read device data on the host (each a device sync on a GPU)
 SYNC_OPS = frozenset(
     {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique_consecutive", "_unique2"}
@@ -99,6 +101,8 @@ class OpCounter(TorchDispatchMode):
             if name in COPY_OPS:
                 if name in _INDEX_INTO:
                     self.copy_bytes += _bytes(args[3])
+                elif name in _PUT_INTO:
+                    self.copy_bytes += _bytes(args[2])
                 elif isinstance(out, (list, tuple)):
                     self.copy_bytes += sum(_bytes(t) for t in out)
                 else:
