@@ -68,6 +68,7 @@ from .sp_setup import (
     check_model_settings,
     configure_activation_checkpointing,
     packed_rows_per_document,
+    runs_fused,
 )
 
 #: what enable() replaced, to restore in disable(): (owner, attribute) -> original.  enable() is a
@@ -468,12 +469,17 @@ def _register_upipe(args: dict[str, Any], settings: SPSettings) -> tuple[Any, in
     sp = args["sequence_parallel_size"]
     heads = HeadLayout.from_config(text)
     check_heads(heads.num_heads, heads.num_kv_heads, sp, settings.ring_size)
+    # "auto" measures this model's attention as it will run: fused projections where a model object is
+    # patched (Registration.apply_to_model, now or at deepspeed.initialize; by name or path a model-level
+    # key such as fused_projections needs that too), unless apply_upipe falls back for this model
     head_chunk_size = choose_head_chunk_size(
         settings.upipe,
         **asdict(heads),
         group_size=settings.ulysses_size,
         micro_batch_size=args["micro_batch_size"] or 1,
         dtype_bytes=settings.dtype_bytes,
+        model_config=text,
+        fused=runs_fused(model, settings.upipe) if hasattr(model, "config") else None,
     )
     group = mpu.get_sequence_parallel_group()
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
