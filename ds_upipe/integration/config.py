@@ -41,7 +41,7 @@ ALLOWED: dict[str, str] = {
     ),
     "fused_projections": "true or false",
     "kernel": '"sdpa", "math" or "flash_attn"',
-    "memory_budget_gib": "null or a number > 0 (GiB per rank for one layer's attention stage buffers)",
+    "memory_budget_gib": "null or a number > 0 (GiB per rank for the intermediate peak of one layer's attention)",
     "seq_length": "null or an int > 0 (the global sequence length, in tokens)",
     "offload_checkpoints": "true or false",
     "overlap_comm": "true or false",

@@ -98,6 +98,13 @@ def enable() -> None:
         _wrap_trainer_config_process(HfTrainerDeepSpeedConfig.trainer_config_process),
     )
     _patch(deepspeed, "initialize", _wrap_initialize(deepspeed.initialize))
+    from accelerate.utils import DeepSpeedPlugin
+
+    _patch(
+        DeepSpeedPlugin,
+        "deepspeed_config_process",
+        _wrap_deepspeed_config_process(DeepSpeedPlugin.deepspeed_config_process),
+    )
     _patch(Trainer, "get_eval_dataloader", trainer_sp.wrap_eval_loader(Trainer.get_eval_dataloader, ring_size_of))
     _patch(Trainer, "get_test_dataloader", trainer_sp.wrap_eval_loader(Trainer.get_test_dataloader, ring_size_of))
     _patch(Trainer, "evaluation_loop", trainer_sp.wrap_evaluation_loop(Trainer.evaluation_loop))
@@ -667,6 +674,27 @@ def _wrap_trainer_config_process(original: Callable[..., Any]) -> Callable[..., 
         return result
 
     return trainer_config_process
+
+
+def _wrap_deepspeed_config_process(original: Callable[..., Any]) -> Callable[..., Any]:
+    """accelerate's ``DeepSpeedPlugin.deepspeed_config_process`` (``accelerator.prepare``, the Trainer's
+    too) takes every ``"auto"`` value of the ds_config for one of its own placeholders (batch sizes,
+    gradient clipping, ...) and refuses one it has no value for: ``"upipe": {"head_chunk_size": "auto"}``
+    is ds_upipe's own (measured at registration), so the ``"upipe"`` block is kept out of that pass."""
+
+    @functools.wraps(original)
+    def deepspeed_config_process(self: Any, prefix: str = "", mismatches: Any = None, config: Any = None,
+                                 *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+        whole = self.deepspeed_config
+        if prefix or config is not None or not isinstance(whole, dict) or "upipe" not in whole:
+            return original(self, prefix, mismatches, config, *args, **kwargs)
+        block = whole.pop("upipe")
+        try:
+            return original(self, prefix, mismatches, config, *args, **kwargs)
+        finally:
+            whole["upipe"] = block
+
+    return deepspeed_config_process
 
 
 # ---------------------------------------------------------------------------------------------------
