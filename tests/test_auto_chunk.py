@@ -180,3 +180,16 @@ def test_every_u_in_one_fake_run(monkeypatch):
     monkeypatch.setattr(fake_run, "isolated", counting)
     assert _choose(2**40) == max(VALID)
     assert calls == [("attention_activations", VALID, True)]
+
+
+def test_model_type_transformers_cannot_build_falls_back_to_the_core():
+    """A config transformers cannot build from its model type (remote code) is measured as the core
+    layer (with a warning), not an error at setup.  Mutation: ``HFModelConfig.of`` without the
+    ``CONFIG_MAPPING`` check raises in the fake run."""
+    from transformers import LlamaConfig
+
+    class RemoteConfig(LlamaConfig):
+        model_type = "remote_llama_for_test"
+
+    remote = RemoteConfig(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2)
+    assert _need(model=remote) == attention_stage_bytes_by_u(VALID, **DIMS, seq_length=SEQ)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -29,6 +30,8 @@ from ..schedule import (
     valid_group_sizes,
     valid_head_chunk_sizes,
 )
+
+logger = logging.getLogger("ds_upipe")
 
 #: what the long-context stack's keys accept
 TILED = 'true, false, or {"tile_tokens": null or an int > 0} (on, with that many tokens per tile)'
@@ -392,12 +395,19 @@ def attention_stage_bytes_by_u(
         accumulate_in_input_dtype=accumulate_in_input_dtype,
         overlap_comm=overlap_comm,
     )
-    if model_config is None:
+    built = None if model_config is None else fake_run.HFModelConfig.of(model_config)
+    if model_config is not None and built is None:
+        logger.warning(
+            '"head_chunk_size": "auto": transformers cannot build model type %r from its name (remote code); '
+            "measuring the core attention layer instead of the model's (leave headroom in memory_budget_gib)",
+            getattr(model_config, "model_type", None),
+        )
+    if built is None:
         common.update(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
         model = None
     else:
         common.update(fused=fused, recompute_attention_output=recompute_attention_output)
-        model = fake_run.HFModelConfig.of(model_config).json_text
+        model = built.json_text
     peaks = fake_run.isolated("attention_activations", head_chunk_sizes=list(head_chunk_sizes), model=model, **common)
     return {int(u): int(b) for u, b in peaks.items()}
 

@@ -385,10 +385,15 @@ class HFModelConfig:
     json_text: str
 
     @classmethod
-    def of(cls, config: Any) -> HFModelConfig:
-        """From a ``PretrainedConfig`` (its text config: a multimodal model's language model)."""
+    def of(cls, config: Any) -> HFModelConfig | None:
+        """From a ``PretrainedConfig`` (its text config: a multimodal model's language model); None for a
+        model type transformers cannot build from its name (remote code)."""
+        from transformers import CONFIG_MAPPING
+
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         values = text.to_dict()
+        if values.get("model_type") not in CONFIG_MAPPING:  # what ``config()`` rebuilds it from
+            return None
         # not part of the architecture: where the weights came from, remote code, quantization, dtype
         for key in ("_name_or_path", "architectures", "auto_map", "quantization_config", "dtype", "torch_dtype"):
             values.pop(key, None)
@@ -865,7 +870,7 @@ def attention_activations(head_chunk_sizes: list[int], *, model: str | None, **k
     layer's route, no HF model): ``core_step`` of ``UPipeDistributedAttention``."""
     if model is None:
         return {str(u): core_step(head_chunk_size=u, **kwargs).activations for u in head_chunk_sizes}
-    config = HFModelConfig(model)
+    config = HFModelConfig(model)  # the JSON of HFModelConfig.of
     options = {k: kwargs.pop(k) for k in ("fused", "recompute_attention_output") if k in kwargs}
     common = dict(
         sp_size=kwargs["sp_size"],
