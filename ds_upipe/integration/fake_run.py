@@ -871,20 +871,11 @@ def attention_activations(head_chunk_sizes: list[int], *, model: str | None, **k
     if model is None:
         return {str(u): core_step(head_chunk_size=u, **kwargs).activations for u in head_chunk_sizes}
     config = HFModelConfig(model)  # the JSON of HFModelConfig.of
-    options = {k: kwargs.pop(k) for k in ("fused", "recompute_attention_output") if k in kwargs}
-    common = dict(
-        sp_size=kwargs["sp_size"],
-        seq_len=kwargs["seq_len"],
-        batch=kwargs.get("batch", 1),
-        dtype=kwargs.get("dtype", "bf16"),
-        ring_size=kwargs.get("ring_size", 1),
-        overlap_comm=kwargs.get("overlap_comm", False),
-        accumulate_in_input_dtype=kwargs.get("accumulate_in_input_dtype", False),
-        **options,
-    )
     out = {}
     for u in head_chunk_sizes:
-        spec = StepSpec(config, "upipe", head_chunk_size=u, **common)
+        # kwargs: sp_size, seq_len, batch, dtype, ring_size, overlap_comm, accumulate_in_input_dtype, fused,
+        # recompute_attention_output (StepSpec's fields, as attention_stage_bytes_by_u passes them)
+        spec = StepSpec(config, "upipe", head_chunk_size=u, **kwargs)
         packings = (False, True) if spec.ring_size == 1 else (False,)
         out[str(u)] = max(attention_step(spec, packed).activations for packed in packings)
     return out

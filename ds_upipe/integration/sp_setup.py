@@ -67,7 +67,7 @@ def runs_fused(model: torch.nn.Module, upipe: UPipeConfig) -> bool:
     """Whether ``apply_upipe_settings`` will run ``model``'s attention with fused projections:
     ``upipe.fused_projections`` and no fallback for this model (``hf_patches.fused_fallback``: PEFT
     LoRA or quantized projections, attention classes fused mode does not know)."""
-    if not upipe.fused_projections or not upipe.head_chunk_size == "auto":
+    if not upipe.fused_projections or upipe.head_chunk_size != "auto":
         return upipe.fused_projections  # only "auto" reads it: no model inspection otherwise
     from hf_patches import fused_fallback
 
