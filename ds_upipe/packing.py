@@ -124,6 +124,10 @@ class DocumentKernel(AttentionKernel):
         self.boundaries = boundaries
         # the varlen path's (batch, seq, device) -> (cu_seqlens, max_seqlen): built once, not per stage
         self._varlen_cache: dict[tuple[int, int, torch.device], tuple[Tensor, int]] = {}
+        # (batch, seq) -> each segment's lse length, as forward found it (a function of the segments and
+        # the inner kernel only): backward splits the lse by these Python ints, no ``.tolist()`` of
+        # ``aux``'s lengths tensor (which fake tensors, ``ds-upipe plan`` and ``"auto"``, cannot run)
+        self._lse_lengths: dict[tuple[int, int], list[int]] = {}
 
     @property
     def per_head(self) -> bool:  # type: ignore[override]
@@ -136,6 +140,7 @@ class DocumentKernel(AttentionKernel):
             return self
         bound = DocumentKernel(inner, self.boundaries)
         bound._varlen_cache = self._varlen_cache  # shared: built once per call, not per stage
+        bound._lse_lengths = self._lse_lengths
         return bound
 
     @property
@@ -172,6 +177,7 @@ class DocumentKernel(AttentionKernel):
             lses.append(lse)
             lengths.append(lse.shape[-1])
             aux_all += aux
+        self._lse_lengths[(q.shape[0], q.shape[2])] = lengths
         lse = torch.cat(lses, dim=-1)
         return out, lse, (torch.tensor(lengths, dtype=torch.long), *aux_all)
 
@@ -185,7 +191,8 @@ class DocumentKernel(AttentionKernel):
         lengths, *inner_aux = aux
         segments = self.segments(q.shape[0])
         per_segment = len(inner_aux) // len(segments)
-        lses = lse.split(lengths.tolist(), dim=-1)
+        known = self._lse_lengths.get((q.shape[0], q.shape[2]))
+        lses = lse.split(known if known is not None else lengths.tolist(), dim=-1)
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)

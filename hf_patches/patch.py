@@ -184,6 +184,17 @@ def apply_upipe(
     return model
 
 
+def fused_fallback(model: nn.Module) -> str | None:
+    """Why ``apply_upipe(model, fused_projections=True)`` would run this model unfused (None: fused),
+    the rule apply_upipe applies (``architectures.fused_blocker_of``): ``"auto"`` measures the
+    attention the model will run.  A model apply_upipe refuses has no fallback (it raises there)."""
+    try:
+        found = find_decoder(_unwrap(model))
+    except ValueError:
+        return None
+    return fused_blocker_of(found.attentions)
+
+
 def _refuse_generate(self: nn.Module, *args: Any, **kwargs: Any) -> None:
     """``generate`` of a patched model: refused at once, before any collective, so every rank that
     calls it raises the same error and no rank waits for another."""

@@ -18,7 +18,7 @@ Loss trajectories and gradient norms must agree within 1e-5 relative (float32 ru
 
 import pytest
 
-from ds_upipe.integration.config import UPipeConfig, attention_stage_bytes, choose_head_chunk_size
+from ds_upipe.integration.config import UPipeConfig, attention_stage_bytes_by_u, choose_head_chunk_size
 from tests.engine_cases import FP32_RTOL, REPO, TORCH_ADAM, launch, max_rel, run
 
 pytestmark = pytest.mark.slow
@@ -33,12 +33,27 @@ AUTO = {"memory_budget_gib": 0.0, "seq_length": 256}  # budget filled in below
 
 
 def _auto_budget() -> float:
-    """A budget that fits U=4 but not U=8 for the example's model (H=8, Hkv=2, d=16) at SP=2."""
+    """A budget that fits U=8 of the example's model (H=8, Hkv=2, d=16, hidden 128, fused) at SP=2, where the
+    core-only measurement (``UPipeDistributedAttention`` on q, k, v, no model) would pick U=4: the launch's
+    U = 8 shows ``ds_upipe.initialize`` measuring the model's attention layer as it runs it."""
+    from ds_upipe.tools.models import tiny_config
+
+    model = tiny_config(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=8,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+    )
     dims = dict(num_heads=8, num_kv_heads=2, head_dim=16, group_size=2, micro_batch_size=1, dtype_bytes=4)
-    need4, need8 = (attention_stage_bytes(u, **dims, seq_length=256) for u in (4, 8))
-    budget = (need4 + need8) / 2 / 2**30
+    core = attention_stage_bytes_by_u([2, 4, 8], **dims, seq_length=256)
+    layer = attention_stage_bytes_by_u([2, 4, 8], **dims, seq_length=256, model_config=model, fused=True)
+    assert max(layer.values()) < core[8], (layer, core)
+    budget = (max(layer.values()) + core[8]) / 2 / 2**30
     cfg = UPipeConfig(head_chunk_size="auto", memory_budget_gib=budget, seq_length=256)
-    assert choose_head_chunk_size(cfg, **dims) == 4
+    assert choose_head_chunk_size(cfg, **dims) == 4  # core only
+    assert choose_head_chunk_size(cfg, **dims, model_config=model) == 8
     return budget
 
 
@@ -198,7 +213,7 @@ def test_variants_equal_non_sp(two_procs, name):
     _check_same(two_procs, name, "ref_z3")
     assert two_procs[name]["upipe_stage_runs"] > 0
     assert two_procs["upipe_z3_unfused"]["upipe_fused"] is False
-    assert two_procs["upipe_z3_auto"]["head_chunk_size"] == 4
+    assert two_procs["upipe_z3_auto"]["head_chunk_size"] == 8  # the model's fused layer (core only: 4)
 
 
 def test_local_checkpoint_and_text_file(two_procs):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -548,3 +549,28 @@ def test_moe_presets_count_every_expert_and_plan_a_step(tmp_path):
         assert p.fits and p.model_states_gib * GiB == planner.model_state_bytes(dims, setup), (name, p)
         assert "stand-in" in planner.describe(dims, setup) and "experts" in planner.moe_basis(dims)
     assert "full causal (an upper bound)" in planner.moe_basis(oss)
+
+
+def test_cli_plan_config_auto_plans_the_u_auto_picks(tmp_path):
+    """``plan --config`` with ``"head_chunk_size": "auto"`` plans the U the run's "auto" picks for the
+    planned model (``planner.auto_head_chunk_size``: the runtime's measurement of the model's attention
+    layer at ``upipe.seq_length``), not U = C; the config is read once (``parse_config``), tile sizes kept.
+    Only the setup is built (``cli._plan_setup``: the auto measurement, no plan).  Mutation: dropping the
+    replay in ``_plan_setup`` plans U = 4 (C) and fails."""
+    from ds_upipe.integration.config import UPipeConfig, choose_head_chunk_size
+    from ds_upipe.tools.cli import _plan_setup, build_parser
+
+    fields = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=32)
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2, "vocab_size": 1024, **fields}))
+    ds = json.loads((Path(__file__).resolve().parents[1] / "ds_configs" / "upipe_zero3.json").read_text())
+    ds["upipe"].update(head_chunk_size="auto", memory_budget_gib=1.0, seq_length=8192, tiled_mlp={"tile_tokens": 4096})
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    cfg = UPipeConfig(**{**ds["upipe"], "tiled_mlp": True})
+    dims = dict(num_heads=8, num_kv_heads=4, head_dim=32, group_size=4, micro_batch_size=1, dtype_bytes=2)
+    # the planned model's config as the planner builds it (so the measurement is shared, not run twice)
+    want = choose_head_chunk_size(cfg, **dims, model_config=planner.model_dims(str(model)).shape().config(1))
+    assert want == 8  # a large budget: the largest valid U (C = 4 would be U = 4)
+    args = build_parser().parse_args(["plan", "--model", str(model), "--config", str(tmp_path / "ds.json")])
+    _, setup, methods = _plan_setup(args)
+    assert [m.head_chunk_size for m in methods] == [want] and setup.mlp_tile_tokens == 4096

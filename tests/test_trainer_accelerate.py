@@ -376,6 +376,34 @@ def test_enable_routes_accelerates_lookup_and_disable_restores():
     assert not hf_integration.is_enabled()
 
 
+def test_enable_keeps_the_upipe_block_out_of_accelerates_auto_pass(monkeypatch):
+    """accelerate fills every "auto" of the ds_config from its own values and refuses one it has none for:
+    under ``enable()`` ``"upipe": {"head_chunk_size": "auto"}`` (ours, measured at registration) passes
+    and stays "auto", accelerate's own "auto" values are still filled.  Mutation: dropping the
+    ``DeepSpeedPlugin.deepspeed_config_process`` patch from ``enable()`` raises accelerate's
+    "`upipe.head_chunk_size` not found in kwargs"."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    for key in [k for k in os.environ if k.startswith("ACCELERATE_")]:
+        monkeypatch.delenv(key)
+    block = {"head_chunk_size": "auto", "memory_budget_gib": 1.0, "seq_length": 64}
+
+    def processed() -> dict[str, Any]:
+        config = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 3}, "upipe": dict(block)}
+        plugin = DeepSpeedPlugin(hf_ds_config=config)
+        plugin.deepspeed_config_process(must_match=False, train_micro_batch_size_per_gpu=2)
+        return plugin.deepspeed_config
+
+    hf_integration.enable()
+    try:
+        config = processed()
+        assert config["upipe"] == block and config["train_micro_batch_size_per_gpu"] == 2, config
+    finally:
+        hf_integration.disable()
+    with pytest.raises(ValueError, match="upipe.head_chunk_size` not found in kwargs"):
+        processed()  # accelerate alone
+
+
 def test_upipe_settings_rules():
     zero3 = {"zero_optimization": {"stage": 3}}
     settings = hf_integration.upipe_settings({**zero3, "upipe": {"head_chunk_size": 4}}, 2)

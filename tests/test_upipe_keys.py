@@ -11,8 +11,9 @@ loaded by path):
   ``register_with_transformers(model_name_or_path=PATH)``, the model loaded from PATH, then
   ``deepspeed.initialize(model=model, mpu=mpu)``.
 
-Each route runs three block settings (``ON``: every model-level key on, non-default U, kernel, overlap,
-accumulation; ``OFF``: all off; ``SECTION``: only an ``activation_checkpointing`` section), records
+Each route runs three block settings (``ON``: every model-level key on, ``head_chunk_size: "auto"``,
+non-default kernel, overlap, accumulation; ``OFF``: all off; ``SECTION``: only an
+``activation_checkpointing`` section), records
 what the model runs (its ``UPipeState``, long-context stack, checkpointing, pairs) and trains one step.
 On ``alst_path`` a model loaded from PATH but never given to ``deepspeed.initialize`` is refused at its
 first training forward (naming the keys), and runs when every model-level key is off (then the
@@ -41,10 +42,14 @@ BASE = {
     "zero_optimization": {"stage": 2},
     "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
 }
-#: every model-level key on, and U, kernel, overlap, accumulation off their defaults
+#: every model-level key on, and U, kernel, overlap, accumulation off their defaults; "auto" with the budget
+#: of ``_auto_budget`` (added in ``key_cases``): the model's fused + recompute + overlap layer fits no U
+#: there, so "auto" picks C = 2, where the core-only measurement would pick 4 (each route must measure
+#: the model's layer as it runs it)
 ON = {
     "enabled": True,
-    "head_chunk_size": 4,
+    "head_chunk_size": "auto",
+    "seq_length": SEQ,
     "kernel": "math",
     "overlap_comm": True,
     "fused_projections": True,
@@ -66,7 +71,7 @@ ROUTES = ("engine", "accelerate", "alst_path")
 #: what each setting must give: (U, kernel, overlap, fused, input-dtype sums, recompute, tiles, checkpointed, pairs)
 WANT = {
     "on": dict(
-        U=4,
+        U=2,
         kernel="MathKernel",
         overlap=True,
         fused=True,
@@ -291,7 +296,7 @@ def _two_models(path: str) -> dict[str, Any]:
     return out
 
 
-def key_cases(rank: int, world: int, path: str) -> dict[str, Any]:
+def key_cases(rank: int, world: int, path: str, budget_gib: float) -> dict[str, Any]:
     import time
 
     from ds_upipe.pipeline import StageCounter
@@ -312,8 +317,9 @@ def key_cases(rank: int, world: int, path: str) -> dict[str, Any]:
         results[name]["seconds"] = time.perf_counter() - start
         torch.distributed.barrier()
 
+    settings = {**SETTINGS, "on": {**SETTINGS["on"], "upipe": {**ON, "memory_budget_gib": budget_gib}}}
     for route, setup in routes.items():
-        for setting, config in SETTINGS.items():
+        for setting, config in settings.items():
 
             def body(setup: Any = setup, config: dict[str, Any] = config) -> dict[str, Any]:
                 with StageCounter() as stages:
@@ -325,7 +331,7 @@ def key_cases(rank: int, world: int, path: str) -> dict[str, Any]:
 
             run(f"{route}/{setting}", body)
     for setting in ("on", "off"):
-        run(f"alst_path_unloaded/{setting}", lambda s=setting: _alst_path_without_initialize(path, SETTINGS[s]))
+        run(f"alst_path_unloaded/{setting}", lambda s=setting: _alst_path_without_initialize(path, settings[s]))
     run("two_models", lambda: _two_models(path))
     return results
 
@@ -342,8 +348,29 @@ def key_results(tmp_path_factory) -> list[dict[str, Any]]:
 
     path = Path(tmp_path_factory.mktemp("keys")) / "tiny-llama"
     torch.manual_seed(0)
-    LlamaForCausalLM(tiny_config("llama", vocab_size=101, hidden_size=32, intermediate_size=64)).save_pretrained(path)
-    return run_ranks(key_cases, WORLD, str(path), use_deepspeed=True)
+    config = tiny_config("llama", vocab_size=101, hidden_size=32, intermediate_size=64)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return run_ranks(key_cases, WORLD, str(path), _auto_budget(config), use_deepspeed=True)
+
+
+def _auto_budget(config: Any) -> float:
+    """A budget (GiB) between the core-only measurement of ``ON`` (which fits U = 4) and the model's
+    fused + recompute + overlap attention (which fits no U: "auto" picks C = 2)."""
+    from ds_upipe.integration.config import UPipeConfig, attention_stage_bytes_by_u, choose_head_chunk_size
+
+    dims = dict(num_heads=4, num_kv_heads=2, head_dim=8, group_size=WORLD, micro_batch_size=1, dtype_bytes=4)
+    block = UPipeConfig(**{**ON, "memory_budget_gib": 1.0})
+    settings = dict(seq_length=SEQ, overlap_comm=True, accumulate_in_input_dtype=True)
+    core = attention_stage_bytes_by_u([2, 4], **dims, **settings)
+    layer = attention_stage_bytes_by_u(
+        [2, 4], **dims, **settings, model_config=config, fused=True, recompute_attention_output=True
+    )
+    budget = (max(core.values()) + min(layer.values())) // 2
+    assert max(core.values()) < budget < min(layer.values()), (core, layer)
+    block = block.model_copy(update={"memory_budget_gib": budget / 2**30})
+    assert choose_head_chunk_size(block, **dims) == 4  # the core-only measurement (no model)
+    assert choose_head_chunk_size(block, **dims, model_config=config) == WANT["on"]["U"]
+    return budget / 2**30
 
 
 def test_every_case_ran(key_results):

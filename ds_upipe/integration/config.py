@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -30,6 +31,8 @@ from ..schedule import (
     valid_head_chunk_sizes,
 )
 
+logger = logging.getLogger("ds_upipe")
+
 #: what the long-context stack's keys accept
 TILED = 'true, false, or {"tile_tokens": null or an int > 0} (on, with that many tokens per tile)'
 #: what each key accepts, quoted in error messages (and in docs/config.md)
@@ -41,7 +44,7 @@ ALLOWED: dict[str, str] = {
     ),
     "fused_projections": "true or false",
     "kernel": '"sdpa", "math" or "flash_attn"',
-    "memory_budget_gib": "null or a number > 0 (GiB per rank for one layer's attention stage buffers)",
+    "memory_budget_gib": "null or a number > 0 (GiB per rank for the intermediate peak of one layer's attention)",
     "seq_length": "null or an int > 0 (the global sequence length, in tokens)",
     "offload_checkpoints": "true or false",
     "overlap_comm": "true or false",
@@ -359,14 +362,23 @@ def attention_stage_bytes_by_u(
     ring_size: int = 1,
     accumulate_in_input_dtype: bool = False,
     overlap_comm: bool = False,
+    model_config: Any = None,
+    fused: bool = False,
+    recompute_attention_output: bool = False,
 ) -> dict[int, int]:
-    """Per-rank attention stage memory of UPipe at each head chunk size, in bytes: the intermediate
-    peak (peak minus q, k, v, out, dout, dq, dk, dv) of ``UPipeDistributedAttention`` forward+backward,
-    measured by running it on fake tensors as rank 0 of the group (``fake_run.core_step``, the same
-    fake-tensor execution ``ds-upipe plan`` uses) with the configured accumulation
-    (``accumulate_in_input_dtype``: upipe.accumulate_dtype = "input", 16-bit dK/dV sums) and
-    ``overlap_comm`` (two stages' buffers in flight), every U in one run (in a process that already has a
-    process group: one child process).  Kernel-internal CUDA workspaces are not included."""
+    """Per-rank attention memory of UPipe at each head chunk size, in bytes: the attention's
+    intermediate peak (``fake_run.intermediate``: the peak of its forward + backward minus its inputs,
+    output, their gradients, parameters and parameter gradients), measured by running it on fake
+    tensors as rank 0 of the group, every U in one run (in a process that already has a process
+    group: one child process), with the configured accumulation (``accumulate_in_input_dtype``:
+    upipe.accumulate_dtype = "input"), ``overlap_comm`` (two stages' buffers in flight) and ring.
+
+    ``model_config`` (the model's transformers config, where the route has the model): the attention
+    module of its first decoder layer patched by ``hf_patches.apply_upipe`` as the model will run it,
+    ``fused`` projections or not, ``recompute_attention_output``, on unpacked and packed rows (the
+    larger counts; ``fake_run.attention_step``).  None (no HF model: the core layer): the core
+    ``UPipeDistributedAttention`` on q, k, v (``fake_run.core_step``).  Kernel-internal CUDA workspaces
+    are not included; the SDPA kernel runs whatever ``upipe.kernel`` is (fake tensors run on the CPU)."""
     from . import fake_run
 
     dtype = {2: "bf16", 4: "fp32", 8: "fp64"}[dtype_bytes]
@@ -374,12 +386,7 @@ def attention_stage_bytes_by_u(
     # attends over its ring block, with the K/V block in flight and the travelling dK/dV counted as allocated
     multiple = SequenceLayout(group_size, ring_size).sequence_multiple
     seq = max(multiple, seq_length - seq_length % multiple)
-    peaks = fake_run.isolated(
-        "core_step_activations",
-        head_chunk_sizes=list(head_chunk_sizes),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
+    common: dict[str, Any] = dict(
         sp_size=group_size * ring_size,
         seq_len=seq,
         batch=micro_batch_size,
@@ -388,6 +395,20 @@ def attention_stage_bytes_by_u(
         accumulate_in_input_dtype=accumulate_in_input_dtype,
         overlap_comm=overlap_comm,
     )
+    built = None if model_config is None else fake_run.HFModelConfig.of(model_config)
+    if model_config is not None and built is None:
+        logger.warning(
+            '"head_chunk_size": "auto": transformers cannot build model type %r from its name (remote code); '
+            "measuring the core attention layer instead of the model's (leave headroom in memory_budget_gib)",
+            getattr(model_config, "model_type", None),
+        )
+    if built is None:
+        common.update(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        model = None
+    else:
+        common.update(fused=fused, recompute_attention_output=recompute_attention_output)
+        model = built.json_text
+    peaks = fake_run.isolated("attention_activations", head_chunk_sizes=list(head_chunk_sizes), model=model, **common)
     return {int(u): int(b) for u, b in peaks.items()}
 
 
@@ -400,10 +421,16 @@ def choose_head_chunk_size(
     group_size: int,
     micro_batch_size: int,
     dtype_bytes: int,
+    model_config: Any = None,
+    fused: bool | None = None,
 ) -> int:
     """The head chunk size U to use: the configured int (validated), C for null, and for "auto" the
-    largest valid U whose predicted stage memory fits ``memory_budget_gib`` (C when none fits).
-    ``group_size`` is the Ulysses degree C_u (the sequence-parallel size over ``upipe.ring_size``)."""
+    largest valid U whose measured attention memory (``attention_stage_bytes_by_u``) fits
+    ``memory_budget_gib`` (C when none fits).  ``group_size`` is the Ulysses degree C_u (the
+    sequence-parallel size over ``upipe.ring_size``).  ``model_config``: the model's transformers
+    config where the route has one (its attention layer is measured; else the core layer);
+    ``fused``: whether the model will run fused projections (None: ``upipe.fused_projections``; the
+    routes pass False where apply_upipe falls back for that model, e.g. PEFT LoRA projections)."""
     value = upipe.head_chunk_size
     if value != "auto":
         try:
@@ -413,8 +440,10 @@ def choose_head_chunk_size(
             where = "" if ring == 1 else f" (with upipe.ring_size={ring} the heads are split over the Ulysses degree)"
             raise ValueError(f"invalid ds_config: upipe.head_chunk_size: {err}{where}") from None
     budget = upipe.memory_budget_gib * 2**30
-    # every valid U measured in one fake run, with the configured accumulation and overlap; the same
-    # choice on every rank (the same measurement of the same config, checked equal across ranks)
+    fused = upipe.fused_projections if fused is None else fused
+    # every valid U measured in one fake run, with every setting the model runs with; the same choice
+    # on every rank (the same measurement of the same config, checked equal across ranks: the settings
+    # exchange before registration and the runtime's check of U at each forward)
     need = attention_stage_bytes_by_u(
         valid_head_chunk_sizes(num_heads, num_kv_heads, group_size),
         num_heads=num_heads,
@@ -427,6 +456,9 @@ def choose_head_chunk_size(
         ring_size=upipe.ring_size,
         accumulate_in_input_dtype=upipe.accumulate_dtype == "input",
         overlap_comm=upipe.overlap_comm,
+        model_config=model_config,
+        fused=fused,
+        recompute_attention_output=upipe.recompute_attention_output and fused,
     )
     fits = [u for u, size in need.items() if size <= budget]
     return max(fits) if fits else group_size

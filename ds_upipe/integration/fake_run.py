@@ -377,10 +377,48 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
+class HFModelConfig:
+    """A real model's transformers (text) config, as JSON: the fake run builds its decoder layer from
+    it (any architecture transformers knows, not only ``ModelShape``'s Llama family), so ``"auto"``
+    measures the attention module the model has (q/k norms, biases, sliding windows of layer 0 ...)."""
+
+    json_text: str
+
+    @classmethod
+    def of(cls, config: Any) -> HFModelConfig | None:
+        """From a ``PretrainedConfig`` (its text config: a multimodal model's language model); None for a
+        model type transformers cannot build from its name (remote code)."""
+        from transformers import CONFIG_MAPPING
+
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        values = text.to_dict()
+        if values.get("model_type") not in CONFIG_MAPPING:  # what ``config()`` rebuilds it from
+            return None
+        # not part of the architecture: where the weights came from, remote code, quantization, dtype
+        for key in ("_name_or_path", "architectures", "auto_map", "quantization_config", "dtype", "torch_dtype"):
+            values.pop(key, None)
+        return cls(json.dumps(values, sort_keys=True, default=str))
+
+    @property
+    def hidden_size(self) -> int:
+        return int(json.loads(self.json_text)["hidden_size"])
+
+    def config(self, layers: int = 1) -> Any:
+        from transformers import AutoConfig
+
+        values = json.loads(self.json_text)
+        model_type = values.pop("model_type")
+        if isinstance(values.get("layer_types"), list):  # per-layer attention types: those of the first layers
+            values["layer_types"] = values["layer_types"][:layers]
+        values.update(num_hidden_layers=layers, use_cache=False, attn_implementation="sdpa")
+        return AutoConfig.for_model(model_type, **values)
+
+
+@dataclass(frozen=True)
 class StepSpec:
     """One rank's step of one decoder layer (or the loss): the run's attention scheme and stack."""
 
-    model: ModelShape
+    model: ModelShape | HFModelConfig
     attention: str  # "alst" (DeepSpeed's UlyssesSPAttentionHF around transformers' sdpa) or "upipe"
     sp_size: int  # C: the whole sequence-parallel group, C_u x ring_size (fake_run uses no other group size)
     seq_len: int  # global tokens S (each rank holds S / C)
@@ -720,7 +758,7 @@ def core_step(
     [b, S/C, H, d] q and [b, S/C, Hkv, d] k, v, with the output gradient materialized; with
     ``ring_size`` R > 1 UPipe runs over C_u = sp_size / R ranks and ring attention over R (fake groups).  ``weights``
     holds the bytes of q, k, v, out, dout, dq, dk, dv (the inputs, output and their gradients), so
-    ``activations`` is the stage buffers: the "intermediate" of docs/benchmarks.md."""
+    ``activations`` is the stage buffers: ``intermediate``, the "intermediate" of docs/benchmarks.md."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..kernels import TorchSDPAKernel
@@ -755,10 +793,89 @@ def core_step(
 
         peak = track(backward, {"q, k, v": [q, k, v], "dout": [dout]}, [], kernel=kernel, forward=forward)
     io = 2 * (2 * q.numel() + k.numel() + v.numel()) * q.element_size()  # q k v out dout dq dk dv
-    peak.weights = io
+    return intermediate(peak, io)
+
+
+# -- what "auto" compares with upipe.memory_budget_gib: the one definition ---------------------------------
+
+
+def intermediate(peak: Peak, io_bytes: int) -> Peak:
+    """``peak`` with ``weights`` set to ``io_bytes``, so that ``activations`` is the attention's
+    intermediate peak: what ``upipe.head_chunk_size: "auto"`` compares with ``upipe.memory_budget_gib``
+    (docs/config.md).  The peak of the attention's forward + backward minus its inputs, its output,
+    their gradients and its parameters and their gradients (what the rest of the step has anyway and
+    ``ds-upipe plan`` counts elsewhere): the stage buffers, the all-to-all buffers in flight, the
+    accumulators, the per-stage projections and what the attention saves from forward to backward."""
+    peak.weights = io_bytes
     return peak
 
 
-def core_step_activations(head_chunk_sizes: list[int], **kwargs: Any) -> dict[str, int]:
-    """``core_step(...).activations`` of every U, in one process (``"auto"``: one child process for all U)."""
-    return {str(u): core_step(head_chunk_size=u, **kwargs).activations for u in head_chunk_sizes}
+@functools.lru_cache(maxsize=512)
+def attention_step(spec: StepSpec, packed: bool = False) -> Peak:
+    """Rank 0's peak over the attention module of the model's first decoder layer, forward + backward,
+    run as the model runs it: built from ``spec.model`` (the real model's config on ``"auto"``'s
+    routes), patched by ``hf_patches.apply_upipe`` with the spec's fused projections (apply_upipe's own
+    fallback for that architecture), ``recompute_attention_output``, ``overlap_comm``, accumulation and
+    ring, and called as the decoder layer calls it (hidden states, cos/sin, position ids, this
+    forward's documents).  ``packed``: the row is packed as two documents, one token and the rest, so
+    the kernel runs per document (``ds_upipe.packing.DocumentKernel``) with a segment of nearly the
+    whole row beside the row's buffers (the most that per-document path holds).  ``activations``:
+    ``intermediate``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hf_patches.architectures import find_decoder
+    from hf_patches.state import DOCUMENTS_KWARG
+
+    from ..packing import DocumentBoundaries
+
+    dtype = DTYPES[spec.dtype]
+    s, hidden = spec.local_tokens, spec.model.hidden_size
+    with (
+        fake_world(spec.sp_size) as group,
+        FakeTensorMode(),
+        _patched_model(spec, group) as model,
+        _backend_retention(spec.comm_backend),
+    ):
+        attn = find_decoder(model).attentions[0]
+        h = torch.empty(spec.batch, s, hidden, dtype=dtype).requires_grad_(True)
+        dout = torch.empty(spec.batch, s, hidden, dtype=dtype)
+        pos = torch.arange(s).expand(spec.batch, s)
+        rotary = getattr(model.model, "rotary_emb", None)
+        with torch.no_grad():
+            cos_sin = rotary(h, pos) if rotary is not None else None
+        kwargs: dict[str, Any] = {"position_ids": pos}
+        if packed:
+            kwargs[DOCUMENTS_KWARG] = DocumentBoundaries(((0, 1, spec.seq_len),))
+
+        def forward() -> torch.Tensor:
+            return attn(hidden_states=h, position_embeddings=cos_sin, attention_mask=None, **kwargs)[0]
+
+        def backward(out: torch.Tensor) -> None:
+            out.backward(dout)
+
+        side = [pos, *(cos_sin or ())]
+        weights = list(attn.parameters())
+        peak = track(backward, {"hidden states h": [h], "dout": [dout], "cos/sin, position ids": side}, weights,
+                     forward=forward)  # fmt: skip
+    params = sum(w.untyped_storage().nbytes() for w in {id(w): w for w in weights}.values())
+    io = 4 * h.untyped_storage().nbytes() + sum(t.untyped_storage().nbytes() for t in side)  # h dh out dout
+    return intermediate(peak, 2 * params + io)
+
+
+def attention_activations(head_chunk_sizes: list[int], *, model: str | None, **kwargs: Any) -> dict[str, int]:
+    """The intermediate peak (``intermediate``) of every U, in one process (``"auto"``: one child process
+    for all U).  ``model``: the JSON of the real model's config (``HFModelConfig``), measured with
+    ``attention_step``; unpacked and packed rows (without a ring; rings refuse packing) both run and
+    the larger counts, since whether a batch is packed is known only per forward.  None (the core
+    layer's route, no HF model): ``core_step`` of ``UPipeDistributedAttention``."""
+    if model is None:
+        return {str(u): core_step(head_chunk_size=u, **kwargs).activations for u in head_chunk_sizes}
+    config = HFModelConfig(model)  # the JSON of HFModelConfig.of
+    out = {}
+    for u in head_chunk_sizes:
+        # kwargs: sp_size, seq_len, batch, dtype, ring_size, overlap_comm, accumulate_in_input_dtype, fused,
+        # recompute_attention_output (StepSpec's fields, as attention_stage_bytes_by_u passes them)
+        spec = StepSpec(config, "upipe", head_chunk_size=u, **kwargs)
+        packings = (False, True) if spec.ring_size == 1 else (False,)
+        out[str(u)] = max(attention_step(spec, packed).activations for packed in packings)
+    return out

@@ -68,6 +68,7 @@ from .sp_setup import (
     check_model_settings,
     configure_activation_checkpointing,
     packed_rows_per_document,
+    runs_fused,
 )
 
 #: what enable() replaced, to restore in disable(): (owner, attribute) -> original.  enable() is a
@@ -97,6 +98,13 @@ def enable() -> None:
         _wrap_trainer_config_process(HfTrainerDeepSpeedConfig.trainer_config_process),
     )
     _patch(deepspeed, "initialize", _wrap_initialize(deepspeed.initialize))
+    from accelerate.utils import DeepSpeedPlugin
+
+    _patch(
+        DeepSpeedPlugin,
+        "deepspeed_config_process",
+        _wrap_deepspeed_config_process(DeepSpeedPlugin.deepspeed_config_process),
+    )
     _patch(Trainer, "get_eval_dataloader", trainer_sp.wrap_eval_loader(Trainer.get_eval_dataloader, ring_size_of))
     _patch(Trainer, "get_test_dataloader", trainer_sp.wrap_eval_loader(Trainer.get_test_dataloader, ring_size_of))
     _patch(Trainer, "evaluation_loop", trainer_sp.wrap_evaluation_loop(Trainer.evaluation_loop))
@@ -468,12 +476,17 @@ def _register_upipe(args: dict[str, Any], settings: SPSettings) -> tuple[Any, in
     sp = args["sequence_parallel_size"]
     heads = HeadLayout.from_config(text)
     check_heads(heads.num_heads, heads.num_kv_heads, sp, settings.ring_size)
+    # "auto" measures this model's attention as it will run: fused projections where a model object is
+    # patched (Registration.apply_to_model, now or at deepspeed.initialize; by name or path a model-level
+    # key such as fused_projections needs that too), unless apply_upipe falls back for this model
     head_chunk_size = choose_head_chunk_size(
         settings.upipe,
         **asdict(heads),
         group_size=settings.ulysses_size,
         micro_batch_size=args["micro_batch_size"] or 1,
         dtype_bytes=settings.dtype_bytes,
+        model_config=text,
+        fused=runs_fused(model, settings.upipe) if hasattr(model, "config") else None,
     )
     group = mpu.get_sequence_parallel_group()
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -661,6 +674,27 @@ def _wrap_trainer_config_process(original: Callable[..., Any]) -> Callable[..., 
         return result
 
     return trainer_config_process
+
+
+def _wrap_deepspeed_config_process(original: Callable[..., Any]) -> Callable[..., Any]:
+    """accelerate's ``DeepSpeedPlugin.deepspeed_config_process`` (``accelerator.prepare``, the Trainer's
+    too) takes every ``"auto"`` value of the ds_config for one of its own placeholders (batch sizes,
+    gradient clipping, ...) and refuses one it has no value for: ``"upipe": {"head_chunk_size": "auto"}``
+    is ds_upipe's own (measured at registration), so the ``"upipe"`` block is kept out of that pass."""
+
+    @functools.wraps(original)
+    def deepspeed_config_process(self: Any, prefix: str = "", mismatches: Any = None, config: Any = None,
+                                 *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+        whole = self.deepspeed_config
+        if prefix or config is not None or not isinstance(whole, dict) or "upipe" not in whole:
+            return original(self, prefix, mismatches, config, *args, **kwargs)
+        block = whole.pop("upipe")
+        try:
+            return original(self, prefix, mismatches, config, *args, **kwargs)
+        finally:
+            whole["upipe"] = block
+
+    return deepspeed_config_process
 
 
 # ---------------------------------------------------------------------------------------------------

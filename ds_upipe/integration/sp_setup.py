@@ -56,9 +56,22 @@ def setup_upipe(model: torch.nn.Module, settings: SPSettings, micro_batch_size: 
         group_size=settings.ulysses_size,
         micro_batch_size=micro_batch_size,
         dtype_bytes=settings.dtype_bytes,
+        model_config=model.config,  # "auto" measures this model's attention as apply_upipe_settings patches it
+        fused=runs_fused(model, settings.upipe),
     )
     apply_upipe_settings(model, mpu.get_sequence_parallel_group(), head_chunk_size, settings)
     return mpu, head_chunk_size
+
+
+def runs_fused(model: torch.nn.Module, upipe: UPipeConfig) -> bool:
+    """Whether ``apply_upipe_settings`` will run ``model``'s attention with fused projections:
+    ``upipe.fused_projections`` and no fallback for this model (``hf_patches.fused_fallback``: PEFT
+    LoRA or quantized projections, attention classes fused mode does not know)."""
+    if not upipe.fused_projections or upipe.head_chunk_size != "auto":
+        return upipe.fused_projections  # only "auto" reads it: no model inspection otherwise
+    from hf_patches import fused_fallback
+
+    return fused_fallback(model) is None
 
 
 #: the sequence-parallel group -> its (ring_size -> this rank's (Ulysses group, ring group)): the

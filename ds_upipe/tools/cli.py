@@ -215,10 +215,12 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
         host_memory_gib=args.host_memory,
         gpus_per_node=args.gpus_per_node,
     )
+    settings = None
     if args.config is not None:
-        from ..integration.config import load_config
+        from ..integration.config import load_config, parse_config
 
-        setup, scheme, _ = planner.from_ds_config(load_config(args.config), base)
+        settings = parse_config(load_config(args.config))  # the runtime's one reader, read once
+        setup, scheme, _ = planner.from_ds_config(settings, base)
         methods = [scheme]
     else:
         setup = replace(base, ring_size=args.ring_size or 1)
@@ -252,6 +254,14 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
     elif args.no_offload:
         changes.update(offload_checkpoints=False)
     setup = replace(setup, kernel=args.kernel, reserve_gib=args.reserve, **changes)
+    if settings is not None and settings.upipe.enabled and settings.upipe.head_chunk_size == "auto":
+        # the U the run's "auto" picks for this model, setup and settings (the same measurement)
+        methods = [
+            replace(m, head_chunk_size=planner.auto_head_chunk_size(dims, setup, m, settings.upipe))
+            if m.kind == "upipe"
+            else m
+            for m in methods
+        ]
     # head_chunk_size null is U = C_u of the GPUs planned for (after --gpus, which overrides the config's sp)
     methods = [
         replace(m, head_chunk_size=setup.ulysses_size) if m.kind == "upipe" and m.head_chunk_size is None else m

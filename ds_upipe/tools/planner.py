@@ -540,7 +540,7 @@ def from_ds_config(
         u = upipe.head_chunk_size
         scheme = AttentionScheme(
             "upipe",
-            None if u == "auto" else u,
+            None if u == "auto" else u,  # "auto": auto_head_chunk_size, once the setup is final (cli)
             upipe.fused_projections,
             upipe.overlap_comm,
             upipe.accumulate_dtype == "input",
@@ -549,6 +549,34 @@ def from_ds_config(
     else:
         scheme = AttentionScheme("ulysses")
     return setup, scheme, upipe.seq_length
+
+
+def auto_head_chunk_size(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, upipe: Any) -> int:
+    """The U that ``upipe.head_chunk_size: "auto"`` picks for this model and setup: the runtime's rule and
+    measurement (``integration.config.choose_head_chunk_size`` on the model's attention layer, at
+    ``upipe.seq_length`` with ``upipe.memory_budget_gib``), with the scheme's settings (flags given on
+    the command line override the block's, as they do for the plan)."""
+    from ..integration.config import choose_head_chunk_size
+
+    block = upipe.model_copy(
+        update=dict(
+            fused_projections=scheme.fused,
+            overlap_comm=scheme.overlap_comm,
+            accumulate_dtype="input" if scheme.accumulate_in_input_dtype else "fp32",
+            recompute_attention_output=scheme.recompute_attention_output,
+            ring_size=setup.ring_size,
+        )
+    )
+    return choose_head_chunk_size(
+        block,
+        num_heads=dims.num_heads,
+        num_kv_heads=dims.num_kv_heads,
+        head_dim=dims.head_dim,
+        group_size=setup.ulysses_size,
+        micro_batch_size=setup.batch,
+        dtype_bytes=setup.act_bytes,
+        model_config=dims.shape().config(1),
+    )
 
 
 _OFFLOAD_KEYS = {"device", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "nvme_path", "fast_init",

@@ -1,0 +1,195 @@
+"""``upipe.head_chunk_size: "auto"`` measures the attention of the model's layer as the model will run it.
+
+Where a route has the model (``ds_upipe.initialize``, the Trainer / accelerate registration), "auto"
+runs the model's first decoder layer's attention module on fake tensors, patched by
+``hf_patches.apply_upipe`` with the block's fused projections, recompute, overlap, accumulation and
+ring, on unpacked and packed rows (``config.attention_stage_bytes_by_u`` with ``model_config``,
+``fake_run.attention_step``), every valid U in one run.  These tests run in this process (no process
+group: no child process); each fake run takes about half a second, and the measurements are cached
+per spec, so the tests share them.  The routes passing the model are checked in the existing spawn
+of tests/test_upipe_keys.py (all three routes) and the "auto" run of tests/test_engine_launch.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ds_upipe.integration import fake_run
+from ds_upipe.integration.config import UPipeConfig, attention_stage_bytes_by_u, choose_head_chunk_size
+from ds_upipe.schedule import valid_head_chunk_sizes
+from ds_upipe.tools.models import tiny_config
+
+SEQ = 1024
+#: a tiny Llama: 8 query heads, 2 KV heads, head_dim 16, over C = 2 ranks: U in (2, 4, 8)
+MODEL = tiny_config("llama", hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2)
+DIMS = dict(num_heads=8, num_kv_heads=2, head_dim=16, group_size=2, micro_batch_size=1, dtype_bytes=4)
+VALID = valid_head_chunk_sizes(8, 2, 2)
+
+
+def _need(model: Any = MODEL, **settings: Any) -> dict[int, int]:
+    dims = {**DIMS, **{k: settings.pop(k) for k in ("dtype_bytes",) if k in settings}}
+    return attention_stage_bytes_by_u(VALID, **dims, seq_length=SEQ, model_config=model, **settings)
+
+
+def _measured(block: UPipeConfig) -> dict[int, int]:
+    """The layer measurement of a block's settings, each passed to the measurement explicitly."""
+    return _need(
+        fused=block.fused_projections,
+        recompute_attention_output=block.recompute_attention_output,
+        overlap_comm=block.overlap_comm,
+    )
+
+
+def _pick(need: dict[int, int], budget: int) -> int:
+    """The largest U whose need fits (C when none does): the rule "auto" applies."""
+    fits = [u for u, size in need.items() if size <= budget]
+    return max(fits) if fits else DIMS["group_size"]
+
+
+def _budget_where_they_differ(a: dict[int, int], b: dict[int, int]) -> int:
+    """A budget (bytes) at which the two measurements pick different U (AssertionError if none)."""
+    for budget in sorted(set(a.values()) | set(b.values())):
+        if _pick(a, budget) != _pick(b, budget):
+            return budget
+    raise AssertionError(f"no budget separates the two measurements: {a} vs {b}")
+
+
+def _choose(budget: int, model: Any = MODEL, fused: bool | None = None, dtype_bytes: int = 4, **block: Any) -> int:
+    cfg = UPipeConfig(head_chunk_size="auto", memory_budget_gib=budget / 2**30, seq_length=SEQ, **block)
+    return choose_head_chunk_size(cfg, **{**DIMS, "dtype_bytes": dtype_bytes}, model_config=model, fused=fused)
+
+
+def test_fused_recompute_overlap_chooses_by_the_layer_not_the_core():
+    """fused + recompute + overlap: at a budget where the old core-only measurement (UPipeDistributedAttention
+    on q, k, v) picks a U whose real attention (the fused layer, measured directly with
+    ``fake_run.attention_step``, unpacked and packed) exceeds the budget, "auto" picks the largest U whose
+    real attention fits.  Mutation: ``choose_head_chunk_size`` not passing ``model_config`` on (the core
+    measurement again) picks the old U and fails."""
+    block = dict(fused_projections=True, recompute_attention_output=True, overlap_comm=True)
+    old = attention_stage_bytes_by_u(VALID, **DIMS, seq_length=SEQ, overlap_comm=True)  # core only
+    model = fake_run.HFModelConfig.of(MODEL)
+    real = {
+        u: max(
+            fake_run.attention_step(
+                fake_run.StepSpec(
+                    model,
+                    "upipe",
+                    2,
+                    SEQ,
+                    head_chunk_size=u,
+                    fused=True,
+                    recompute_attention_output=True,
+                    overlap_comm=True,
+                    dtype="fp32",
+                ),
+                packed,
+            ).activations
+            for packed in (False, True)
+        )
+        for u in VALID
+    }
+    # a budget at which the core-only choice does not fit the real attention, and a smaller U does
+    budgets = sorted(set(old.values()) | set(real.values()))
+    budget = next(b for b in budgets if real[_pick(old, b)] > b and min(real.values()) <= b)
+    old_u, new_u = _pick(old, budget), _choose(budget, **block)
+    assert real[old_u] > budget, (old_u, real, budget)
+    assert new_u == max(u for u in VALID if real[u] <= budget) != old_u, (new_u, old_u, real, old, budget)
+    print(
+        f"budget {budget} B: core-only U={old_u} (its real attention {real[old_u]} B), auto U={new_u} ({real[new_u]} B)"
+    )
+
+
+@pytest.mark.parametrize(
+    "on, off",
+    [
+        # fused projections (per-stage q/k/v from the layer input) or the model's own projections
+        (dict(fused_projections=True), dict(fused_projections=False)),
+        # fused: the attention output recomputed in backward instead of kept
+        (dict(recompute_attention_output=True), dict(recompute_attention_output=False)),
+        # the next stage's all-to-alls in flight beside the current stage's buffers (fused layer)
+        (dict(overlap_comm=True), dict(overlap_comm=False)),
+    ],
+    ids=["fused_projections", "recompute_attention_output", "overlap_comm"],
+)
+def test_each_setting_reaches_the_measurement(on, off):
+    """The setting changes the layer measurement and, at a budget between, the choice.  Mutations (each
+    fails its case): fused: ``choose_head_chunk_size`` passing ``fused=True`` always, or
+    ``_patched_model`` dropping ``fused_projections=spec.fused``; recompute: ``attention_stage_bytes_by_u``
+    not forwarding ``recompute_attention_output`` (or ``choose_head_chunk_size`` passing False);
+    overlap: ``overlap_comm`` dropped on the way to ``apply_upipe``."""
+    need_on, need_off = (_measured(UPipeConfig(**block)) for block in (on, off))
+    budget = _budget_where_they_differ(need_on, need_off)
+    assert _choose(budget, **on) == _pick(need_on, budget) != _pick(need_off, budget) == _choose(budget, **off)
+
+
+def test_accumulate_dtype_reaches_the_measurement():
+    """bf16 with ``accumulate_dtype: "input"``: the fused node's dx / weight-gradient sums and the round's
+    dK/dV sums in bf16, not float32: less memory, and the choice follows.  Mutation: dropping
+    ``accumulate_in_input_dtype`` on the way to ``apply_upipe`` (``_patched_model``) or in
+    ``choose_head_chunk_size`` fails."""
+    fp32_sums, input_sums = (_need(fused=True, dtype_bytes=2, accumulate_in_input_dtype=on) for on in (False, True))
+    assert all(input_sums[u] < fp32_sums[u] for u in VALID), (fp32_sums, input_sums)
+    budget = _budget_where_they_differ(input_sums, fp32_sums)
+    assert _choose(budget, dtype_bytes=2, accumulate_dtype="input") == _pick(input_sums, budget)
+    assert _choose(budget, dtype_bytes=2, accumulate_dtype="fp32") == _pick(fp32_sums, budget)
+
+
+def test_packed_rows_are_measured_and_the_larger_counts():
+    """Packing changes the kernel path (``DocumentKernel``: per-document segments beside the row's
+    buffers), and memory: the packed row needs more here, and "auto" counts the larger of the two.
+    Mutation: ``attention_activations`` measuring unpacked rows only fails."""
+    model = fake_run.HFModelConfig.of(MODEL)
+    need = _need(fused=True)
+    for u in VALID:
+        spec = fake_run.StepSpec(model, "upipe", 2, SEQ, head_chunk_size=u, fused=True, dtype="fp32")
+        plain, packed = (fake_run.attention_step(spec, p).activations for p in (False, True))
+        assert need[u] == max(plain, packed), (u, need[u], plain, packed)
+    spec = fake_run.StepSpec(model, "upipe", 2, SEQ, head_chunk_size=2, fused=True, dtype="fp32")
+    assert fake_run.attention_step(spec, True).activations > fake_run.attention_step(spec, False).activations
+
+
+def test_fused_as_apply_upipe_decides_for_the_model():
+    """A model apply_upipe runs unfused although fused projections are asked (PEFT LoRA on q_proj:
+    not a plain nn.Linear) is measured unfused.  Mutation: ``sp_setup.runs_fused`` returning
+    ``upipe.fused_projections`` fails."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from ds_upipe.integration.sp_setup import runs_fused
+
+    auto = UPipeConfig(head_chunk_size="auto", memory_budget_gib=1.0, seq_length=SEQ)
+    model = LlamaForCausalLM(tiny_config("llama"))
+    assert runs_fused(model, auto)
+    lora = get_peft_model(LlamaForCausalLM(tiny_config("llama")), LoraConfig(r=2, target_modules=["q_proj"]))
+    assert not runs_fused(lora, auto)
+    assert not runs_fused(model, auto.model_copy(update={"fused_projections": False}))
+
+
+def test_every_u_in_one_fake_run(monkeypatch):
+    """One fake run (one child process in a training job) for all valid U, with the model too.
+    Mutation: measuring U by U makes ``calls`` one per U."""
+    calls = []
+    isolated = fake_run.isolated
+
+    def counting(function, **kwargs):
+        calls.append((function, kwargs.get("head_chunk_sizes"), kwargs.get("model") is not None))
+        return isolated(function, **kwargs)
+
+    monkeypatch.setattr(fake_run, "isolated", counting)
+    assert _choose(2**40) == max(VALID)
+    assert calls == [("attention_activations", VALID, True)]
+
+
+def test_model_type_transformers_cannot_build_falls_back_to_the_core():
+    """A config transformers cannot build from its model type (remote code) is measured as the core
+    layer (with a warning), not an error at setup.  Mutation: ``HFModelConfig.of`` without the
+    ``CONFIG_MAPPING`` check raises in the fake run."""
+    from transformers import LlamaConfig
+
+    class RemoteConfig(LlamaConfig):
+        model_type = "remote_llama_for_test"
+
+    remote = RemoteConfig(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2)
+    assert _need(model=remote) == attention_stage_bytes_by_u(VALID, **DIMS, seq_length=SEQ)
