@@ -15,7 +15,9 @@ run here in three modes:
 Adapted to CPU only where CUDA or the hub was assumed: gloo, float32 (``preferred_dtype()`` would pick
 bf16), device ``cpu`` for ``cuda:{rank}``, and for ``hf-internal-testing/tiny-random-LlamaForCausalLM``
 a Llama with the same shape (hidden 16, 4 heads, 2 layers) built from a config and saved with
-``save_pretrained`` in a temporary folder.  ``unit.util``'s assertion helpers are reproduced as they
+``save_pretrained`` in a temporary folder, and torch's Adam (``"torch_adam": true``) for DeepSpeed's
+FusedAdam, whose CPU build is a C++ compile of about a minute on first use (the bodies never step the
+optimizer: their assertions are on losses and gradients).  ``unit.util``'s assertion helpers are reproduced as they
 are.  All cases run in one spawn of 2 ranks; each case first resets what DeepSpeed's runner gets
 fresh from a new process (the sequence-parallel groups, transformers' attention registry, the
 accelerate state).  ``TestUlyssesSPHFFlexAttention`` is skipped (torch's FlexAttention has no
@@ -135,7 +137,7 @@ def ulysses_sp_hf(model_name_or_path: str, zero_stage: int) -> None:
         "zero_optimization": {
             "stage": zero_stage,
         },
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
         "sequence_parallel_size": sequence_parallel_size,
     }
 
@@ -464,7 +466,7 @@ def ulysses_sp_hf_flex_attention(zero_stage: int, core_attn_implementation: str 
         "zero_optimization": {
             "stage": zero_stage,
         },
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
         "sequence_parallel_size": sequence_parallel_size,
     }
 

@@ -13,12 +13,15 @@ Two launches, each running many configurations in sequence (--runs):
   non-SP run on 4 ranks; UPipe x Ring at C_u x R = 2 x 2 and 1 x 4; the main job's ds_config
   unmodified (bf16); a config error.
 
+Both launches use one master port: the second maps the segment names the first one's ranks 0 and 1
+had (the clean exit on a reused port, formerly two launches of its own in test_clean_exit.py).
 Loss trajectories and gradient norms must agree within 1e-5 relative (float32 runs).
 """
 
 import pytest
 
 from ds_upipe.integration.config import UPipeConfig, attention_stage_bytes_by_u, choose_head_chunk_size
+from ds_upipe.tools.ranks import free_port
 from tests.engine_cases import FP32_RTOL, REPO, TORCH_ADAM, launch, max_rel, run
 
 pytestmark = pytest.mark.slow
@@ -71,7 +74,13 @@ def _local_checkpoint(path) -> str:
 
 
 @pytest.fixture(scope="module")
-def two_procs_launch(tmp_path_factory):
+def port() -> int:
+    """Both launches' master port: the second one reuses the first one's (test_repeated_launch_on_one_port)."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def two_procs_launch(tmp_path_factory, port):
     work = tmp_path_factory.mktemp("launch2")
     ref_ckpt, up_ckpt = str(work / "ckpt_ref"), str(work / "ckpt_upipe")
     auto = f'upipe={{"head_chunk_size": "auto", "memory_budget_gib": {_auto_budget()!r}, "seq_length": 256}}'
@@ -128,7 +137,7 @@ def two_procs_launch(tmp_path_factory):
         run("upipe_z1_bf16_fp32acc", "upipe_zero2", sp=2, gas=2, **bf16_acc),
         run("alst_z1_bf16_fp32acc", "ulysses_alst_zero3", sp=2, gas=2, **bf16_acc),
     ]
-    rc, output, metrics = launch(2, runs, work, steps=STEPS)
+    rc, output, metrics = launch(2, runs, work, steps=STEPS, port=port)
     assert rc == 0 and metrics["error"] is None, output[-6000:]
     return metrics["by_name"], output
 
@@ -139,7 +148,7 @@ def two_procs(two_procs_launch):
 
 
 @pytest.fixture(scope="module")
-def four_procs(tmp_path_factory):
+def four_procs(tmp_path_factory, port):
     work = tmp_path_factory.mktemp("launch4")
     runs = [
         run("ref_z1", "upipe_zero2", stage=1),
@@ -166,7 +175,7 @@ def four_procs(tmp_path_factory):
         {"name": "shipped_upipe_long_context", "deepspeed_config": "ds_configs/upipe_long_context.json", "steps": 2},
         run("bad_sp", sp=3),  # last: a config error ends the launch
     ]
-    rc, output, metrics = launch(4, runs, work, steps=STEPS)
+    rc, output, metrics = launch(4, runs, work, steps=STEPS, port=port)
     return rc, output, metrics
 
 
@@ -368,3 +377,20 @@ def test_config_error_ends_launch(four_procs):
     assert rc != 0
     assert "got 3 for a world of 4 processes; allowed: a divisor of the world size [1, 2, 4]" in metrics["error"]
     assert len(metrics["runs"]) == 12  # every run before it finished
+
+
+def test_repeated_launch_on_one_port_exits_cleanly(two_procs_launch, four_procs):
+    """A launch leaves nothing behind, also when the next launch reuses its port (the 2- and 4-process
+    launches share one: whichever runs second maps segment names of ranks 0 and 1 the first one had).
+
+    DeepSpeed's CPU shm-allreduce segments (/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>,
+    66 MB each) used to outlive every ``deepspeed`` launch; a later launch on the same port then mapped
+    a stale peer's segment.  ``tests/engine_cases.launch`` asserts after every launch that none is left;
+    here both launches on the one port end through their own exit path: the 2-process one with 0, the
+    4-process one with the example's configuration-error code 2 after its last run (every UPipe and
+    ALST run before it finished; their results are checked against the non-SP runs above)."""
+    runs, _ = two_procs_launch  # (its fixture asserts exit code 0)
+    assert len(runs) == 35 and all(r["losses"] for r in runs.values())
+    rc, output, metrics = four_procs
+    assert rc == 2, output[-4000:]
+    assert len(metrics["runs"]) == 12 and all(r["losses"] for r in metrics["runs"]), metrics["runs"]

@@ -10,6 +10,8 @@ come out 2x).  Two Trainer launches with ``--model PATH`` (a checkpoint saved wi
 loaded under ZeRO-3's ``zero.Init``), with SP 2 and without SP, must agree the same way.  Per entry
 point one 4-process UPipe x Ring launch (Ulysses 2 x ring 2) must equal that entry point's non-SP run.
 
+Each 1-process non-SP Trainer launch runs at the same time as a 2-process one (tests/launches.py).
+
 The Trainer's eval set has 5 sequences on 2 ranks, so accelerate pads one rank's last batch with a
 duplicate and ``gather_for_metrics`` drops it again: the SP eval loss must still equal the non-SP one.
 """
@@ -18,15 +20,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ds_upipe.integration import hf_integration
+from tests.launches import run_together
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -42,19 +43,30 @@ def _env() -> dict[str, str]:
 
 
 def _launch(cmd: list[str], out: Path) -> dict[str, Any]:
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
-    wall = time.perf_counter() - start
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
-    result = json.loads(out.read_text())
-    result["launch_s"] = wall
-    print(f"{out.stem}: launch {wall:.1f}s, losses {result['train_losses']}, eval {result['eval_loss']}")
-    return result
+    return _together((cmd, out))[0]
+
+
+def _together(*launches: tuple[list[str], Path]) -> list[dict[str, Any]]:
+    """The launches at once (tests/launches.py: torchrun's, each with its own rendezvous); each must exit
+    0; their metrics."""
+    results = run_together([cmd for cmd, _ in launches], cwd=ROOT, env=_env(), timeout=400)
+    metrics = []
+    for (cmd, out), (code, output, wall) in zip(launches, results, strict=True):
+        assert code == 0, f"{' '.join(cmd)} failed:\n{output[-6000:]}"
+        result = json.loads(out.read_text())
+        result["launch_s"] = wall
+        print(f"{out.stem}: launch {wall:.1f}s, losses {result['train_losses']}, eval {result['eval_loss']}")
+        metrics.append(result)
+    return metrics
+
+
+def _torchrun_command(nproc: int, out: Path, *args: str) -> tuple[list[str], Path]:
+    cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "examples/finetune_trainer.py"]
+    return [*cmd, "--metrics_out", str(out), "--output_dir", str(out.parent / out.stem), *args], out
 
 
 def _torchrun(nproc: int, out: Path, *args: str) -> dict[str, Any]:
-    cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "examples/finetune_trainer.py"]
-    return _launch([*cmd, "--metrics_out", str(out), "--output_dir", str(out.parent / out.stem), *args], out)
+    return _launch(*_torchrun_command(nproc, out, *args))
 
 
 def _accelerate(out: Path, *flags: str) -> dict[str, Any]:
@@ -97,16 +109,23 @@ def trainer_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
     (work / "ds_config_upipe_zero2.json").write_text(json.dumps(zero2))
     model = str(_save_checkpoint(work / "checkpoint"))
     upipe = ("--deepspeed", "examples/ds_config_upipe.json")
+    # the 1-process non-SP runs each at once with a 2-process launch (tests/launches.py)
+    runs: dict[str, dict[str, Any]] = {}
+    runs["upipe"], runs["no_sp"] = _together(
+        _torchrun_command(2, work / "upipe.json", *upipe, "--sp_size", "2"),
+        _torchrun_command(1, work / "no_sp.json", *upipe, "--sp_size", "1"),
+    )
+    # --model PATH: from_pretrained runs under ZeRO-3's zero.Init
+    runs["upipe_model"], runs["no_sp_model"] = _together(
+        _torchrun_command(2, work / "upipe_model.json", *upipe, "--sp_size", "2", "--model", model),
+        _torchrun_command(1, work / "no_sp_model.json", *upipe, "--sp_size", "1", "--model", model),
+    )
     return {
-        "upipe": _torchrun(2, work / "upipe.json", "--deepspeed", "examples/ds_config_upipe.json", "--sp_size", "2"),
+        **runs,
         "alst": _torchrun(2, work / "alst.json", "--deepspeed", "examples/ds_config_alst.json", "--sp_size", "2"),
-        "no_sp": _torchrun(1, work / "no_sp.json", "--deepspeed", "examples/ds_config_upipe.json", "--sp_size", "1"),
         "upipe_zero2": _torchrun(
             2, work / "upipe_zero2.json", "--deepspeed", str(work / "ds_config_upipe_zero2.json"), "--sp_size", "2"
         ),
-        # --model PATH: from_pretrained runs under ZeRO-3's zero.Init
-        "upipe_model": _torchrun(2, work / "upipe_model.json", *upipe, "--sp_size", "2", "--model", model),
-        "no_sp_model": _torchrun(1, work / "no_sp_model.json", *upipe, "--sp_size", "1", "--model", model),
         # the long-context stack from the ds_config (UPipe, ZeRO-3): the Trainer's loss is the tiled one
         "upipe_stack": _torchrun(
             2,
@@ -144,10 +163,11 @@ def trainer_packing_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
     restarting position_ids)."""
     work = tmp_path_factory.mktemp("trainer_packing")
     upipe = ("--deepspeed", "examples/ds_config_upipe.json", "--packing")
-    return {
-        "no_sp": _torchrun(1, work / "no_sp.json", *upipe, "--sp_size", "1"),
-        "upipe_packing": _torchrun(2, work / "upipe_packing.json", *upipe, "--sp_size", "2"),
-    }
+    no_sp, upipe_packing = _together(
+        _torchrun_command(1, work / "no_sp.json", *upipe, "--sp_size", "1"),
+        _torchrun_command(2, work / "upipe_packing.json", *upipe, "--sp_size", "2"),
+    )
+    return {"no_sp": no_sp, "upipe_packing": upipe_packing}
 
 
 @pytest.fixture(scope="module")
@@ -315,9 +335,9 @@ def moe_runs(tmp_path_factory) -> dict[str, dict[str, dict[str, Any]]]:
     runs = {}
     for family, flags in MOE_LAUNCHES.items():
         model = ("--model", str(save_moe_checkpoint(family, work / family)), *flags)
-        runs[family] = {
-            "upipe_stack": _torchrun(2, work / f"{family}_stack.json", "--deepspeed", stack, "--sp_size", "2", *model),
-            "no_sp": _torchrun(
+        upipe_stack, no_sp = _together(
+            _torchrun_command(2, work / f"{family}_stack.json", "--deepspeed", stack, "--sp_size", "2", *model),
+            _torchrun_command(
                 1,
                 work / f"{family}_no_sp.json",
                 "--deepspeed",
@@ -326,7 +346,8 @@ def moe_runs(tmp_path_factory) -> dict[str, dict[str, dict[str, Any]]]:
                 "1",
                 *model,
             ),
-        }
+        )
+        runs[family] = {"upipe_stack": upipe_stack, "no_sp": no_sp}
     return runs
 
 

@@ -4,7 +4,8 @@
 Each UPipe launch (2 processes, SP 2) must equal its non-SP run, within 1e-5 relative, in every number
 TRL reports from the loss path: the logged training losses, gradient norms, ``mean_token_accuracy``
 and ``entropy``, and ``eval_loss``, ``eval_mean_token_accuracy`` and ``eval_entropy``; and every rank
-must have run UPipe stages in training and in evaluation.  The cases, one launch each:
+must have run UPipe stages in training and in evaluation.  The cases, one launch each (each with its
+non-SP reference at once: tests/launches.py):
 
 - plain text, batch 2, TRL's dynamic padding (rows of different lengths on the two ranks), ZeRO-3;
 - prompt-completion (loss on the completion only), gradient accumulation 2, ZeRO-2;
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,8 @@ from typing import Any
 import pytest
 
 pytest.importorskip("trl")
+
+from tests.launches import run_together  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -55,12 +57,17 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _torchrun(nproc: int, out: Path, *args: str) -> dict[str, Any]:
+def _torchrun(nproc: int, out: Path, *args: str) -> tuple[list[str], Path]:
     cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "examples/sft_trl.py"]
-    cmd += ["--metrics_out", str(out), "--output_dir", str(out.parent / out.stem), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
-    return json.loads(out.read_text())
+    return [*cmd, "--metrics_out", str(out), "--output_dir", str(out.parent / out.stem), *args], out
+
+
+def _together(*launches: tuple[list[str], Path]) -> list[dict[str, Any]]:
+    """The launches at once (tests/launches.py); each must exit 0; their metrics."""
+    results = run_together([cmd for cmd, _ in launches], cwd=ROOT, env=_env(), timeout=400)
+    for (cmd, _), (code, output, _) in zip(launches, results, strict=True):
+        assert code == 0, f"{' '.join(cmd)} failed:\n{output[-6000:]}"
+    return [json.loads(out.read_text()) for _, out in launches]
 
 
 def _ds_config(work: Path, change: str) -> str:
@@ -79,10 +86,11 @@ def runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
     work = tmp_path_factory.mktemp("trl")
     out: dict[str, dict[str, Any]] = {}
     for name, (reference, change, flags) in CASES.items():
-        if f"no_sp:{reference}" not in out:
-            out[f"no_sp:{reference}"] = _torchrun(1, work / f"no_sp_{reference}.json", "--sp_size", "1", *flags)
         config = _ds_config(work, change)
-        out[name] = _torchrun(2, work / f"{name}.json", "--sp_size", "2", "--deepspeed", config, *flags)
+        launches = {name: _torchrun(2, work / f"{name}.json", "--sp_size", "2", "--deepspeed", config, *flags)}
+        if f"no_sp:{reference}" not in out:  # the non-SP reference (1 process) next to the SP launch
+            launches[f"no_sp:{reference}"] = _torchrun(1, work / f"no_sp_{reference}.json", "--sp_size", "1", *flags)
+        out.update(zip(launches, _together(*launches.values()), strict=True))
     return out
 
 

@@ -40,7 +40,8 @@ SEQ = 16
 BASE = {
     "train_micro_batch_size_per_gpu": 1,
     "zero_optimization": {"stage": 2},
-    "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+    # torch's Adam: DeepSpeed's FusedAdam is a C++ build of about a minute on CPU (no test here steps it)
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
 }
 #: every model-level key on, and U, kernel, overlap, accumulation off their defaults; "auto" with the budget
 #: of ``_auto_budget`` (added in ``key_cases``): the model's fused + recompute + overlap layer fits no U
