@@ -1,7 +1,7 @@
 """``upipe.head_chunk_size: "auto"`` measures the attention of the model's layer as the model will run it.
 
 Where a route has the model (``ds_upipe.initialize``, the Trainer / accelerate registration), "auto"
-runs the model's first decoder layer's attention module on fake tensors, patched by
+runs the attention module of a decoder layer of each kind the model has on fake tensors, patched by
 ``hf_patches.apply_upipe`` with the block's fused projections, recompute, overlap, accumulation and
 ring, on unpacked and packed rows (``config.attention_stage_bytes_by_u`` with ``model_config``,
 ``fake_run.attention_step``), every valid U in one run.  These tests run in this process (no process
@@ -12,6 +12,7 @@ of tests/test_upipe_keys.py (all three routes) and the "auto" run of tests/test_
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -193,3 +194,26 @@ def test_model_type_transformers_cannot_build_falls_back_to_the_core():
 
     remote = RemoteConfig(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2)
     assert _need(model=remote) == attention_stage_bytes_by_u(VALID, **DIMS, seq_length=SEQ)
+
+
+def test_every_kind_of_layer_is_measured():
+    """A model of full and sliding-window layers (Qwen2 with ``layer_types``, the full one first) runs
+    every layer at the chosen U, so "auto" measures a layer of each kind and keeps the larger need
+    (``HFModelConfig.layer_kinds``).  On CPU the windowed kernel's banded tiles need more than full
+    causal attention, so the sliding layer sets it here.  Mutation: measuring the first layer only
+    (``layer_kinds`` returning [self]) gives the full layer's need and fails."""
+    mixed = tiny_config(
+        "qwen2",
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=64,
+        layer_types=["full_attention", "sliding_attention"],
+    )
+    kinds = fake_run.HFModelConfig.of(mixed).layer_kinds()
+    assert [json.loads(k.json_text)["layer_types"][0] for k in kinds] == ["full_attention", "sliding_attention"]
+    per_kind = [_need(model=k.config(1)) for k in kinds]  # one layer: of that kind only
+    assert per_kind[0] != per_kind[1], per_kind  # the two kinds need different memory (else this tests nothing)
+    assert _need(model=mixed) == {u: max(need[u] for need in per_kind) for u in VALID}

@@ -374,7 +374,8 @@ def attention_stage_bytes_by_u(
     upipe.accumulate_dtype = "input"), ``overlap_comm`` (two stages' buffers in flight) and ring.
 
     ``model_config`` (the model's transformers config, where the route has the model): the attention
-    module of its first decoder layer patched by ``hf_patches.apply_upipe`` as the model will run it,
+    module of a decoder layer of each kind it has (``layer_types``; the largest) patched by
+    ``hf_patches.apply_upipe`` as the model will run it,
     ``fused`` projections or not, ``recompute_attention_output``, on unpacked and packed rows (the
     larger counts; ``fake_run.attention_step``).  None (no HF model: the core layer): the core
     ``UPipeDistributedAttention`` on q, k, v (``fake_run.core_step``).  Kernel-internal CUDA workspaces

@@ -380,7 +380,7 @@ class ModelShape:
 class HFModelConfig:
     """A real model's transformers (text) config, as JSON: the fake run builds its decoder layer from
     it (any architecture transformers knows, not only ``ModelShape``'s Llama family), so ``"auto"``
-    measures the attention module the model has (q/k norms, biases, sliding windows of layer 0 ...)."""
+    measures the attention modules the model has (q/k norms, biases, each kind of layer's window ...)."""
 
     json_text: str
 
@@ -402,6 +402,21 @@ class HFModelConfig:
     @property
     def hidden_size(self) -> int:
         return int(json.loads(self.json_text)["hidden_size"])
+
+    def layer_kinds(self) -> list[HFModelConfig]:
+        """One config per distinct entry of ``layer_types`` (e.g. sliding and full attention), each
+        whose first layer is of that kind, in order of first appearance; [self] without per-layer
+        types.  ``"auto"`` measures each and keeps the largest, since every layer runs at the chosen U."""
+        values = json.loads(self.json_text)
+        kinds = values.get("layer_types")
+        if not isinstance(kinds, list) or len(set(kinds)) <= 1:
+            return [self]
+        configs = []
+        for kind in dict.fromkeys(kinds):
+            first = kinds.index(kind)
+            values["layer_types"] = [*kinds[first:], *kinds[:first]]  # same length, ``kind`` first
+            configs.append(HFModelConfig(json.dumps(values, sort_keys=True, default=str)))
+        return configs
 
     def config(self, layers: int = 1) -> Any:
         from transformers import AutoConfig
@@ -812,7 +827,8 @@ def intermediate(peak: Peak, io_bytes: int) -> Peak:
 
 @functools.lru_cache(maxsize=512)
 def attention_step(spec: StepSpec, packed: bool = False) -> Peak:
-    """Rank 0's peak over the attention module of the model's first decoder layer, forward + backward,
+    """Rank 0's peak over the attention module of the first decoder layer of ``spec.model`` (one per
+    kind of layer: ``HFModelConfig.layer_kinds``), forward + backward,
     run as the model runs it: built from ``spec.model`` (the real model's config on ``"auto"``'s
     routes), patched by ``hf_patches.apply_upipe`` with the spec's fused projections (apply_upipe's own
     fallback for that architecture), ``recompute_attention_output``, ``overlap_comm``, accumulation and
@@ -865,17 +881,19 @@ def attention_step(spec: StepSpec, packed: bool = False) -> Peak:
 def attention_activations(head_chunk_sizes: list[int], *, model: str | None, **kwargs: Any) -> dict[str, int]:
     """The intermediate peak (``intermediate``) of every U, in one process (``"auto"``: one child process
     for all U).  ``model``: the JSON of the real model's config (``HFModelConfig``), measured with
-    ``attention_step``; unpacked and packed rows (without a ring; rings refuse packing) both run and
-    the larger counts, since whether a batch is packed is known only per forward.  None (the core
+    ``attention_step`` on a layer of each kind the model has (``HFModelConfig.layer_kinds``: sliding and
+    full attention layers), unpacked and packed rows (without a ring; rings refuse packing): the
+    largest counts, since every layer runs at the chosen U and whether a batch is packed is known only
+    per forward.  None (the core
     layer's route, no HF model): ``core_step`` of ``UPipeDistributedAttention``."""
     if model is None:
         return {str(u): core_step(head_chunk_size=u, **kwargs).activations for u in head_chunk_sizes}
-    config = HFModelConfig(model)  # the JSON of HFModelConfig.of
+    kinds = HFModelConfig(model).layer_kinds()  # the JSON of HFModelConfig.of, one per kind of layer
     out = {}
     for u in head_chunk_sizes:
         # kwargs: sp_size, seq_len, batch, dtype, ring_size, overlap_comm, accumulate_in_input_dtype, fused,
         # recompute_attention_output (StepSpec's fields, as attention_stage_bytes_by_u passes them)
-        spec = StepSpec(config, "upipe", head_chunk_size=u, **kwargs)
-        packings = (False, True) if spec.ring_size == 1 else (False,)
-        out[str(u)] = max(attention_step(spec, packed).activations for packed in packings)
+        specs = [StepSpec(kind, "upipe", head_chunk_size=u, **kwargs) for kind in kinds]
+        packings = (False, True) if specs[0].ring_size == 1 else (False,)
+        out[str(u)] = max(attention_step(spec, packed).activations for spec in specs for packed in packings)
     return out
