@@ -7,7 +7,7 @@ time*, calls its ``register_with_transformers`` (which builds the sequence-paral
 returns the mpu) and wraps the data loaders in ``UlyssesSPDataLoaderAdapter``; the Trainer then
 computes the loss across the sequence ranks (``deepspeed_sp_compute_loss``).
 
-``enable()`` keeps all of that and changes four things, process-wide, until ``disable()`` (nine
+``enable()`` keeps all of that and changes five things, process-wide, until ``disable()`` (ten
 attributes of deepspeed, transformers and their classes, each named in ``enable``; why process-wide:
 ``_ORIGINALS``):
 
@@ -38,6 +38,9 @@ attributes of deepspeed, transformers and their classes, each named in ``enable`
    correction of DeepSpeed issue #5248), so ZeRO-1/2 gradients equal the non-SP run's as ZeRO-3's do.
 4. ``TrainingArguments(deepspeed=...)`` brings up ``deepspeed.comm`` on CPU, so that
    ``from_pretrained`` under ZeRO-3's ``zero.Init`` works there (``_wrap_trainer_config_process``).
+5. accelerate's ``DeepSpeedPlugin.deepspeed_config_process`` leaves the ``"upipe"`` block alone: it
+   takes every ``"auto"`` in a ds_config for one of its own placeholders, and ``head_chunk_size:
+   "auto"`` is measured at registration (``_wrap_deepspeed_config_process``).
 
 Call ``enable()`` once before ``Trainer(...)`` / ``accelerator.prepare(...)``.  Docs:
 docs/trainer_accelerate.md.
