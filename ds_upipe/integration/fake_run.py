@@ -534,6 +534,22 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _fake_model(spec: StepSpec, layers: int = 1) -> Iterator[tuple[torch.nn.Module, dist.ProcessGroup]]:
+    """(the spec's patched model (``_patched_model``), the fake group) on fake tensors, as rank 0 of a
+    fake group of the spec's size, with the real backend's buffer retention: the setting every
+    model-level fake run uses."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with (
+        fake_world(spec.sp_size) as group,
+        FakeTensorMode(),
+        _patched_model(spec, group, layers=layers) as model,
+        _backend_retention(spec.comm_backend),
+    ):
+        yield model, group
+
+
+@contextlib.contextmanager
 def _patched_model(spec: StepSpec, group: dist.ProcessGroup, layers: int = 1) -> Iterator[torch.nn.Module]:
     """A ``*ForCausalLM`` of ``layers`` decoder layers (fake weights) set up as the run sets it up; ALST's
     override of transformers' attention registry is undone afterwards."""
@@ -605,16 +621,10 @@ def layer_step(spec: StepSpec, live: bool = False) -> Peak:
     ``checkpointing.without_recomputed_outputs``, whose output stand-in frees the layer output).
     ``after_forward``: x, the output and what the layer saved for backward (what each layer keeps
     without checkpointing)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     dtype = DTYPES[spec.dtype]
     s, hidden = spec.local_tokens, spec.model.hidden_size
-    with (
-        fake_world(spec.sp_size) as group,
-        FakeTensorMode(),
-        _patched_model(spec, group) as model,
-        _backend_retention(spec.comm_backend),
-    ):
+    with _fake_model(spec) as (model, _):
         layer, rotary = model.model.layers[0], model.model.rotary_emb
         x = torch.empty(spec.batch, s, hidden, dtype=dtype).requires_grad_(True)
         dy = torch.empty(spec.batch, s, hidden, dtype=dtype)
@@ -696,19 +706,13 @@ def model_step(spec: StepSpec, keep_gradients: bool = False, live: bool = False,
     backward from gradients set to None, what the CPU whole-step benchmark measures); otherwise it is
     dropped once accumulated, as ZeRO moves it into its reduce bucket (counted by the planner)."""
     from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     import hf_patches
 
     dtype = DTYPES[spec.dtype]
     s, hidden = spec.local_tokens, spec.model.hidden_size
     phase = ["forward"]
-    with (
-        fake_world(spec.sp_size) as group,
-        FakeTensorMode(),
-        _patched_model(spec, group, layers=layers) as model,
-        _backend_retention(spec.comm_backend),
-    ):
+    with _fake_model(spec, layers=layers) as (model, group):
         base = model.model
         if spec.checkpointed:
             model._set_gradient_checkpointing(
@@ -837,7 +841,6 @@ def attention_step(spec: StepSpec, packed: bool = False) -> Peak:
     the kernel runs per document (``ds_upipe.packing.DocumentKernel``) with a segment of nearly the
     whole row beside the row's buffers (the most that per-document path holds).  ``activations``:
     ``intermediate``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from hf_patches.architectures import find_decoder
     from hf_patches.state import DOCUMENTS_KWARG
@@ -846,12 +849,7 @@ def attention_step(spec: StepSpec, packed: bool = False) -> Peak:
 
     dtype = DTYPES[spec.dtype]
     s, hidden = spec.local_tokens, spec.model.hidden_size
-    with (
-        fake_world(spec.sp_size) as group,
-        FakeTensorMode(),
-        _patched_model(spec, group) as model,
-        _backend_retention(spec.comm_backend),
-    ):
+    with _fake_model(spec) as (model, _):
         attn = find_decoder(model).attentions[0]
         h = torch.empty(spec.batch, s, hidden, dtype=dtype).requires_grad_(True)
         dout = torch.empty(spec.batch, s, hidden, dtype=dtype)
