@@ -7,11 +7,13 @@ plan guarantees equal head counts per rank, so every exchange is even, which glo
 
 - Heads to sequence (``heads_send_buffer`` + ``start_heads_exchange``): the caller writes its local
   [b, s, C*n_j, d] tensors (this rank's sequence shard, the C*n_j heads grouped by destination rank,
-  seen as [b, s, C, n_j, d]) straight into strided views of their segments ([n_j, b, s, d] per
-  destination), so a stage's heads are selected (or projected) into the send buffer itself: no
-  select-then-permute temporary; the pending result is one [b, n_j, S, d] tensor per segment (full
-  sequence S = C*s of the n_j heads this rank attends over, in the kernel layout), so the pipeline
-  can fetch the next stage's heads while the current stage computes.
+  seen as [b, s, C, n_j, d]) straight into strided views of the send buffer, whose row per
+  destination is token-major ([s, b, P, d], every tensor's heads side by side per token:
+  ``HeadsLayout``), so a stage's heads are selected (or projected) into the send buffer itself: no
+  select-then-permute temporary; the pending result is one [b, n_j, S, d] tensor per packed tensor
+  (full sequence S = C*s of the n_j heads this rank attends over, in the kernel layout), a strided
+  view of the receive buffer (no copy: the kernels read any strides with a contiguous last dim), so
+  the pipeline can fetch the next stage's heads while the current stage computes.
 - Sequence to heads (``scatter_buffer`` + ``start_scatter``): full [b, n_j, S, d] tensors are
   written into their segments as [b, s, n_j, d] per destination; the result is one [C, b, s, n_j, d]
   view per segment ([src] is this rank's sequence chunk of the heads rank src attended over), handed
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -133,6 +136,32 @@ def _packed_send(
     return send, shapes
 
 
+@dataclass(frozen=True)
+class HeadsLayout:
+    """The row layout of a heads-to-sequence buffer: [s, b, P, d] per destination (or source) rank,
+    tensor j's n_j heads at offset sum(n_<j) of the P = sum(n_j) head positions of every token."""
+
+    b: int
+    s: int
+    d: int
+    counts: tuple[int, ...]
+
+    @property
+    def width(self) -> int:
+        return sum(self.counts)
+
+    def tensors(self, buffer: Tensor) -> list[Tensor]:
+        """Tensor j's [C, s, b, n_j, d] view of a [C, X] buffer in this layout."""
+        rows = buffer.view(buffer.shape[0], self.s, self.b, self.width, self.d)
+        if len(self.counts) == 1:
+            return [rows]  # one tensor is the whole row: no narrow (one op less per exchange)
+        out, offset = [], 0
+        for n in self.counts:
+            out.append(rows.narrow(3, offset, n))
+            offset += n
+        return out
+
+
 def heads_send_buffer(
     write: Callable[[list[Tensor]], None],
     heads: Sequence[int],
@@ -140,40 +169,46 @@ def heads_send_buffer(
     dtype: torch.dtype,
     device: torch.device,
     group_size: int,
-) -> tuple[Tensor, list[tuple[int, ...]]]:
-    """(the contiguous [C, X] buffer ``start_heads_exchange`` sends, its segments' [n_j, b, s, d]
-    shapes).  ``write(views)`` fills it: views[j] is segment j seen as this rank's local heads,
-    [b, s, C, n_j, d] (``heads[j]`` = C*n_j heads grouped by destination; ``local_shape`` =
-    (b, s, d)), a strided view into which the caller writes its heads directly (head-major, no
-    select-then-permute temporary; e.g. ``select_heads``)."""
+) -> tuple[Tensor, HeadsLayout]:
+    """(the contiguous [C, X] buffer ``start_heads_exchange`` sends, its layout).  ``write(views)``
+    fills it: views[j] is tensor j seen as this rank's local heads, [b, s, C, n_j, d] (``heads[j]`` =
+    C*n_j heads grouped by destination; ``local_shape`` = (b, s, d)), a strided view into which the
+    caller writes its heads directly (no select-then-permute temporary; e.g. ``select_heads``).
+
+    Row dst is token-major, [s, b, P, d] with the P = sum(n_j) heads of every tensor side by side per
+    token: received, the C source rows are consecutive token blocks of the full sequence, so each
+    tensor is a strided [b, n_j, C*s, d] view of the receive buffer (``start_heads_exchange``), no
+    rearranging copy (a head-major row, [n_j, b, s, d] per tensor, would need one per tensor)."""
     b, s, d = local_shape
     c = group_size
-    shapes = [(h // c, b, s, d) for h in heads]
-    total = sum(torch.Size(shape).numel() for shape in shapes)
-    send = torch.empty((c, total), dtype=dtype, device=device)
-    # segment [C, n, b, s, d] seen as [b, s, C, n, d] (C and n are not mergeable: a row of the buffer
-    # holds every segment's piece for one destination)
-    write([seg.permute(2, 3, 0, 1, 4) for seg in _segments(send, shapes)])
-    return send, shapes
+    layout = HeadsLayout(b, s, d, tuple(h // c for h in heads))
+    send = torch.empty((c, s * b * layout.width * d), dtype=dtype, device=device)
+    # [C, s, b, n_j, d] per tensor, seen as [b, s, C, n_j, d]
+    write([seg.permute(2, 1, 0, 3, 4) for seg in layout.tensors(send)])
+    return send, layout
 
 
 def start_heads_exchange(
     send: Tensor,
-    shapes: Sequence[tuple[int, ...]],
+    layout: HeadsLayout,
     group_size: int,
     group: dist.ProcessGroup | None,
     async_op: bool = True,
+    own_storage: bool = False,
 ) -> PendingExchange:
-    """``heads_send_buffer``'s buffer and shapes -> pending ([b, n_j, C*s, d] per tensor)."""
-    c = group_size
-    recv, work, counts = _exchange(send, group, c, async_op)
+    """``heads_send_buffer``'s buffer and layout -> pending ([b, n_j, C*s, d] per tensor: views of the
+    receive buffer, whose row src holds peer src's token block of the sequence; with ``own_storage``
+    each copied to a contiguous [b, C*s, n_j, d] of its own, seen as [b, n_j, C*s, d], for a kernel
+    that does not read strided inputs)."""
+    recv, work, counts = _exchange(send, group, group_size, async_op)
+    b, s, d = layout.b, layout.s, layout.d
 
     def finish(r: Tensor) -> tuple[Tensor, ...]:
-        # segment [src] holds peer src's sequence chunk: put it at position src of the sequence
-        return tuple(
-            seg.permute(2, 1, 0, 3, 4).reshape(b, n, c * s, d)
-            for seg, (n, b, s, d) in zip(_segments(r, shapes), shapes)
-        )
+        # [C, s, b, n, d] -> [b, C, s, n, d] -> [b, C*s, n, d]: C's stride is s times s's, so a view
+        tokens = [seg.permute(2, 0, 1, 3, 4).reshape(b, group_size * s, seg.shape[3], d) for seg in layout.tensors(r)]
+        if own_storage:
+            tokens = [t.contiguous() for t in tokens]  # the last reference to r: freed once copied out
+        return tuple(t.transpose(1, 2) for t in tokens)
 
     return PendingExchange(send, recv, work, counts, finish)
 

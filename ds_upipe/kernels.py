@@ -89,6 +89,11 @@ class AttentionKernel(abc.ABC):
     #: whether the kernel has per-head state (attention sinks): the pipeline then runs each stage with
     #: ``for_heads(this rank's global query heads of the stage)``
     per_head: bool = False
+    #: whether ``forward``/``backward`` read q, k, v through any strides with a contiguous last dim (as
+    #: torch's attention ops and flash-attn do): the pipeline then hands them strided views of the
+    #: exchange's receive buffer; otherwise each is first copied to its own token-major storage
+    #: ([b, S, h, d] contiguous, seen as [b, h, S, d])
+    reads_strided_inputs: bool = True
 
     def __init__(self, causal: bool = True, softmax_scale: float | None = None) -> None:
         self.causal = causal
@@ -156,6 +161,9 @@ class CallableKernel(AttentionKernel):
 
     name = "callable"
     needs_output_in_backward = False
+    # DistributedAttention's local attention gets contiguous [b, S, h, d] tensors (DeepSpeed's
+    # all-to-all output); a user's function may ``.view`` them
+    reads_strided_inputs = False
 
     def __init__(
         self,

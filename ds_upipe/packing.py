@@ -133,6 +133,10 @@ class DocumentKernel(AttentionKernel):
     def per_head(self) -> bool:  # type: ignore[override]
         return self.inner.per_head
 
+    @property
+    def reads_strided_inputs(self) -> bool:  # type: ignore[override]
+        return self.inner.reads_strided_inputs
+
     def for_heads(self, heads: Tensor) -> AttentionKernel:
         """Per-head state (attention sinks) of the inner kernel bound to a stage's heads, per document."""
         inner = self.inner.for_heads(heads)

@@ -276,8 +276,9 @@ class PipelineContext:
         asynchronously when ``prefetch`` and overlap_comm; the handle's ``wait()`` gives
         [b, n_j, S, d] each."""
         c = self.plan.group_size
-        send, shapes = heads_send_buffer(write, heads, source.local_shape, source.dtype, source.device, c)
-        return start_heads_exchange(send, shapes, c, self.group, self.overlap_comm and prefetch)
+        send, layout = heads_send_buffer(write, heads, source.local_shape, source.dtype, source.device, c)
+        strided = self.attention.reads_strided_inputs
+        return start_heads_exchange(send, layout, c, self.group, self.overlap_comm and prefetch, not strided)
 
     def gather_key_value(self, source: StageSource, slot: Slot) -> tuple[Tensor, ...]:
         """A round's K and V ([b, n, S, d] each), in one exchange, finished at once."""

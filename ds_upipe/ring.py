@@ -207,13 +207,17 @@ _GRAD_TAGS = (2, 3)
 def start_ring_exchange(tensors: Sequence[Tensor], group: dist.ProcessGroup | None, tags: Sequence[int]) -> PendingRing:
     """Send ``tensors`` to ring rank + 1 and receive as many of the same shapes from ring rank - 1."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    sends = [t.contiguous() for t in tensors]
+    # point-to-point messages need contiguous memory: a token-major [b, h, L, d] view (the pipeline's
+    # K/V, ``reads_strided_inputs``) is sent as its [b, L, h, d] storage and received the same way
+    token_major = [t.dim() == 4 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous() for t in tensors]
+    sends = [t.transpose(1, 2) if tm else t.contiguous() for t, tm in zip(tensors, token_major)]
     recvs = [torch.empty_like(t) for t in sends]
     ops = [dist.P2POp(dist.isend, t, group=group, tag=tag, group_peer=(rank + 1) % size) for t, tag in zip(sends, tags)]
     ops += [
         dist.P2POp(dist.irecv, t, group=group, tag=tag, group_peer=(rank - 1) % size) for t, tag in zip(recvs, tags)
     ]
-    return PendingRing(sends, recvs, dist.batch_isend_irecv(ops))
+    works = dist.batch_isend_irecv(ops)
+    return PendingRing(sends, [r.transpose(1, 2) if tm else r for r, tm in zip(recvs, token_major)], works)
 
 
 # -- the kernel -------------------------------------------------------------------------------------------
@@ -240,6 +244,8 @@ class RingAttentionKernel(AttentionKernel):
     forward and backward, so tests can check the load balance on what ran."""
 
     name = "ring"
+    # its K/V blocks travel point-to-point, which needs each in storage of its own
+    reads_strided_inputs = False
 
     def __init__(self, inner: AttentionKernel, ring_group: dist.ProcessGroup | None, overlap: bool = False) -> None:
         if not isinstance(inner, AttentionKernel) or isinstance(inner, (RingAttentionKernel, CallableKernel)):

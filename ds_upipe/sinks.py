@@ -86,6 +86,10 @@ class SinkKernel(AttentionKernel):
     def needs_output_in_backward(self) -> bool:  # type: ignore[override]
         return True  # the sink's gradient and the rescaled softmax gradient read out'
 
+    @property
+    def reads_strided_inputs(self) -> bool:  # type: ignore[override]
+        return self.inner.reads_strided_inputs  # q, k, v go to the inner kernel as they come
+
     def for_heads(self, heads: Tensor) -> AttentionKernel:
         return _StageSinks(self, heads)
 
@@ -119,6 +123,10 @@ class _StageSinks(AttentionKernel):
     def __init__(self, parent: SinkKernel, heads: Tensor) -> None:
         super().__init__(parent.causal, parent.softmax_scale)
         self.parent, self.heads = parent, heads.to(parent.values.device)
+
+    @property
+    def reads_strided_inputs(self) -> bool:  # type: ignore[override]
+        return self.parent.reads_strided_inputs
 
     def _sinks(self, lse: Tensor) -> Tensor:
         """This stage's sinks as [1, n, 1] in the lse's compute dtype, on its device."""
