@@ -229,6 +229,37 @@ def _ring_subgroups_reused(world):
     return float(len(ulysses) != len(subgroups))
 
 
+def exchange_layout_case(rank, world):
+    """``comm``'s heads-to-sequence exchange of two packed tensors (b = 2): every received [b, n, S, d]
+    tensor equals the whole sequence of its heads; without ``own_storage`` all are strided views of one
+    receive buffer (no copy), with it each is contiguous token-major storage of its own."""
+    from ds_upipe.comm import heads_send_buffer, select_heads, start_heads_exchange
+
+    b, s, d, n = 2, 3, 4, 2  # n heads per rank and tensor
+    full = [torch.randn(b, s * world, world * n, d, generator=torch.Generator().manual_seed(j)) for j in range(2)]
+    local = [t[:, rank * s : (rank + 1) * s] for t in full]
+    heads = torch.arange(world * n).flip(0)  # destination c gets heads[c * n : (c + 1) * n]
+    mine = heads[rank * n : (rank + 1) * n]
+    want = [t.index_select(2, mine).transpose(1, 2) for t in full]
+
+    def write(views):
+        for t, view in zip(local, views):
+            select_heads(t, heads, view)
+
+    out = {}
+    for own in (False, True):
+        send, layout = heads_send_buffer(write, [world * n] * 2, (b, s, d), torch.float32, torch.device("cpu"), world)
+        got = start_heads_exchange(send, layout, world, None, async_op=False, own_storage=own).wait()
+        storages = {t.untyped_storage().data_ptr() for t in got}
+        token_major = all(t.transpose(1, 2).is_contiguous() for t in got)
+        out[own] = (
+            max((g - w).abs().max().item() for g, w in zip(got, want)),
+            len(storages),
+            token_major,
+        )
+    return out
+
+
 def other_attention_and_packing(rank, world):
     """One spawn: ``other_attention_matrix``, ``packed_matrix``, ``window_sink_matrix`` and
     ``window_sink_errors``."""
@@ -238,6 +269,7 @@ def other_attention_and_packing(rank, world):
         "windows": window_sink_matrix(rank, world),
         "window_errors": window_sink_errors(rank, world),
         "runtimes": runtimes_case(rank, world),
+        "exchange_layout": exchange_layout_case(rank, world),
     }
 
 

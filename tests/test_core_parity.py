@@ -40,6 +40,17 @@ def test_math_kernel_generic_callable_and_packed_rows(world, other_and_packed):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_received_heads_are_views_of_the_exchange(world, other_and_packed):
+    """The heads-to-sequence exchange hands the kernel views of its receive buffer (token-major rows:
+    no rearranging copy), or with ``own_storage`` one contiguous token-major tensor each."""
+    for rank, result in enumerate(other_and_packed[world]):
+        err, storages, token_major = result["exchange_layout"][False]
+        assert err == 0.0 and storages == 1, (rank, err, storages)
+        err, storages, token_major = result["exchange_layout"][True]
+        assert err == 0.0 and storages == 2 and token_major, (rank, err, storages, token_major)
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_two_runtimes_and_a_recreated_group(world, other_and_packed):
     """Two differently configured layers interleaved in one process, and layers on a destroyed and
     re-created group, each equal to its float64 reference (``core_cases.runtimes_case``)."""
