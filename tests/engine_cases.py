@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -61,38 +60,54 @@ def launch(
     """``deepspeed --num_gpus N examples/train_deepspeed.py --runs ...`` on CPU; returns
     (exit code, combined output, metrics JSON with runs by name).  Every launch must leave no
     DeepSpeed shm-allreduce segment behind (see ds_upipe/integration/process_exit.py)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    runs_file, metrics_file, log_file = workdir / "runs.json", workdir / "metrics.json", workdir / "launch.log"
-    runs_file.write_text(json.dumps(runs, indent=1))
-    port = free_port() if port is None else port
-    cmd = [
-        str(DEEPSPEED),
-        "--num_gpus",
-        str(num_procs),
-        "--master_port",
-        str(port),
-        str(EXAMPLE),
-        "--deepspeed_config",
-        str(CONFIGS / "upipe_zero3.json"),
-        "--runs",
-        str(runs_file),
-        "--steps",
-        str(steps),
-        "--seq_len",
-        str(seq_len),
-        "--metrics_out",
-        str(metrics_file),
-        "--no_progress",
-    ]
+    spec = dict(num_procs=num_procs, runs=runs, workdir=workdir, steps=steps, seq_len=seq_len, port=port)
+    return launch_many([spec], timeout=timeout)[0]
+
+
+def launch_many(specs: list[dict[str, Any]], *, timeout: int = 900) -> list[tuple[int, str, dict[str, Any]]]:
+    """Independent launches (``launch``'s arguments as dicts, each its own port and folder) at the same
+    time, a few ranks deep (tests/launches.py ``run_pool``); per launch what ``launch`` returns."""
+    from tests.launches import run_pool
+
+    commands, files = [], []
+    for spec in specs:
+        workdir, port = spec["workdir"], spec.get("port") or free_port()
+        workdir.mkdir(parents=True, exist_ok=True)
+        runs_file, metrics_file, log_file = workdir / "runs.json", workdir / "metrics.json", workdir / "launch.log"
+        runs_file.write_text(json.dumps(spec["runs"], indent=1))
+        cmd = [
+            str(DEEPSPEED),
+            "--num_gpus",
+            str(spec["num_procs"]),
+            "--master_port",
+            str(port),
+            str(EXAMPLE),
+            "--deepspeed_config",
+            str(CONFIGS / "upipe_zero3.json"),
+            "--runs",
+            str(runs_file),
+            "--steps",
+            str(spec.get("steps", 5)),
+            "--seq_len",
+            str(spec.get("seq_len", 256)),
+            "--metrics_out",
+            str(metrics_file),
+            "--no_progress",
+        ]
+        commands.append((cmd, spec["num_procs"]))
+        files.append((port, metrics_file, log_file))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    with open(log_file, "w") as log:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
-    output = log_file.read_text()
-    left = shm_segments(port)
-    assert not left, f"the launch left DeepSpeed shm segments behind: {left}"
-    metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {"runs": [], "error": None}
-    metrics["by_name"] = {r["name"]: r for r in metrics["runs"]}
-    return proc.returncode, output, metrics
+    results = []
+    for (code, output, _), (port, metrics_file, log_file) in zip(
+        run_pool(commands, cwd=REPO, env=env, timeout=timeout), files, strict=True
+    ):
+        log_file.write_text(output)
+        left = shm_segments(port)
+        assert not left, f"the launch left DeepSpeed shm segments behind: {left}"
+        metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {"runs": [], "error": None}
+        metrics["by_name"] = {r["name"]: r for r in metrics["runs"]}
+        results.append((code, output, metrics))
+    return results
 
 
 def shm_segments(port: int) -> list[str]:

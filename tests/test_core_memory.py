@@ -4,12 +4,10 @@ local-attention function (recomputed in backward) holds no more than a kernel at
 The baseline is DeepSpeed's DistributedAttention with a GQA-native local attention
 (``gqa_native_sdpa``); the metric is ``ds_upipe.tools.memory.measure_attention`` (docs/benchmarks.md)."""
 
-from ds_upipe.tools.ranks import run_ranks
-from tests import core_cases
 
-
-def test_intermediate_peak_vs_deepspeed():
-    for rank, res in enumerate(run_ranks(core_cases.memory_by_head_chunk, 4, use_deepspeed=True)):
+def test_intermediate_peak_vs_deepspeed(four_deepspeed_ranks):
+    # core_cases.memory_by_head_chunk on 4 ranks (the spawn shared with other files: tests/four_ranks.py)
+    for rank, res in enumerate(four_deepspeed_ranks["test_core_memory.py"]):
         baseline = res.pop("deepspeed")[0]
         # a TorchSDPAKernel as DeepSpeed's local attention is GQA-native too (the K/V-expanding callable
         # it replaced held about twice as much); the margin allows for gloo freeing one of DeepSpeed's

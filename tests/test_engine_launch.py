@@ -1,20 +1,22 @@
 """examples/train_deepspeed.py under the real ``deepspeed`` launcher on CPU (gloo), float32.
 
-Two launches, each running many configurations in sequence (--runs):
+Launches, each running many configurations in sequence (--runs):
 
-* 2 processes: the non-SP run (data parallel over the 2 ranks) and, with sequence_parallel_size=2
-  and twice the gradient accumulation (one sequence group trains the two ranks' batches in turn,
-  so a step covers the same samples), UPipe and DeepSpeed ALST's Ulysses at ZeRO 1, 2 and 3; the
-  ds_configs with optimizer offload, unfused projections, overlapped all-to-alls, HF gradient
-  checkpointing, "auto" head chunk size, a local HF checkpoint (--model) on a text file (--data);
-  save / resume, and checkpoints loaded across SP and non-SP runs; bf16 with float32 gradient
-  accumulation at ZeRO-1 (DeepSpeed's BF16_Optimizer), UPipe and ALST.
+* 2 processes (two such launches at once, the runs split between them): the non-SP run (data
+  parallel over the 2 ranks) and, with sequence_parallel_size=2 and twice the gradient accumulation
+  (one sequence group trains the two ranks' batches in turn, so a step covers the same samples),
+  UPipe and DeepSpeed ALST's Ulysses at ZeRO 1, 2 and 3; the ds_configs with optimizer offload,
+  unfused projections, overlapped all-to-alls, HF gradient checkpointing, "auto" head chunk size, a
+  local HF checkpoint (--model) on a text file (--data); save / resume, and checkpoints loaded across
+  SP and non-SP runs; bf16 with float32 gradient accumulation at ZeRO-1 (DeepSpeed's BF16_Optimizer),
+  UPipe and ALST.
 * 4 processes: SP=4 (fewer KV heads than ranks) and SP=2 x 2 data-parallel replicas against the
   non-SP run on 4 ranks; UPipe x Ring at C_u x R = 2 x 2 and 1 x 4; the main job's ds_config
   unmodified (bf16); a config error.
 
-Both launches use one master port: the second maps the segment names the first one's ranks 0 and 1
-had (the clean exit on a reused port, formerly two launches of its own in test_clean_exit.py).
+The 4-process launch uses the master port of one of the 2-process launches: it maps the segment names
+that launch's ranks 0 and 1 had (the clean exit on a reused port, formerly two launches of its own in
+test_clean_exit.py).
 Loss trajectories and gradient norms must agree within 1e-5 relative (float32 runs).
 """
 
@@ -22,7 +24,7 @@ import pytest
 
 from ds_upipe.integration.config import UPipeConfig, attention_stage_bytes_by_u, choose_head_chunk_size
 from ds_upipe.tools.ranks import free_port
-from tests.engine_cases import FP32_RTOL, REPO, TORCH_ADAM, launch, max_rel, run
+from tests.engine_cases import FP32_RTOL, REPO, TORCH_ADAM, launch, launch_many, max_rel, run
 
 pytestmark = pytest.mark.slow
 STEPS = 4  # resume at step 2 leaves two steps to compare
@@ -75,7 +77,7 @@ def _local_checkpoint(path) -> str:
 
 @pytest.fixture(scope="module")
 def port() -> int:
-    """Both launches' master port: the second one reuses the first one's (test_repeated_launch_on_one_port)."""
+    """The master port of the 4-process launch and of the first 2-process one (test_repeated_launch_on_one_port)."""
     return free_port()
 
 
@@ -137,9 +139,21 @@ def two_procs_launch(tmp_path_factory, port):
         run("upipe_z1_bf16_fp32acc", "upipe_zero2", sp=2, gas=2, **bf16_acc),
         run("alst_z1_bf16_fp32acc", "ulysses_alst_zero3", sp=2, gas=2, **bf16_acc),
     ]
-    rc, output, metrics = launch(2, runs, work, steps=STEPS, port=port)
-    assert rc == 0 and metrics["error"] is None, output[-6000:]
-    return metrics["by_name"], output
+    # two 2-process launches at once (tests/launches.py): the checkpointing runs and those resuming from them,
+    # with the ZeRO-stage and variant runs, on the shared port; the rest beside them on a port of their own
+    # (the runs are independent: each builds its model and data from fixed seeds)
+    apart = ("packed", "stack", "pairs", "bf16", "offload", "local")
+    second = [r for r in runs if any(word in r["name"] for word in apart)]
+    first = [r for r in runs if r not in second]
+    specs = [dict(num_procs=2, runs=first, workdir=work, steps=STEPS, port=port)]
+    specs.append(dict(num_procs=2, runs=second, workdir=work / "second", steps=STEPS))
+    by_name, output = {}, ""
+    for rc, out, metrics in launch_many(specs):
+        assert rc == 0 and metrics["error"] is None, out[-6000:]
+        by_name.update(metrics["by_name"])
+        output += out
+    assert len(by_name) == len(runs)
+    return by_name, output
 
 
 @pytest.fixture(scope="module")
@@ -389,7 +403,7 @@ def test_repeated_launch_on_one_port_exits_cleanly(two_procs_launch, four_procs)
     here both launches on the one port end through their own exit path: the 2-process one with 0, the
     4-process one with the example's configuration-error code 2 after its last run (every UPipe and
     ALST run before it finished; their results are checked against the non-SP runs above)."""
-    runs, _ = two_procs_launch  # (its fixture asserts exit code 0)
+    runs, _ = two_procs_launch  # (its fixture asserts exit code 0 of both 2-process launches)
     assert len(runs) == 35 and all(r["losses"] for r in runs.values())
     rc, output, metrics = four_procs
     assert rc == 2, output[-4000:]

@@ -2,12 +2,11 @@
 UPipe at U = C (with and without recompute_attention_output) against DeepSpeed ALST's
 UlyssesSPAttentionHF on the same model."""
 
-from ds_upipe.tools.ranks import run_ranks
-from tests import hf_cases
 
-
-def test_fused_upipe_vs_alst():
-    results = run_ranks(hf_cases.memory_case, 4, use_deepspeed=True)
+def test_fused_upipe_vs_alst(four_deepspeed_ranks):
+    # hf_cases.memory_case on 4 ranks (the spawn shared with other files: tests/four_ranks.py)
+    results = four_deepspeed_ranks["test_hf_memory.py"]
+    print({key: round(units, 3) for key, units in results[0].items()})
     for rank, units in enumerate(results):
         assert units == results[0], "MemTracker is deterministic and the ranks are symmetric"
         fused_block, alst_block = units[("upipe_fused", "attention")], units[("alst", "attention")]

@@ -4,8 +4,8 @@ bodies and the reference in tests/rl_cases.py).  The C=4 cases (DPO sigmoid, GRP
 sequence-level weights) run in test_hf_parity's spawn of four.
 
 Launches (torchrun, CPU, float32, marked slow): examples/rl_sp.py at SP 2 against its non-SP run;
-ds_upipe's SequenceParallelDPOTrainer at SP 2 against TRL's DPOTrainer without SP (each pair at once:
-tests/launches.py).  (TRL's own
+ds_upipe's SequenceParallelDPOTrainer at SP 2 against TRL's DPOTrainer without SP (the four launches in
+one pool a few processes deep: tests/launches.py).  (TRL's own
 DPOTrainer under SP is refused: tests/test_trl.py checks the refusal in-process; ``tests/trl_dpo_script.py
 --trainer trl --sp_size 2`` under torchrun shows it on every rank, exit 3, not kept in the suite for time.)
 
@@ -37,7 +37,7 @@ pytest.importorskip("trl")
 
 from ds_upipe.tools.ranks import run_ranks  # noqa: E402
 from tests import rl_cases  # noqa: E402
-from tests.launches import run_together  # noqa: E402
+from tests.launches import run_pool  # noqa: E402
 
 
 def test_rl_losses_equal_no_sp_c2_and_memory():
@@ -68,26 +68,30 @@ def _torchrun(nproc: int, *args: str) -> list[str]:
     return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", *args]
 
 
-def _together(*commands: list[str]) -> list[str]:
-    """Run the launches at once (tests/launches.py); each must exit 0; their outputs."""
-    results = run_together(list(commands), cwd=ROOT, env=_env(), timeout=400)
-    for code, output, _ in results:
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> Path:
+    """Both tests' launches in one pool a few ranks deep (tests/launches.py), each non-SP run (1 process)
+    beside an SP one (2); each must exit 0; returns the folder of their metrics files."""
+    work = tmp_path_factory.mktemp("rl_launches")
+    launches = []
+    for sp in (2, 1):
+        args = ("--sp_size", str(sp), "--algo", "both", "--metrics_out", str(work / f"sp{sp}.json"))
+        launches.append((_torchrun(sp, "examples/rl_sp.py", *args), sp))
+    for name, nproc, trainer in (("sp", 2, "sp"), ("no_sp", 1, "trl")):
+        args = ("--sp_size", str(nproc), "--trainer", trainer, "--metrics_out", str(work / f"dpo_{name}.json"))
+        launches.append((_torchrun(nproc, "tests/trl_dpo_script.py", *args, "--output_dir", str(work / name)), nproc))
+    for code, output, _ in run_pool(launches, cwd=ROOT, env=_env(), timeout=800):
         assert code == 0, output[-6000:]
-    return [output for _, output, _ in results]
+    return work
 
 
 @pytest.mark.slow
-def test_example_under_upipe_equals_no_sp(tmp_path):
+def test_example_under_upipe_equals_no_sp(launched):
     """examples/rl_sp.py --algo both (DPO with precomputed reference log-probs, then GRPO-style with
     generation on an unpatched copy and two updates per generation), a DeepSpeed ZeRO-3 engine from
     ds_upipe.initialize: SP 2 (2 processes) equals the non-SP run (1 process) in every step's loss and
     gradient norm (float32; measured within 6e-7 relative, 4e-8 absolute for GRPO's near-zero losses)."""
-    outs = {sp: tmp_path / f"sp{sp}.json" for sp in (2, 1)}
-    _together(
-        *(_torchrun(sp, "examples/rl_sp.py", "--sp_size", str(sp), "--algo", "both", "--metrics_out", str(out))
-          for sp, out in outs.items())
-    )  # fmt: skip
-    runs = {sp: json.loads(out.read_text()) for sp, out in outs.items()}
+    runs = {sp: json.loads((launched / f"sp{sp}.json").read_text()) for sp in (2, 1)}
     assert runs[2]["stage_runs"] > 0 and runs[1]["stage_runs"] == 0, runs  # UPipe ran under SP only
     for algo, steps in (("dpo", 3), ("grpo", 6)):
         for key in ("losses", "grad_norms"):
@@ -98,7 +102,7 @@ def test_example_under_upipe_equals_no_sp(tmp_path):
 
 
 @pytest.mark.slow
-def test_trl_sequence_parallel_dpo_trainer(tmp_path):
+def test_trl_sequence_parallel_dpo_trainer(launched):
     """ds_upipe's SequenceParallelDPOTrainer (a DPOTrainer subclass) with SP 2 against TRL's DPOTrainer
     without SP (tests/trl_dpo_script.py; ZeRO-3, float32, 3 steps, beta 0.5, reference model passed).
 
@@ -110,12 +114,7 @@ def test_trl_sequence_parallel_dpo_trainer(tmp_path):
     5e-4), plus what float32 keeps exact: at the first step the policy is the reference, so the loss is
     log 2 and the rewards 0 only if the reference runs the policy's (fused UPipe) path on the same
     shards (with the reference left unpatched: loss 0.69333)."""
-    commands = []
-    for name, nproc, trainer in (("sp", 2, "sp"), ("no_sp", 1, "trl")):
-        args = ("--sp_size", str(nproc), "--trainer", trainer, "--metrics_out", str(tmp_path / f"{name}.json"))
-        commands.append(_torchrun(nproc, "tests/trl_dpo_script.py", *args, "--output_dir", str(tmp_path / name)))
-    _together(*commands)
-    runs = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("sp", "no_sp")}
+    runs = {name: json.loads((launched / f"dpo_{name}.json").read_text()) for name in ("sp", "no_sp")}
     sp, ref = runs["sp"], runs["no_sp"]
     assert sp["stage_runs"] > 0 and ref["stage_runs"] == 0, runs
     assert sp["loss"][0] == pytest.approx(math.log(2), abs=1e-7) and ref["loss"][0] == pytest.approx(math.log(2))

@@ -10,7 +10,8 @@ come out 2x).  Two Trainer launches with ``--model PATH`` (a checkpoint saved wi
 loaded under ZeRO-3's ``zero.Init``), with SP 2 and without SP, must agree the same way.  Per entry
 point one 4-process UPipe x Ring launch (Ulysses 2 x ring 2) must equal that entry point's non-SP run.
 
-Each 1-process non-SP Trainer launch runs at the same time as a 2-process one (tests/launches.py).
+All launches of the file run in one pool, a few processes deep (tests/launches.py, ``run_pool``): each
+is the same real launch as alone, started as soon as the ranks running leave room for its own.
 
 The Trainer's eval set has 5 sequences on 2 ranks, so accelerate pads one rank's last batch with a
 duplicate and ``gather_for_metrics`` drops it again: the SP eval loss must still equal the non-SP one.
@@ -27,7 +28,7 @@ from typing import Any
 import pytest
 
 from ds_upipe.integration import hf_integration
-from tests.launches import run_together
+from tests.launches import run_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -42,36 +43,29 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _launch(cmd: list[str], out: Path) -> dict[str, Any]:
-    return _together((cmd, out))[0]
-
-
-def _together(*launches: tuple[list[str], Path]) -> list[dict[str, Any]]:
-    """The launches at once (tests/launches.py: torchrun's, each with its own rendezvous); each must exit
-    0; their metrics."""
-    results = run_together([cmd for cmd, _ in launches], cwd=ROOT, env=_env(), timeout=400)
-    metrics = []
-    for (cmd, out), (code, output, wall) in zip(launches, results, strict=True):
-        assert code == 0, f"{' '.join(cmd)} failed:\n{output[-6000:]}"
+def _pool(launches: dict[str, tuple[list[str], Path, int]]) -> dict[str, dict[str, Any]]:
+    """The launches (name -> (command, metrics file, ranks)) in one pool a few ranks deep
+    (tests/launches.py: each its own launcher and rendezvous); each must exit 0; their metrics by name."""
+    results = run_pool([(cmd, ranks) for cmd, _, ranks in launches.values()], cwd=ROOT, env=_env(), timeout=1500)
+    metrics = {}
+    for (name, (cmd, out, _)), (code, output, wall) in zip(launches.items(), results, strict=True):
+        assert code == 0, f"{name}: {' '.join(cmd)} failed:\n{output[-6000:]}"
         result = json.loads(out.read_text())
         result["launch_s"] = wall
-        print(f"{out.stem}: launch {wall:.1f}s, losses {result['train_losses']}, eval {result['eval_loss']}")
-        metrics.append(result)
+        print(f"{name}: launch {wall:.1f}s, losses {result['train_losses']}, eval {result['eval_loss']}")
+        metrics[name] = result
     return metrics
 
 
-def _torchrun_command(nproc: int, out: Path, *args: str) -> tuple[list[str], Path]:
+def _torchrun(nproc: int, out: Path, *args: str) -> tuple[list[str], Path, int]:
     cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "examples/finetune_trainer.py"]
-    return [*cmd, "--metrics_out", str(out), "--output_dir", str(out.parent / out.stem), *args], out
+    return [*cmd, "--metrics_out", str(out), "--output_dir", str(out.parent / out.stem), *args], out, nproc
 
 
-def _torchrun(nproc: int, out: Path, *args: str) -> dict[str, Any]:
-    return _launch(*_torchrun_command(nproc, out, *args))
-
-
-def _accelerate(out: Path, *flags: str) -> dict[str, Any]:
+def _accelerate(out: Path, *flags: str, nproc: int = 2) -> tuple[list[str], Path, int]:
+    """``accelerate launch`` with examples/accelerate_config.yaml (2 processes unless ``flags`` say ``nproc``)."""
     cmd = [str(BIN / "accelerate"), "launch", "--config_file", "examples/accelerate_config.yaml", *flags]
-    return _launch([*cmd, "examples/train_accelerate.py", "--metrics_out", str(out)], out)
+    return [*cmd, "examples/train_accelerate.py", "--metrics_out", str(out)], out, nproc
 
 
 #: the long-context stack with tiles smaller than a rank's 32 tokens (uneven last loss tile)
@@ -101,41 +95,6 @@ def _save_checkpoint(path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
-    work = tmp_path_factory.mktemp("trainer")
-    zero2 = json.loads((ROOT / "examples/ds_config_upipe.json").read_text())
-    zero2["zero_optimization"]["stage"] = 2
-    (work / "ds_config_upipe_zero2.json").write_text(json.dumps(zero2))
-    model = str(_save_checkpoint(work / "checkpoint"))
-    upipe = ("--deepspeed", "examples/ds_config_upipe.json")
-    # the 1-process non-SP runs each at once with a 2-process launch (tests/launches.py)
-    runs: dict[str, dict[str, Any]] = {}
-    runs["upipe"], runs["no_sp"] = _together(
-        _torchrun_command(2, work / "upipe.json", *upipe, "--sp_size", "2"),
-        _torchrun_command(1, work / "no_sp.json", *upipe, "--sp_size", "1"),
-    )
-    # --model PATH: from_pretrained runs under ZeRO-3's zero.Init
-    runs["upipe_model"], runs["no_sp_model"] = _together(
-        _torchrun_command(2, work / "upipe_model.json", *upipe, "--sp_size", "2", "--model", model),
-        _torchrun_command(1, work / "no_sp_model.json", *upipe, "--sp_size", "1", "--model", model),
-    )
-    return {
-        **runs,
-        "alst": _torchrun(2, work / "alst.json", "--deepspeed", "examples/ds_config_alst.json", "--sp_size", "2"),
-        "upipe_zero2": _torchrun(
-            2, work / "upipe_zero2.json", "--deepspeed", str(work / "ds_config_upipe_zero2.json"), "--sp_size", "2"
-        ),
-        # the long-context stack from the ds_config (UPipe, ZeRO-3): the Trainer's loss is the tiled one
-        "upipe_stack": _torchrun(
-            2,
-            work / "upipe_stack.json",
-            *("--deepspeed", _with_stack("examples/ds_config_upipe.json", work / "ds_config_upipe_stack.json")),
-            *("--sp_size", "2"),
-        ),
-    }
-
-
 def _ring_config(path: Path) -> str:
     """examples/ds_config_upipe.json with ``"upipe": {"ring_size": 2}`` (UPipe x Ring), written to ``path``."""
     ring = json.loads((ROOT / "examples/ds_config_upipe.json").read_text())
@@ -144,54 +103,118 @@ def _ring_config(path: Path) -> str:
     return str(path)
 
 
+#: the MoE launches: family -> extra example flags (GPT-OSS has no sdpa in transformers; on CPU its own
+#: eager attention, which applies the sinks, runs under a registered name)
+MOE_LAUNCHES = {
+    "qwen3_moe": (),
+    "gpt_oss": ("--attn_implementation", "gpt_oss_eager", "--own_eager_attention"),
+}
+
+
 @pytest.fixture(scope="module")
-def trainer_ring_runs(trainer_runs, tmp_path_factory) -> dict[str, dict[str, Any]]:
+def launched(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    """Every launch of this file, in one pool (tests/launches.py: 4 ranks deep, the 4-process UPipe x Ring
+    launches first, each alone; each 1-process non-SP run beside 2-process ones); metrics by
+    "entry/name" (the fixtures below pick theirs)."""
+    from tests.moe_cases import save_moe_checkpoint
+
+    work = tmp_path_factory.mktemp("launches")
+    trainer, ring, packing, acc, moe = (work / d for d in ("trainer", "trainer_ring", "packing", "accelerate", "moe"))
+    for d in (trainer, ring, packing, acc, moe):
+        d.mkdir()
+    zero2 = json.loads((ROOT / "examples/ds_config_upipe.json").read_text())
+    zero2["zero_optimization"]["stage"] = 2
+    (trainer / "ds_config_upipe_zero2.json").write_text(json.dumps(zero2))
+    model = str(_save_checkpoint(trainer / "checkpoint"))
+    upipe = ("--deepspeed", "examples/ds_config_upipe.json")
+    alst_stack = _with_stack("examples/ds_config_alst.json", acc / "ds_config_alst_stack.json")
+    launches = {
+        # UPipe x Ring, 4 processes, sp_size 4 = Ulysses 2 x ring 2 (the ds_config's "upipe": {"ring_size": 2})
+        "trainer_ring/upipe_ring": _torchrun(
+            4, ring / "upipe_ring.json", "--deepspeed", _ring_config(ring / "ring.json"), "--sp_size", "4"
+        ),
+        "accelerate/upipe_ring": _accelerate(
+            acc / "upipe_ring.json",
+            *("--num_processes", "4", "--parallelism_config_sp_size", "4"),
+            *("--deepspeed_config_file", _ring_config(acc / "ds_config_upipe_ring.json")),
+            nproc=4,
+        ),
+        "trainer/upipe": _torchrun(2, trainer / "upipe.json", *upipe, "--sp_size", "2"),
+        "trainer/no_sp": _torchrun(1, trainer / "no_sp.json", *upipe, "--sp_size", "1"),
+        # --model PATH: from_pretrained runs under ZeRO-3's zero.Init
+        "trainer/upipe_model": _torchrun(2, trainer / "upipe_model.json", *upipe, "--sp_size", "2", "--model", model),
+        "trainer/no_sp_model": _torchrun(1, trainer / "no_sp_model.json", *upipe, "--sp_size", "1", "--model", model),
+        "trainer/alst": _torchrun(
+            2, trainer / "alst.json", "--deepspeed", "examples/ds_config_alst.json", "--sp_size", "2"
+        ),
+        "trainer/upipe_zero2": _torchrun(
+            2,
+            trainer / "upipe_zero2.json",
+            "--deepspeed",
+            str(trainer / "ds_config_upipe_zero2.json"),
+            "--sp_size",
+            "2",
+        ),
+        # the long-context stack from the ds_config (UPipe, ZeRO-3): the Trainer's loss is the tiled one
+        "trainer/upipe_stack": _torchrun(
+            2,
+            trainer / "upipe_stack.json",
+            *("--deepspeed", _with_stack("examples/ds_config_upipe.json", trainer / "ds_config_upipe_stack.json")),
+            *("--sp_size", "2"),
+        ),
+        "packing/upipe_packing": _torchrun(2, packing / "upipe_packing.json", *upipe, "--packing", "--sp_size", "2"),
+        "packing/no_sp": _torchrun(1, packing / "no_sp.json", *upipe, "--packing", "--sp_size", "1"),
+        "accelerate/upipe": _accelerate(acc / "upipe.json"),  # the YAML as shipped: ds_config_upipe.json, sp_size 2
+        "accelerate/no_sp": _accelerate(
+            acc / "no_sp.json", "--num_processes", "1", "--parallelism_config_sp_size", "1", nproc=1
+        ),
+        "accelerate/alst": _accelerate(acc / "alst.json", "--deepspeed_config_file", "examples/ds_config_alst.json"),
+        # the long-context stack from the ds_config with ALST (ZeRO-3)
+        "accelerate/alst_stack": _accelerate(acc / "alst_stack.json", "--deepspeed_config_file", alst_stack),
+    }
+    # per MoE family (tests/moe_cases.py, a save_pretrained checkpoint loaded under ZeRO-3's zero.Init): UPipe
+    # (SP 2, ZeRO-3) with the long-context stack from the ds_config, and the plain non-SP run
+    stack = _with_stack("examples/ds_config_upipe.json", moe / "ds_config_upipe_stack.json")
+    for family, flags in MOE_LAUNCHES.items():
+        args = ("--model", str(save_moe_checkpoint(family, moe / family)), *flags)
+        launches[f"{family}/upipe_stack"] = _torchrun(
+            2, moe / f"{family}_stack.json", "--deepspeed", stack, "--sp_size", "2", *args
+        )
+        launches[f"{family}/no_sp"] = _torchrun(1, moe / f"{family}_no_sp.json", *upipe, "--sp_size", "1", *args)
+    return _pool(launches)
+
+
+def _entry(launched: dict[str, dict[str, Any]], entry: str) -> dict[str, dict[str, Any]]:
+    return {key.split("/", 1)[1]: run for key, run in launched.items() if key.startswith(f"{entry}/")}
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(launched) -> dict[str, dict[str, Any]]:
+    """Trainer launches: UPipe (SP 2, ZeRO-3), ALST, UPipe at ZeRO-2, UPipe with the long-context stack, the
+    non-SP run; --model PATH with SP 2 and without."""
+    return _entry(launched, "trainer")
+
+
+@pytest.fixture(scope="module")
+def trainer_ring_runs(launched) -> dict[str, dict[str, Any]]:
     """UPipe x Ring through the Trainer: 4 processes, sp_size 4 = Ulysses 2 x ring 2 (the ds_config's
     ``"upipe": {"ring_size": 2}``), against trainer_runs' non-SP run (the same command)."""
-    work = tmp_path_factory.mktemp("trainer_ring")
-    ring = _ring_config(work / "ds_config_upipe_ring.json")
-    return {
-        "no_sp": trainer_runs["no_sp"],
-        "upipe_ring": _torchrun(4, work / "upipe_ring.json", "--deepspeed", ring, "--sp_size", "4"),
-    }
+    return {"no_sp": launched["trainer/no_sp"], **_entry(launched, "trainer_ring")}
 
 
 @pytest.fixture(scope="module")
-def trainer_packing_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
+def trainer_packing_runs(launched) -> dict[str, dict[str, Any]]:
     """``--packing``: rows of 4 random-length documents (DataCollatorWithFlattening, padded to 64
     tokens), UPipe with SP 2 against the non-SP run (whose SDPA mask transformers builds from the
     restarting position_ids)."""
-    work = tmp_path_factory.mktemp("trainer_packing")
-    upipe = ("--deepspeed", "examples/ds_config_upipe.json", "--packing")
-    no_sp, upipe_packing = _together(
-        _torchrun_command(1, work / "no_sp.json", *upipe, "--sp_size", "1"),
-        _torchrun_command(2, work / "upipe_packing.json", *upipe, "--sp_size", "2"),
-    )
-    return {"no_sp": no_sp, "upipe_packing": upipe_packing}
+    return _entry(launched, "packing")
 
 
 @pytest.fixture(scope="module")
-def accelerate_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
-    work = tmp_path_factory.mktemp("accelerate")
-    return {
-        "upipe": _accelerate(work / "upipe.json"),  # the YAML as shipped: ds_config_upipe.json, sp_size 2
-        "alst": _accelerate(work / "alst.json", "--deepspeed_config_file", "examples/ds_config_alst.json"),
-        "no_sp": _accelerate(work / "no_sp.json", "--num_processes", "1", "--parallelism_config_sp_size", "1"),
-        # UPipe x Ring: 4 processes, sp_size 4 = Ulysses 2 x ring 2 from the ds_config's "upipe": {"ring_size": 2}
-        "upipe_ring": _accelerate(
-            work / "upipe_ring.json",
-            *("--num_processes", "4", "--parallelism_config_sp_size", "4"),
-            *("--deepspeed_config_file", _ring_config(work / "ds_config_upipe_ring.json")),
-        ),
-        # the long-context stack from the ds_config with ALST (ZeRO-3)
-        "alst_stack": _accelerate(
-            work / "alst_stack.json",
-            *(
-                "--deepspeed_config_file",
-                _with_stack("examples/ds_config_alst.json", work / "ds_config_alst_stack.json"),
-            ),
-        ),
-    }
+def accelerate_runs(launched) -> dict[str, dict[str, Any]]:
+    """``accelerate launch``: UPipe (the YAML as shipped), ALST, the non-SP run, UPipe x Ring (4 processes),
+    ALST with the long-context stack."""
+    return _entry(launched, "accelerate")
 
 
 def _assert_close(got: list[float] | float, want: list[float] | float, what: str) -> None:
@@ -316,39 +339,10 @@ def test_long_context_stack_equals_no_sp(trainer_runs, accelerate_runs, entry, n
     assert (min(run["stage_runs_train"]) > 0) == name.startswith("upipe")
 
 
-#: the MoE launches: family -> extra example flags (GPT-OSS has no sdpa in transformers; on CPU its own
-#: eager attention, which applies the sinks, runs under a registered name)
-MOE_LAUNCHES = {
-    "qwen3_moe": (),
-    "gpt_oss": ("--attn_implementation", "gpt_oss_eager", "--own_eager_attention"),
-}
-
-
 @pytest.fixture(scope="module")
-def moe_runs(tmp_path_factory) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per MoE family (tests/moe_cases.py, a save_pretrained checkpoint loaded under ZeRO-3's zero.Init):
-    UPipe (SP 2, ZeRO-3) with the long-context stack from the ds_config, and the plain non-SP run."""
-    from tests.moe_cases import save_moe_checkpoint
-
-    work = tmp_path_factory.mktemp("trainer_moe")
-    stack = _with_stack("examples/ds_config_upipe.json", work / "ds_config_upipe_stack.json")
-    runs = {}
-    for family, flags in MOE_LAUNCHES.items():
-        model = ("--model", str(save_moe_checkpoint(family, work / family)), *flags)
-        upipe_stack, no_sp = _together(
-            _torchrun_command(2, work / f"{family}_stack.json", "--deepspeed", stack, "--sp_size", "2", *model),
-            _torchrun_command(
-                1,
-                work / f"{family}_no_sp.json",
-                "--deepspeed",
-                "examples/ds_config_upipe.json",
-                "--sp_size",
-                "1",
-                *model,
-            ),
-        )
-        runs[family] = {"upipe_stack": upipe_stack, "no_sp": no_sp}
-    return runs
+def moe_runs(launched) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per MoE family: UPipe (SP 2, ZeRO-3) with the long-context stack, and the plain non-SP run."""
+    return {family: _entry(launched, family) for family in MOE_LAUNCHES}
 
 
 @pytest.mark.slow

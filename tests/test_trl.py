@@ -4,8 +4,8 @@
 Each UPipe launch (2 processes, SP 2) must equal its non-SP run, within 1e-5 relative, in every number
 TRL reports from the loss path: the logged training losses, gradient norms, ``mean_token_accuracy``
 and ``entropy``, and ``eval_loss``, ``eval_mean_token_accuracy`` and ``eval_entropy``; and every rank
-must have run UPipe stages in training and in evaluation.  The cases, one launch each (each with its
-non-SP reference at once: tests/launches.py):
+must have run UPipe stages in training and in evaluation.  The cases, one launch each with its non-SP
+reference beside it (all in one pool a few processes deep: tests/launches.py, ``run_pool``):
 
 - plain text, batch 2, TRL's dynamic padding (rows of different lengths on the two ranks), ZeRO-3;
 - prompt-completion (loss on the completion only), gradient accumulation 2, ZeRO-2;
@@ -30,7 +30,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-from tests.launches import run_together  # noqa: E402
+from tests.launches import run_pool  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -57,17 +57,18 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _torchrun(nproc: int, out: Path, *args: str) -> tuple[list[str], Path]:
+def _torchrun(nproc: int, out: Path, *args: str) -> tuple[list[str], Path, int]:
     cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "examples/sft_trl.py"]
-    return [*cmd, "--metrics_out", str(out), "--output_dir", str(out.parent / out.stem), *args], out
+    return [*cmd, "--metrics_out", str(out), "--output_dir", str(out.parent / out.stem), *args], out, nproc
 
 
-def _together(*launches: tuple[list[str], Path]) -> list[dict[str, Any]]:
-    """The launches at once (tests/launches.py); each must exit 0; their metrics."""
-    results = run_together([cmd for cmd, _ in launches], cwd=ROOT, env=_env(), timeout=400)
-    for (cmd, _), (code, output, _) in zip(launches, results, strict=True):
-        assert code == 0, f"{' '.join(cmd)} failed:\n{output[-6000:]}"
-    return [json.loads(out.read_text()) for _, out in launches]
+def _pool(launches: dict[str, tuple[list[str], Path, int]]) -> dict[str, dict[str, Any]]:
+    """The launches (name -> (command, metrics file, ranks)) in one pool a few ranks deep (tests/launches.py);
+    each must exit 0; their metrics by name."""
+    results = run_pool([(cmd, ranks) for cmd, _, ranks in launches.values()], cwd=ROOT, env=_env(), timeout=1200)
+    for (name, (cmd, _, _)), (code, output, _) in zip(launches.items(), results, strict=True):
+        assert code == 0, f"{name}: {' '.join(cmd)} failed:\n{output[-6000:]}"
+    return {name: json.loads(out.read_text()) for name, (_, out, _) in launches.items()}
 
 
 def _ds_config(work: Path, change: str) -> str:
@@ -84,14 +85,13 @@ def _ds_config(work: Path, change: str) -> str:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
     work = tmp_path_factory.mktemp("trl")
-    out: dict[str, dict[str, Any]] = {}
+    launches: dict[str, tuple[list[str], Path, int]] = {}
     for name, (reference, change, flags) in CASES.items():
         config = _ds_config(work, change)
-        launches = {name: _torchrun(2, work / f"{name}.json", "--sp_size", "2", "--deepspeed", config, *flags)}
-        if f"no_sp:{reference}" not in out:  # the non-SP reference (1 process) next to the SP launch
+        launches[name] = _torchrun(2, work / f"{name}.json", "--sp_size", "2", "--deepspeed", config, *flags)
+        if f"no_sp:{reference}" not in launches:  # the non-SP reference (1 process), started beside the SP launch
             launches[f"no_sp:{reference}"] = _torchrun(1, work / f"no_sp_{reference}.json", "--sp_size", "1", *flags)
-        out.update(zip(launches, _together(*launches.values()), strict=True))
-    return out
+    return _pool(launches)
 
 
 def _relative(got: float, want: float) -> float:
