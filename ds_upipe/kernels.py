@@ -322,7 +322,8 @@ def _cuda_efficient_backward(
     # grad_input_mask: q, k, v need gradients, there is no attn_bias (what autograd passes here)
     # the op reads out through its head stride but takes its token stride to be num_heads * head_dim
     # (kernel_backward.h, o_strideM): out must be token-major ([b, S, h, d] memory), as its own forward
-    # returns it; the pipeline's gathered stage output is head-major, so it is copied (once, here)
+    # returns it; the pipeline's gathered stage output is a view of its exchange's buffer, whose token
+    # stride counts every packed tensor's heads, so it is copied (once, here)
     out_f = out.reshape(qf.shape).transpose(1, 2).contiguous().transpose(1, 2)
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
         dout.reshape(qf.shape),
