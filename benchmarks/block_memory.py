@@ -3,9 +3,10 @@
 The block metric of docs/benchmarks.md ("HF block / decoder-layer activation memory"), measured by
 ``ds_upipe.tools.hf_memory.measure_peak_activation`` on C gloo ranks for UPipe fused (with and without
 ``recompute_attention_output``), UPipe unfused and DeepSpeed ALST (``UlyssesSPAttentionHF`` around
-transformers' sdpa), at U = C; prints the markdown table and writes the JSON.
+transformers' sdpa), at U = C, and the two fused ones again with ``accumulate_dtype: "input"`` (rows
+"+input"); prints the markdown table and writes the JSON.
 
-    python benchmarks/block_memory.py --out benchmarks/results/hf_memory_c4.json   # about 4 minutes on 2 cores
+    python benchmarks/block_memory.py --out benchmarks/results/hf_memory_c4.json   # about 10 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -20,9 +21,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _rank_main(rank: int, world: int, shape: dict[str, Any], repeats: int) -> list[Any]:
+    from dataclasses import replace
+
     from ds_upipe.tools.hf_memory import measure_memory_table
 
-    return measure_memory_table(repeats=repeats, **shape)
+    rows = measure_memory_table(repeats=repeats, **shape)
+    # accumulate_dtype "input" (the long-context config's): the fused source takes dK/dV per stage, no
+    # round-sized accumulator (rows "<method>+input")
+    fused = ("upipe_fused", "upipe_fused_recompute")
+    rows += [
+        replace(r, method=f"{r.method}+input")
+        for r in measure_memory_table(methods=fused, repeats=repeats, accumulate_in_input_dtype=True, **shape)
+    ]
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

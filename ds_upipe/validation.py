@@ -45,7 +45,8 @@ class RuntimeSettings:
     #: ranks of the ring group (1 = no ring attention) and whether its K/V exchange overlaps compute
     ring_size: int = 1
     ring_overlap: bool = False
-    #: 16-bit dK/dV summed in their own dtype and sent per stage (the order of the all-to-alls changes)
+    #: 16-bit dK/dV summed in their own dtype and sent per stage, fused dK/dV per stage in every dtype (the
+    #: order of the all-to-alls changes)
     accumulate_in_input_dtype: bool = False
     #: HF path: projections per stage (fused), and backward recomputing each stage's output (one more
     #: kernel forward per stage; fused only); always False in the core layer

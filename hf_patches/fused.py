@@ -287,12 +287,17 @@ class FusedProjectionSource:
     It takes each slot's gradient whole (``grads_per_source_rank`` False), as a [b, s, C, n, d] view
     of the received buffer that RoPE's backward reads strided: one op per slot where per-source-rank
     pieces cost C (the pieces' dx terms were concatenated into one product anyway, the same copy).
-    Without a k norm it takes dK/dV per stage (``key_value_grads_per_stage``), right after the stage's
-    dQ, instead of the pipeline summing them in a round-sized accumulator first (when they are in the
-    accumulation dtype): that accumulator would sit beside the kernel's backward, where the layer peaks.
-    Qwen3's k norm computes in float32: its backward must see the round's summed dK, as the model's
-    own autograd does (each stage's piece rounded to float32 on its own would differ from it by
-    about 1e-7)."""
+
+    dK/dV come once per round, summed by the pipeline (``key_value_grads_per_stage`` False): one
+    product per round through K's and V's projections (weight gradient and dx), where per-stage
+    hand-overs cost one per stage (at U = C a round has H / Hkv stages, so 4x ALST's K/V projection
+    backward for Llama: about a tenth of a short-context layer's FLOPs).  With
+    ``accumulate_in_input_dtype`` (``accumulate_dtype: "input"``, the memory-first setting of the
+    long-context config) and no k norm they come per stage instead, right after the stage's dQ, summed
+    straight into the input-dtype gradients: no round-sized accumulator beside the kernel's backward,
+    where the block peaks (docs/benchmarks.md, "dK/dV per round").  Qwen3's k norm computes in float32:
+    its backward must see the round's summed dK, as the model's own autograd does (each stage's piece
+    rounded to float32 on its own would differ from it by about 1e-7)."""
 
     def __init__(
         self,
@@ -322,11 +327,11 @@ class FusedProjectionSource:
         # float32 sums for half-precision x / weights unless asked to sum in their own dtype
         self.accumulate_in_input_dtype = accumulate_in_input_dtype
         #: the StageSource contract: chunks of x's batch and sequence shard; gradients per slot
-        #: (whole), dK/dV per stage unless a k norm needs the round's sum
+        #: (whole), dK/dV per round unless summed in the input dtype without a k norm (class docstring)
         self.local_shape = (x.shape[0], x.shape[1], self.d)
         self.dtype, self.device = x.dtype, x.device
         self.grads_per_source_rank = False
-        self.key_value_grads_per_stage = proj.k_norm is None
+        self.key_value_grads_per_stage = accumulate_in_input_dtype and proj.k_norm is None
         self.grad_x: Tensor | None = None
         #: dx terms (g, weight index, heads) of the gradients handed over since the last ``finish``
         self._dx_pending: list[tuple[Tensor, int, Tensor]] = []

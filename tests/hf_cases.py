@@ -137,6 +137,7 @@ def parity_case(
     base_model=False,
     overlap=False,
     recompute=False,
+    accumulate_input=False,
     **overrides,
 ):
     group = dist.group.WORLD
@@ -144,7 +145,7 @@ def parity_case(
     data = make_batch(seed, batch, seq)
     model = build_model(arch, dtype, seed=seed, base=base_model, **overrides)
     ref_model = copy.deepcopy(model)
-    state = patch_model(model, group, u, fused, overlap, recompute)
+    state = patch_model(model, group, u, fused, overlap, recompute, accumulate_in_input_dtype=accumulate_input)
     assert state.fused == fused and state.overlap_comm == overlap, (state.fused, state.fallback_reason)
     if base_model:
         return _base_model_case(model, ref_model, data, group, seq)
@@ -278,6 +279,12 @@ def parity_matrix(rank, world):
     cases += [
         ("qwen3", True, torch.float64, None, True, {"num_key_value_heads": world // 2, "recompute": True}),
         ("qwen2", True, torch.float64, 2 * world, False, {"recompute": True}),
+    ]
+    # accumulate_in_input_dtype: the fused source takes dK/dV per stage (no round accumulator), here with
+    # KV replicas and overlap, and with recompute at U = 2C
+    cases += [
+        ("llama", True, torch.float64, None, True, {"num_key_value_heads": world // 2, "accumulate_input": True}),
+        ("qwen2", True, torch.float64, 2 * world, False, {"recompute": True, "accumulate_input": True}),
     ]
     with pipeline.StageCounter() as stages:
         for arch, fused, dtype, u, overlap, overrides in cases:
@@ -992,12 +999,18 @@ MEMORY_TEST_SHAPES = dict(seq_local=2048, head_dim=8, hidden_size=256, intermedi
 def memory_case(rank, world):
     from ds_upipe.tools.hf_memory import measure_peak_activation
 
-    return {
+    units = {
         # two tracked steps, the least peak: gloo's worker thread may free a collective's buffers late
         (method, part): measure_peak_activation(method, part, repeats=2, **MEMORY_TEST_SHAPES).units
         for method in ("upipe_fused", "upipe_fused_recompute", "alst")
         for part in ("attention", "layer")
     }
+    for method in ("upipe_fused", "upipe_fused_recompute"):  # accumulate_dtype "input": dK/dV per stage
+        measured = measure_peak_activation(
+            method, "attention", repeats=2, accumulate_in_input_dtype=True, **MEMORY_TEST_SHAPES
+        )
+        units[(f"{method}+input", "attention")] = measured.units
+    return units
 
 
 # -- UPipe x Ring (C_u x R over the whole world) ---------------------------------------------------

@@ -8,7 +8,7 @@ from ds_upipe.tools.ranks import run_ranks
 from tests import family_cases, hf_cases, rl_cases
 
 F64 = hf_cases.TOLERANCE[hf_cases.torch.float64]
-NUM_PARITY_CASES = 2 * len(hf_cases.ARCH_CONFIGS) + 9
+NUM_PARITY_CASES = 2 * len(hf_cases.ARCH_CONFIGS) + 11
 
 #: ds_upipe.validation.check_settings: the one cross-rank settings message of every route
 DIFFERS = "differs across the ranks of the sequence-parallel group ("

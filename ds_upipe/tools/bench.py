@@ -53,6 +53,8 @@ class Method:
     documents: int = 1
     #: layer level, fused: ``apply_upipe(recompute_attention_output=True)``
     recompute_attention_output: bool = False
+    #: layer level, fused: ``apply_upipe(accumulate_in_input_dtype=True)`` (dK/dV per stage)
+    accumulate_in_input_dtype: bool = False
     #: core level: sliding window of W tokens (None: full causal)
     window: int | None = None
 
@@ -480,6 +482,7 @@ def build_layer(method: Method, spec: BenchSpec, device: torch.device) -> tuple[
             overlap_comm=spec.overlap_comm,
             ring_group=ring,
             recompute_attention_output=method.recompute_attention_output,
+            accumulate_in_input_dtype=method.accumulate_in_input_dtype,
         )
     else:
         raise ValueError(f"method {method.name!r} has no decoder-layer implementation")

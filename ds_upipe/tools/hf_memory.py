@@ -127,6 +127,7 @@ def measure_peak_activation(
     seed: int = 0,
     warmup: bool = True,
     repeats: int = 1,
+    accumulate_in_input_dtype: bool = False,
     **shape: Any,
 ) -> MemoryMeasurement:
     """Peak activation memory of this rank for one forward + backward of ``part``.
@@ -140,6 +141,8 @@ def measure_peak_activation(
         seq_local: this rank's sequence shard length; the global sequence is seq_local * C.
         head_chunk_size: UPipe's U (None: U = C).
         warmup: run one untracked step first (lazy caches are then not counted; they are tiny).
+        accumulate_in_input_dtype: UPipe with ``accumulate_dtype: "input"`` (fused: dK/dV per stage, no
+            round-sized accumulator; ignored by ALST).
         repeats: tracked steps; the least peak is kept.  Over gloo a finished collective's tensors are
             released by gloo's worker thread, which may run after the main thread has moved on, so a
             step can now and then count a freed buffer at its peak on one rank; more than one repeat
@@ -167,6 +170,7 @@ def measure_peak_activation(
             head_chunk_size=head_chunk_size,
             fused_projections=method != "upipe_unfused",
             recompute_attention_output=method == "upipe_fused_recompute",
+            accumulate_in_input_dtype=accumulate_in_input_dtype,
         )
     try:
         layer = model.layers[0]

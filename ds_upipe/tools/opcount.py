@@ -19,7 +19,7 @@ The counts do not depend on timing or the machine's load (only the CPU seconds d
 on demand, never a timed test.  Methods: the core level's DeepSpeed ``DistributedAttention``, ALST's
 ``UlyssesSPAttentionHF`` and UPipe's core at U = C and U = H; the layer level's ALST decoder layer
 and the fused UPipe decoder layer at U = C (and U = H), with and without
-``recompute_attention_output``.
+``recompute_attention_output``, and at U = C with ``accumulate_dtype: "input"`` (dK/dV per stage).
 """
 
 from __future__ import annotations
@@ -165,6 +165,10 @@ def methods(spec: BenchSpec) -> list[tuple[str, Method]]:
         layer.append(
             ("layer", Method(f"upipe-fused-recompute[U={u}]", "upipe", u, True, recompute_attention_output=True))
         )
+        if u == spec.world:  # accumulate_dtype "input": dK/dV per stage (where rounds have several stages)
+            layer.append(
+                ("layer", Method(f"upipe-fused+input[U={u}]", "upipe", u, True, accumulate_in_input_dtype=True))
+            )
     return core + layer
 
 
