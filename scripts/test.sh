@@ -4,6 +4,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# DeepSpeed's CPU comm op (deepspeed_shm_comm) is JIT-built by the first DeepSpeed process, about 40 s;
+# its build flags name this venv's paths, so checkouts sharing ~/.cache/torch_extensions rebuild each
+# other's: one cache per venv, built once
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}"
 .venv/bin/ruff format --check .
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"

@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--levels",
         default="core,layer",
         help="comma-separated: core, layer (default both); or 'ops' alone: the op-count benchmark "
-        "(collectives, copy bytes, aten ops, host syncs and main-thread CPU time per step, rank 0, CPU)",
+        "(collectives, copy bytes, aten ops and host syncs per step on rank 0, main-thread CPU time averaged "
+        "over the ranks; CPU)",
     )
     bench.add_argument("--heads", type=int, default=32)
     bench.add_argument("--kv-heads", type=int, default=8)

@@ -11,9 +11,10 @@ bench's core and layer levels):
 - **aten ops**: every aten op dispatched (the host's per-op overhead: on a GPU each is a launch or more);
 - **host syncs**: ops that read device data on the host (``SYNC_OPS``: .item()/.tolist(), nonzero,
   equal, ...); none of them sync on CPU, but each would stall the host on a GPU;
-- **main-thread CPU s** (``--repeats`` > 0, layer level): the median ``time.thread_time()`` of the
-  rank's main thread over the step, with no dispatch mode on, and its ratio to ALST's measured in the
-  same run (on CPU the main thread also runs the kernels, so this is compute plus host overhead).
+- **main-thread CPU s** (``--repeats`` > 0, layer level): each rank's median ``time.thread_time()`` of
+  its main thread over the step, with no dispatch mode on, averaged over the ranks, and its ratio to
+  ALST's measured in the same run, the layer-level methods' steps run round-robin (on CPU the main
+  thread also runs the kernels, so this is compute plus host overhead).
 
 The counts do not depend on timing or the machine's load (only the CPU seconds do): a benchmark, run
 on demand, never a timed test.  Methods: the core level's DeepSpeed ``DistributedAttention``, ALST's
@@ -140,18 +141,21 @@ def count_step(step: Callable[[], Any]) -> OpCounter:
     return counter
 
 
-def cpu_seconds(step: Callable[[], Any], repeats: int, warmup: int) -> float:
-    """Median main-thread CPU time of ``step()`` (all ranks start together)."""
+def interleaved_cpu_seconds(steps: list[Callable[[], Any]], repeats: int, warmup: int) -> list[float]:
+    """Median main-thread CPU time of each of ``steps``, run round-robin (step 0, 1, ..., 0, 1, ...; all
+    ranks start each step together): a drift of the machine's load over the run reaches every method
+    alike, where timing one method's repeats after another's would charge it to whichever ran then."""
     import torch.distributed as dist
 
-    times = []
+    times: list[list[float]] = [[] for _ in steps]
     for i in range(warmup + repeats):
-        dist.barrier()
-        start = time.thread_time()
-        step()
-        if i >= warmup:
-            times.append(time.thread_time() - start)
-    return statistics.median(times) if times else math.nan
+        for j, step in enumerate(steps):
+            dist.barrier()
+            start = time.thread_time()
+            step()
+            if i >= warmup:
+                times[j].append(time.thread_time() - start)
+    return [statistics.median(t) if t else math.nan for t in times]
 
 
 def methods(spec: BenchSpec) -> list[tuple[str, Method]]:
@@ -212,11 +216,11 @@ def _rank_main(rank: int, world: int, spec: BenchSpec) -> list[OpCount]:
     device = torch.device("cpu")
     rows = []
     for seq in spec.seq_lens:
+        timed: list[tuple[OpCount, Callable[[], Any]]] = []  # the layer level's rows and steps, when timed
         for level, method in methods(spec):
             make = _core_case if level == "core" else _layer_case
             step, qkvo = make(method, spec, seq, rank, device)
             counter = count_step(step)
-            cpu = cpu_seconds(step, spec.repeats, spec.warmup) if spec.repeats and level == "layer" else math.nan
             rows.append(
                 OpCount(
                     level=level,
@@ -228,12 +232,17 @@ def _rank_main(rank: int, world: int, spec: BenchSpec) -> list[OpCount]:
                     copy_bytes=counter.copy_bytes,
                     qkvo_bytes=qkvo,
                     host_syncs=counter.host_syncs,
-                    cpu_s=cpu,
                     top_ops=dict(counter.ops.most_common(12)),
                 )
             )
+            if spec.repeats and level == "layer":
+                timed.append((rows[-1], step))
             del step
             report_progress()
+        seconds = interleaved_cpu_seconds([step for _, step in timed], spec.repeats, spec.warmup)
+        for (row, _), cpu in zip(timed, seconds):
+            row.cpu_s = cpu
+        del timed
     return rows
 
 
@@ -257,6 +266,8 @@ def run_opcount(spec: BenchSpec, show_progress: bool = True, timeout: float = 72
             on_progress=lambda r: bar.update(1) if r == 0 else None,
         )
     rows = per_rank[0]
+    for i, r in enumerate(rows):  # the counts are rank 0's; the CPU time each rank's median, averaged
+        r.cpu_s = statistics.fmean(ranks[i].cpu_s for ranks in per_rank)
     for r in rows:
         base = next(b for b in rows if b.level == r.level and b.seq_len == r.seq_len)
         r.cpu_ratio = r.cpu_s / base.cpu_s if base.cpu_s else math.nan
@@ -266,7 +277,7 @@ def run_opcount(spec: BenchSpec, show_progress: bool = True, timeout: float = 72
 def format_opcount_table(rows: list[OpCount]) -> str:
     lines = [
         "[ops] one forward+backward step, rank 0; copies x = copy bytes / bytes of local q, k, v, out; "
-        "CPU = median main-thread CPU seconds (layer level), x vs ALST"
+        "CPU = main-thread CPU seconds (layer level; median over steps, mean over ranks), x vs ALST"
     ]
     header = (
         f"{'level':<6}{'method':<28}{'seq':>7}{'collect.':>9}{'copies x':>10}{'aten ops':>10}{'syncs':>7}"
