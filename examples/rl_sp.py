@@ -179,8 +179,10 @@ def main() -> None:
     state = upipe_state(engine.module)  # UPipe's stages ran on this rank (0 without SP)
     record["stage_runs"] = 0 if state is None else state.stage_runs[0]
     report_metrics(record, opts.metrics_out, dist.get_rank() == 0)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    from ds_upipe import exit_process
+
     main()
+    exit_process(0)  # success: exit 0 without the gloo race of interpreter finalization (see its docstring)
