@@ -290,8 +290,8 @@ class FusedProjectionSource:
 
     dK/dV come once per round, summed by the pipeline (``key_value_grads_per_stage`` False): one
     product per round through K's and V's projections (weight gradient and dx), where per-stage
-    hand-overs cost one per stage (at U = C a round has H / Hkv stages, so 4x ALST's K/V projection
-    backward for Llama: about a tenth of a short-context layer's FLOPs).  With
+    hand-overs cost one per stage (at U = C with Hkv >= C a round has H / Hkv stages, so 4x ALST's
+    K/V projection backward for Llama: about a tenth of a short-context layer's FLOPs).  With
     ``accumulate_in_input_dtype`` (``accumulate_dtype: "input"``, the memory-first setting of the
     long-context config) and no k norm they come per stage instead, right after the stage's dQ, summed
     straight into the input-dtype gradients: no round-sized accumulator beside the kernel's backward,
