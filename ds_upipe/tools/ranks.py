@@ -37,8 +37,19 @@ import torch.multiprocessing as mp
 GRACE_S = 30.0
 
 #: modules the forkserver of CPU ranks imports once, so that no rank imports them again (each costs
-#: seconds; DeepSpeed picks its accelerator at import, so the server starts under DS_ACCELERATOR=cpu)
-PRELOAD = ("torch", "torch.distributed", "deepspeed", "transformers", "transformers.modeling_utils")
+#: seconds; DeepSpeed picks its accelerator at import, so the server starts under DS_ACCELERATOR=cpu).
+#: DeepSpeed's muon module is imported by every ZeRO engine's optimizer check and brings torch's
+#: compiler (about 1.4 s).  None of these starts a thread (transformers.trainer would: a jemalloc
+#: thread, so it is not here); a module that cannot be imported is skipped by the forkserver.
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "deepspeed",
+    "deepspeed.runtime.zero.muon.muon_optimizer",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.llama.modeling_llama",
+)
 
 
 class RanksFailed(RuntimeError):
