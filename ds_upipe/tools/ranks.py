@@ -172,7 +172,9 @@ def run_ranks(
     ctx = _context(backend)
     channel = ctx.Queue()
     port = free_port()
-    # set before the spawn: a rank sizes its OpenMP pool when it first imports torch
+    # set before the spawn: a spawned rank (or the forkserver, when this call starts it) sizes its OpenMP
+    # pool when it first imports torch; _worker sets the thread count again, for a forkserver an earlier
+    # call started with another count
     env = {"OMP_NUM_THREADS": str(threads), **({"DS_ACCELERATOR": "cpu"} if backend == "gloo" else {})}
     with _environment(**env):
         options = (dict(os.environ), use_deepspeed, backend, threads, fn, args, channel)
