@@ -41,6 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", choices=DATA, default="plain")
     p.add_argument("--seq_len", type=int, default=64, help="SFTConfig.max_length (and the packed row length)")
     p.add_argument("--batch_size", type=int, default=2, help="per-device batch size")
+    p.add_argument(
+        "--eval_batch_size", type=int, default=None, help="per-device eval batch size (default: --batch_size)"
+    )
+    p.add_argument(
+        "--eval_steps", type=int, default=None, help="evaluate every N steps as well (default: at the end only)"
+    )
     p.add_argument("--pad_to_multiple_of", type=int, default=None, help="SFTConfig.pad_to_multiple_of")
     p.add_argument("--grad_accum", type=int, default=1, help="gradient accumulation steps")
     p.add_argument("--train_samples", type=int, default=24)
@@ -101,7 +107,9 @@ def main(argv: list[str] | None = None) -> None:
         use_cpu=CPU,
         bf16=not CPU,
         per_device_train_batch_size=opts.batch_size,
-        per_device_eval_batch_size=opts.batch_size,
+        per_device_eval_batch_size=opts.eval_batch_size or opts.batch_size,
+        eval_strategy="steps" if opts.eval_steps else "no",
+        eval_steps=opts.eval_steps,
         gradient_accumulation_steps=opts.grad_accum,
         max_steps=opts.steps,
         learning_rate=opts.lr,
@@ -125,11 +133,11 @@ def main(argv: list[str] | None = None) -> None:
     model.config.pad_token_id, model.config.eos_token_id = 0, 1
     tokenizer = word_tokenizer(vocab)
 
-    logged: list[dict[str, float]] = []
+    logged: list[dict[str, float]] = []  # every log entry: training steps, evaluations, the run's summary
 
     class RecordLogs(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001
-            if logs and "loss" in logs:
+            if logs:
                 logged.append({k: float(v) for k, v in logs.items() if isinstance(v, (int, float))})
 
     trainer = SFTTrainer(
@@ -143,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer.train()
     train_stages = stages.count
     metrics = trainer.evaluate()
+    steps = [r for r in logged if "loss" in r]
 
     from hf_patches import long_context_stack
 
@@ -154,10 +163,11 @@ def main(argv: list[str] | None = None) -> None:
         "data": opts.data,
         "grad_accum": opts.grad_accum,
         "ds_config": opts.deepspeed,
-        "train_losses": [r["loss"] for r in logged],
-        "grad_norms": [r["grad_norm"] for r in logged],
-        "train_mean_token_accuracy": [r["mean_token_accuracy"] for r in logged],
-        "train_entropy": [r["entropy"] for r in logged],
+        "logs": logged,
+        "train_losses": [r["loss"] for r in steps],
+        "grad_norms": [r["grad_norm"] for r in steps],
+        "train_mean_token_accuracy": [r["mean_token_accuracy"] for r in steps],
+        "train_entropy": [r["entropy"] for r in steps],
         "eval_loss": metrics["eval_loss"],
         "eval_mean_token_accuracy": metrics["eval_mean_token_accuracy"],
         "eval_entropy": metrics["eval_entropy"],

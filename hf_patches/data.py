@@ -18,7 +18,8 @@ of R x lcm(2, C_u), and ``shift_labels`` are shifted in sequence order before sh
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -148,6 +149,66 @@ def without_varlen_keys(batch: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in batch.items() if k not in VARLEN_KEYS}
 
 
+@dataclass(frozen=True)
+class SourceBatch:
+    """One rank's batch as its data loader gave it, before ds_upipe padded and sharded it: what the run
+    without sequence parallelism sees, so the per-batch counts a trainer logs (tokens, FLOPs) come from
+    it rather than from the padded shards."""
+
+    #: rows holding the dataset's samples: the loader's repeated samples that even out its last round
+    #: (accelerate's even_batches) are not counted, their labels ignored (``_CheckedLoader``)
+    rows: int
+    #: the collated length (before ds_upipe's padding to the group's longest and to a multiple); in a
+    #: padding-free row of several samples, up to the first repeated one
+    length: int
+    #: attention_mask.sum() over those rows; rows x length for a batch without a mask
+    tokens: int
+    has_attention_mask: bool
+
+
+class ShardedBatch(dict):
+    """One micro-batch of a sequence-parallel loader: a dict of this rank's shard (what the model takes),
+    with the ``SourceBatch`` it was cut from (every rank of the group holds the same one).  A dict
+    subclass so that the record travels with the batch through the training loop, and a copy made by
+    ``type(batch)(...)`` (the Trainer's ``_prepare_inputs``) is a plain shard without it."""
+
+    source: SourceBatch | None = None
+
+    def __init__(self, *args: Any, source: SourceBatch | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.source = source
+
+
+#: a loader's rule for the batch it just gave: (samples per batch, how many of them, from the first,
+#: are the dataset's; the rest repeat samples to even out the loader's last round)
+DatasetSamples = Callable[[], tuple[int, int]]
+
+
+def _without_repeated_samples(batch: dict[str, Any], per_batch: int, kept: int) -> tuple[dict[str, Any], int, int]:
+    """(``batch`` with the labels of its samples from ``kept`` on ignored, its dataset rows, their
+    length).  A sample is a row, or, in a padding-free row of ``per_batch`` samples end to end, a
+    document (its ``position_ids`` restart at 0)."""
+    rows, length = batch["input_ids"].shape[:2]
+    if kept == per_batch:
+        return batch, rows, length
+    labels = batch["labels"].clone()
+    if rows == per_batch:
+        labels[kept:] = IGNORE_INDEX
+        return {**batch, "labels": labels}, kept, length
+    positions = batch.get("position_ids")
+    if rows != 1 or positions is None:
+        raise ValueError(
+            f"the data loader repeats samples {kept}..{per_batch - 1} of its last batch to even out its last round, "
+            f"and a batch of {rows} rows for {per_batch} samples without position_ids does not say which rows hold "
+            "them; use drop_last=True (TrainingArguments.dataloader_drop_last), or one sample per row, or a "
+            "padding-free row with position_ids restarting at each sample"
+        )
+    starts = (positions[0] == 0).nonzero().flatten().tolist()
+    cut = starts[kept] if kept < len(starts) else length
+    labels[:, cut:] = IGNORE_INDEX
+    return {**batch, "labels": labels}, int(kept > 0), cut
+
+
 #: keys DeepSpeed's UlyssesSPDataLoaderAdapter needs in every batch (position_ids: pad_batch adds them)
 _REQUIRED_KEYS = ("input_ids", "labels")
 _OK, _EXHAUSTED, _FAILED = 0, 1, 2
@@ -168,7 +229,12 @@ class _CheckedLoader:
     exchanged first (one tiny all_gather), and every rank raises the same ValueError on the same
     gathered data.  Rows of different lengths on different ranks (dynamic padding, TRL's default)
     are padded to the group's longest, so the adapter's all_gather gets one size on every rank (gloo
-    requires it); TRL's varlen keys are dropped (``VARLEN_KEYS``)."""
+    requires it); TRL's varlen keys are dropped (``VARLEN_KEYS``).
+
+    The same exchange tells every rank each rank's ``SourceBatch`` (``round_sources``, in rank order:
+    the order of the adapter's micro-batches).  ``dataset_samples`` (the loader's rule, e.g. accelerate's
+    even_batches: ``trainer_sp.accelerate_dataset_samples``) marks a last round's repeated samples, whose
+    labels are then ignored, so they add nothing to a loss, a gradient or a metric."""
 
     def __init__(
         self,
@@ -177,12 +243,16 @@ class _CheckedLoader:
         device: torch.device | str,
         pad_token_id: int,
         layout: SequenceLayout,
+        dataset_samples: DatasetSamples | None = None,
     ) -> None:
         self.loader, self.group, self.device, self.pad_token_id = loader, group, torch.device(device), pad_token_id
         self.layout = layout
         self.multiple = layout.sequence_multiple
+        self.dataset_samples = dataset_samples
         #: its batches come in zigzag order already (an adapter around it must not reorder them again)
         self.zigzag_ordered = layout.ring_size > 1
+        #: the source batches of the last round, one per rank of the group
+        self.round_sources: list[SourceBatch] = []
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -190,26 +260,39 @@ class _CheckedLoader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         batches = iter(self.loader)
         while True:
-            batch, length, status, error = None, -1, _OK, None
+            batch, length, status, error, source = None, -1, _OK, None, []
             try:
                 batch = next(batches)
                 if _has_required_keys(batch):
                     length = batch["input_ids"].shape[1]
-                    batch = pad_batch(without_varlen_keys(batch), self.multiple, pad_token_id=self.pad_token_id)
+                    batch, source = self._source(without_varlen_keys(batch))
+                    batch = pad_batch(batch, self.multiple, pad_token_id=self.pad_token_id)
             except StopIteration:
                 status = _EXHAUSTED
             except Exception as err:  # noqa: BLE001 - reported on every rank by _check_group
                 status, error = _FAILED, err
-            longest = self._check_group(batch, _describe_batch(batch, length, status), error)
+            row = _describe_batch(batch, length, status) + (source if status == _OK and length >= 0 else [-1] * 4)
+            longest = self._check_group(batch, row, error)
             if status == _EXHAUSTED:
                 return
             batch = pad_batch(batch, self.multiple, pad_token_id=self.pad_token_id, length=longest)
             yield batch if self.layout.ring_size == 1 else _in_zigzag_order(batch, self.layout)
 
+    def _source(self, batch: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """(the batch with the labels of the loader's repeated samples ignored, [its dataset rows, their
+        length, their tokens, has an attention mask]) before ds_upipe's padding."""
+        rows, length = batch["input_ids"].shape[:2]
+        if self.dataset_samples is not None:
+            batch, rows, length = _without_repeated_samples(batch, *self.dataset_samples())
+        mask = batch.get("attention_mask")
+        tokens = rows * length if mask is None else int(mask[:rows].sum())
+        return batch, [rows, length, tokens, int(mask is not None)]
+
     def _check_group(self, batch: Any, row: list[int], error: Exception | None) -> int:
         """The same ValueError on every rank unless all ranks' batches (rows: status, has input_ids,
-        has labels, length, batch size, padded length) can be gathered and sharded together; returns
-        the group's longest padded length (-1 once the loaders are exhausted)."""
+        has labels, length, batch size, padded length, then the source's dataset rows, length, tokens
+        and mask flag) can be gathered and sharded together; returns the group's longest padded length (-1 once
+        the loaders are exhausted) and keeps the ranks' ``SourceBatch`` in ``round_sources``."""
         _, size = _group_info(self.group)
         mine = torch.tensor(row, dtype=torch.long, device=self.device)
         rows = [mine]
@@ -248,6 +331,7 @@ class _CheckedLoader:
                 f"the ranks' batches have different batch sizes ({_per_rank(batch_sizes)}): the sequence-parallel "
                 "group trains them together; use the same batch size on every rank and drop_last=True"
             )
+        self.round_sources = [SourceBatch(r[6], r[7], r[8], bool(r[9])) for r in rows]
         return max(r[5] for r in rows)
 
     def _gather_objects(self, mine: Any) -> list[Any]:
@@ -340,6 +424,7 @@ def sequence_parallel_dataloader(
     device: torch.device | str | None = None,
     pad_token_id: int = 0,
     ring_size: int = 1,
+    dataset_samples: DatasetSamples | None = None,
 ) -> Any:
     """Wrap a per-rank DataLoader for UPipe: pad to a multiple of the group size, then DeepSpeed's
     ``UlyssesSPDataLoaderAdapter`` (needs ``deepspeed.comm`` initialized, e.g. by
@@ -353,12 +438,15 @@ def sequence_parallel_dataloader(
     every rank; one shorter than another rank's is padded to the longer (``_CheckedLoader``).
 
     ``device``: where the batches go and are gathered; None (the default) is the group's own device
-    (``collective_device``: the current CUDA device on NCCL, the CPU on gloo)."""
+    (``collective_device``: the current CUDA device on NCCL, the CPU on gloo).  ``dataset_samples``:
+    the loader's rule for the samples that pad its last round (their labels are ignored; ``_CheckedLoader``)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
 
     device = collective_device(dist.get_backend(group) if dist.is_initialized() else "gloo", device)
     rank, layout = _layout(group, ring_size)
-    checked = checked_loader(loader, group, device, pad_token_id=pad_token_id, ring_size=ring_size)
+    checked = checked_loader(
+        loader, group, device, pad_token_id=pad_token_id, ring_size=ring_size, dataset_samples=dataset_samples
+    )
     adapter = UlyssesSPDataLoaderAdapter(checked, rank, group, layout.sp_size, device)
     return adapter if ring_size == 1 else _ZigzagShards(adapter)
 
@@ -370,10 +458,13 @@ def checked_loader(
     *,
     pad_token_id: int = 0,
     ring_size: int = 1,
+    dataset_samples: DatasetSamples | None = None,
 ) -> Any:
     """``loader`` made ready for ``UlyssesSPDataLoaderAdapter`` (``_CheckedLoader``: the ranks'
     batches checked together, padded to one length, TRL's varlen keys dropped; in zigzag order with
-    ``ring_size`` > 1, then ``use_zigzag_shift_labels`` on each micro-batch).  Already checked: as is."""
+    ``ring_size`` > 1, then ``use_zigzag_shift_labels`` on each micro-batch).  ``dataset_samples``: the
+    loader's rule for its repeated samples (``_CheckedLoader``).  Already checked: as is."""
     if isinstance(loader, _CheckedLoader):
         return loader
-    return _CheckedLoader(loader, group, torch.device(device), pad_token_id, _layout(group, ring_size)[1])
+    layout = _layout(group, ring_size)[1]
+    return _CheckedLoader(loader, group, torch.device(device), pad_token_id, layout, dataset_samples)

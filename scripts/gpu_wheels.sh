@@ -10,13 +10,25 @@
 #                 were tested with
 # at the versions installed in the venv, and checks they fit the 64 MiB a device call carries.
 # On the device:  python3 -m pip install --no-index --no-deps gpu_wheels/*.whl && python3 scripts/gpu_check.py
+# PY: the venv's python (default: this clone's .venv, what scripts/setup_env.sh makes).
+# GPU_WHEELS_PLAN=1: print the python and the pinned versions, build nothing (tests/test_gpu_setup.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-/work/main/.venv/bin/python}
+PY=${PY:-$PWD/.venv/bin/python}
 OUT=${GPU_WHEELS:-gpu_wheels}
-rm -rf "$OUT" && mkdir -p "$OUT"
+if [ ! -x "$PY" ]; then
+  echo "gpu_wheels: no python at $PY: run scripts/setup_env.sh in this clone first, or set PY" >&2
+  exit 1
+fi
 
 version() { "$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
+
+if [ -n "${GPU_WHEELS_PLAN:-}" ]; then
+  echo "python: $PY"
+  for pkg in deepspeed pydantic transformers; do echo "$pkg==$(version "$pkg")"; done
+  exit 0
+fi
+rm -rf "$OUT" && mkdir -p "$OUT"
 
 # deepspeed: its setup.py imports torch, so no build isolation (the venv's CPU torch is enough: no ops are built)
 DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "$PY" -m pip wheel --no-deps --no-build-isolation -q -w "$OUT" \

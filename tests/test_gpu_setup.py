@@ -1,6 +1,11 @@
 """GPU setup rules checked without a GPU: the torch/NCCL record_stream check and the data loader's
 collective device (a CPU tensor cannot be all_gathered on an NCCL-only group)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -53,3 +58,29 @@ def test_loader_device_is_the_groups_own():
         collective_device("gloo", "cuda")
     if torch.cuda.is_available():
         assert collective_device("nccl").type == "cuda"
+
+
+def test_gpu_wheels_uses_the_venv_of_its_own_clone(tmp_path):
+    """scripts/gpu_wheels.sh, run from a clone in another folder (and from another working directory),
+    takes that clone's .venv: no path of the machine it was written on (it once defaulted to one)."""
+    root = Path(__file__).resolve().parents[1]
+    clone = tmp_path / "elsewhere" / "clone"
+    subprocess.run(["git", "clone", "-q", str(root), str(clone)], check=True)
+    (clone / ".venv/bin").mkdir(parents=True)
+    (clone / ".venv/bin/python").symlink_to(sys.executable)  # the clone's venv: this test's interpreter
+    env = {k: v for k, v in os.environ.items() if k != "PY"}
+    run = subprocess.run(
+        ["bash", str(clone / "scripts/gpu_wheels.sh")],
+        cwd=tmp_path,
+        env={**env, "GPU_WHEELS_PLAN": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[0] == f"python: {clone}/.venv/bin/python", run.stdout
+    assert "deepspeed==" in run.stdout
+    # a clone without a venv: the script says what to do instead of "No such file or directory"
+    (clone / ".venv/bin/python").unlink()
+    run = subprocess.run(["bash", str(clone / "scripts/gpu_wheels.sh")], env=env, capture_output=True, text=True)
+    assert run.returncode == 1 and "run scripts/setup_env.sh in this clone first" in run.stderr, run.stderr

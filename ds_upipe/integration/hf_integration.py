@@ -113,6 +113,9 @@ def enable() -> None:
     _patch(Trainer, "evaluation_loop", trainer_sp.wrap_evaluation_loop(Trainer.evaluation_loop))
     _patch(Trainer, "compute_loss", trainer_sp.wrap_compute_loss(Trainer.compute_loss))
     _patch(Trainer, "get_batch_samples", trainer_sp.wrap_get_batch_samples(Trainer.get_batch_samples))
+    _patch(Trainer, "training_step", trainer_sp.wrap_training_step(Trainer.training_step))
+    _patch(Trainer, "floating_point_ops", trainer_sp.wrap_floating_point_ops(Trainer.floating_point_ops))
+    _patch(Trainer, "_track_num_input_tokens", trainer_sp.wrap_track_num_input_tokens(Trainer._track_num_input_tokens))
 
 
 def disable() -> None:
@@ -321,7 +324,10 @@ class UPipeSPDataLoaderAdapter(UlyssesSPDataLoaderAdapter):
     ``hf_patches.data.checked_loader``: the ranks' batches checked together (the same error on every
     rank), rows of different lengths padded to the group's longest (TRL's dynamic padding; gloo
     cannot all_gather different sizes), TRL's varlen keys dropped and, when UPipe x Ring was
-    registered, each rank given its zigzag shard."""
+    registered, each rank given its zigzag shard.  Its micro-batches are ``hf_patches.data.ShardedBatch``
+    es: each carries the ``SourceBatch`` it was cut from, for the counts the Trainer and TRL log
+    (``trainer_sp.per_batch_metrics``); the rows accelerate repeats to even out a last round add no
+    loss and no metric (``trainer_sp.accelerate_dataset_samples``)."""
 
     def __init__(self, dl: Any, sp_rank: int, sp_group: Any, sp_world_size: int, device: Any) -> None:
         from hf_patches.data import checked_loader
@@ -330,8 +336,19 @@ class UPipeSPDataLoaderAdapter(UlyssesSPDataLoaderAdapter):
         # hf_patches.sequence_parallel_dataloader (the eval loaders) passes a checked loader already,
         # and puts the zigzag shift_labels in place itself
         self.reorders = ring_size > 1 and not getattr(dl, "zigzag_ordered", False)
-        dl = checked_loader(dl, sp_group, device, ring_size=ring_size)
+        dataset_samples = trainer_sp.accelerate_dataset_samples(dl)
+        dl = checked_loader(dl, sp_group, device, ring_size=ring_size, dataset_samples=dataset_samples)
         super().__init__(dl, sp_rank, sp_group, sp_world_size, device)
+
+    def refill(self) -> None:
+        """DeepSpeed's refill (one micro-batch per rank of the group, in rank order), each micro-batch
+        then given its source batch (the checked loader exchanged them with the batches' sizes)."""
+        from hf_patches.data import ShardedBatch
+
+        super().refill()
+        sources = self.dl.round_sources
+        fresh = [self.micro_batches.pop() for _ in sources][::-1]
+        self.micro_batches.extend(ShardedBatch(b, source=s) for b, s in zip(fresh, sources, strict=True))
 
     def __next__(self) -> dict[str, Any]:
         batch = super().__next__()

@@ -18,10 +18,17 @@ changes (``hf_integration`` installs these wrappers):
   to route every trainer's ``prediction_step`` (also a subclass's own, e.g. TRL's ``SFTTrainer``:
   its loss path, fused LM head and metrics run unchanged) through ``sequence_parallel_prediction_step``,
   which combines the shard losses into the batch's token mean and reports each batch once.
+- **The counts and metrics logged per batch.**  The Trainer (FLOPs, tokens seen) and TRL's SFTTrainer
+  (``num_tokens``, ``entropy``, ``mean_token_accuracy``) count each micro-batch they are given: under SP a
+  padded shard.  Each micro-batch carries its source batch (``hf_patches.data.SourceBatch``, before
+  ds_upipe's padding), the rows that accelerate repeats to even out a last round have their labels
+  ignored at the source, and ``per_batch_metrics`` makes TRL's per-step values those of the source
+  batches: the values the run without sequence parallelism logs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hf_patches.data import IGNORE_INDEX
+from hf_patches.data import IGNORE_INDEX, DatasetSamples, SourceBatch
 
 
 def runs_deepspeed_sp(pc: Any) -> bool:
@@ -47,6 +54,12 @@ def _sp_group() -> Any:
     from deepspeed.utils import groups
 
     return groups._get_sequence_parallel_group()
+
+
+def _sp_rank() -> int:
+    from deepspeed.utils import groups
+
+    return groups._get_sequence_parallel_rank()
 
 
 def _labelled_tokens(inputs: dict[str, Any]) -> torch.Tensor:
@@ -160,6 +173,141 @@ def wrap_compute_loss(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # ---------------------------------------------------------------------------------------------------
+# what is logged per batch: counted on the source batches
+
+
+def accelerate_dataset_samples(loader: Any) -> DatasetSamples | None:
+    """The rule for how many samples of the batch accelerate's per-process loader just gave are the
+    dataset's; None for other loaders (nothing repeated, or nothing known).
+
+    With ``even_batches`` (accelerate's default) a ``DataLoaderShard`` completes its last round with
+    samples from the dataset's start, so that every process gets a full batch: of that round's samples,
+    in process order, the first ``remainder`` are the dataset's (what ``gather_for_metrics`` keeps of
+    per-sample values).  Under SP a sample's tokens are spread over the group, so the samples themselves
+    are marked: their labels are ignored at the source (``hf_patches.data._CheckedLoader``)."""
+    from accelerate.data_loader import DataLoaderShard
+    from accelerate.state import PartialState
+
+    if not isinstance(loader, DataLoaderShard):
+        return None
+    state = PartialState()
+    per_batch = loader.total_batch_size // state.num_processes
+
+    def dataset_samples() -> tuple[int, int]:
+        if not loader.end_of_dataloader or loader.remainder <= 0:
+            return per_batch, per_batch
+        return per_batch, max(0, min(per_batch, loader.remainder - state.process_index * per_batch))
+
+    return dataset_samples
+
+
+def _trl_token_count(source: SourceBatch) -> int:
+    """TRL's SFTTrainer count of a batch's tokens (``num_tokens``: ``attention_mask.sum()``, else
+    ``position_ids.size(1)``), taken on the source batch; a batch of repeated samples counts nothing."""
+    if source.rows == 0:
+        return 0
+    return source.tokens if source.has_attention_mask else source.length
+
+
+def _gather_every_rank(accelerator: Any) -> Callable[..., Any]:
+    from accelerate.utils import gather_object
+
+    def gather_for_metrics(input_data: Any, use_gather_object: bool = False) -> Any:
+        return gather_object(input_data) if use_gather_object else accelerator.gather(input_data)
+
+    return gather_for_metrics
+
+
+@contextlib.contextmanager
+def per_batch_metrics(trainer: Any, source: SourceBatch) -> Iterator[None]:
+    """Around one micro-step of a trainer under SP (training or evaluation): the values TRL's SFTTrainer
+    logs for the micro-batch are made those of its source batch.  TRL computes them inline in
+    ``compute_loss`` from the inputs it is given (there is no hook), so:
+
+    - ``gather_for_metrics`` keeps every rank's value in the step: accelerate drops a last round's
+      values past the dataset's end one per *sample*, but TRL gathers one value per *rank* (the shard
+      sums of one source batch), so that would drop shards; the repeated rows add nothing anyway (their
+      labels are ignored at the source);
+    - a micro-step on which no group had a dataset row (only repeated rows: no batch of the run without
+      SP) leaves no entry in TRL's metric lists;
+    - ``num_tokens``: TRL counted the shards' tokens, ds_upipe's padding included; the count is that of
+      the source batches (each group's once)."""
+    accelerator = trainer.accelerator
+    lists = getattr(trainer, "_metrics", None)  # TRL's per-step metric lists, by mode
+    mode = "train" if trainer.model.training else "eval"
+    lengths = {k: len(v) for k, v in lists[mode].items()} if lists is not None else {}
+    counted = getattr(trainer, "_total_train_tokens", None)
+    accelerator.gather_for_metrics = _gather_every_rank(accelerator)
+    try:
+        yield
+    finally:
+        del accelerator.gather_for_metrics
+    if lists is None:
+        return
+    mine = [source.rows, _trl_token_count(source)] if _sp_rank() == 0 else [0, 0]
+    rows, tokens = accelerator.gather(torch.tensor([mine], device=accelerator.device)).sum(0).tolist()
+    if rows == 0:
+        for key, values in lists[mode].items():
+            if key != "num_tokens":
+                del values[lengths.get(key, 0) :]
+    if mode == "train" and counted is not None:
+        trainer._total_train_tokens = counted + tokens // getattr(trainer, "_tp_size", 1)
+        lists[mode]["num_tokens"] = [trainer._total_train_tokens]
+
+
+def _source(trainer: Any, inputs: Any) -> SourceBatch | None:
+    """The source batch of a sequence-parallel micro-batch (``hf_patches.data.ShardedBatch``), else None."""
+    source = getattr(inputs, "source", None)
+    return source if source is not None and deepspeed_sp(trainer) is not None else None
+
+
+def wrap_training_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def training_step(self: Any, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        source = _source(self, inputs)
+        if source is None:
+            return original(self, model, inputs, *args, **kwargs)
+        with per_batch_metrics(self, source):
+            return original(self, model, inputs, *args, **kwargs)
+
+    return training_step
+
+
+def wrap_floating_point_ops(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The Trainer's FLOP estimate (6 x parameters x input tokens, summed over every rank) of the source
+    batch: each rank counts its share of the source's dataset rows at their collated length."""
+
+    @functools.wraps(original)
+    def floating_point_ops(self: Any, inputs: dict[str, Any]) -> Any:
+        flops = original(self, inputs)
+        source = _source(self, inputs)
+        shard = inputs.get(getattr(self.model, "main_input_name", "input_ids"))
+        if source is None or not torch.is_tensor(shard) or shard.numel() == 0:
+            return flops
+        return flops * source.rows * source.length / (shard.numel() * dist.get_world_size(_sp_group()))
+
+    return floating_point_ops
+
+
+def wrap_track_num_input_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The Trainer's ``num_input_tokens_seen`` counted on the source batches (``"all"``: the dataset rows
+    at their collated length; ``"non_padding"``: their attention-mask tokens), each group's once."""
+
+    @functools.wraps(original)
+    def track_num_input_tokens(self: Any, inputs: dict[str, Any]) -> None:
+        source = _source(self, inputs)
+        how = self.args.include_num_input_tokens_seen
+        if source is None or how == "no":
+            return original(self, inputs)
+        count = source.tokens if how == "non_padding" else source.rows * source.length
+        mine = torch.as_tensor(count if _sp_rank() == 0 else 0, device=self.args.device, dtype=torch.int64)
+        # the Trainer's own bookkeeping line, with the source's count
+        self.state.num_input_tokens_seen += self.accelerator.gather(mine).sum().item()
+
+    return track_num_input_tokens
+
+
+# ---------------------------------------------------------------------------------------------------
 # evaluation
 
 
@@ -194,7 +342,13 @@ class SequenceParallelEvalLoader:
         from hf_patches import sequence_parallel_dataloader
 
         group = _sp_group()
-        sharded = sequence_parallel_dataloader(self.loader, group, device=self.device, ring_size=self.ring_size(group))
+        sharded = sequence_parallel_dataloader(
+            self.loader,
+            group,
+            device=self.device,
+            ring_size=self.ring_size(group),
+            dataset_samples=accelerate_dataset_samples(self.loader),
+        )
         self.own_loss = None
         for i, batch in enumerate(sharded):
             self.source_rank = i % self.sp
@@ -257,8 +411,10 @@ def sequence_parallel_prediction_step(
     from deepspeed.utils import groups
 
     # the labels the model's loss (and TRL's fused LM head) score: this shard's pre-shifted ones
+    source = _source(trainer, inputs)
     inputs = {**inputs, "labels": inputs["shift_labels"]}
-    loss, _, _ = own_step(trainer, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+    with contextlib.nullcontext() if source is None else per_batch_metrics(trainer, source):
+        loss, _, _ = own_step(trainer, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
     tokens = _labelled_tokens(inputs).to(loss.device)
     total, total_tokens = _shard_sums(loss.detach().float(), tokens, _sp_group(), differentiable=False)
     loss = total / total_tokens.clamp(min=1)
