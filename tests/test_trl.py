@@ -12,10 +12,11 @@ evaluation.  The cases, one launch each with its non-SP reference beside it (all
 processes deep: tests/launches.py, ``run_pool``):
 
 - plain text, batch 2, TRL's dynamic padding (rows of different lengths on the two ranks), ZeRO-3; eval
-  every 2 steps with batch size 1 on 7 rows padded to 64: accelerate repeats a whole batch on one rank
-  in the last round;
-- prompt-completion (loss on the completion only), gradient accumulation 2, ZeRO-2; eval batches of 2
-  rows on 7 samples: the last round repeats one row of a batch;
+  every 2 steps with batch size 1 on 7 samples: accelerate repeats a whole batch on one rank in the last
+  round, and keeps 1 gathered value of 2 there (its ``remainder``), which would drop the second shard of
+  the last sample;
+- prompt-completion (loss on the completion only), gradient accumulation 2, ZeRO-2, rows padded to 64;
+  eval batches of 2 rows on 7 samples: the last round repeats one row of a batch;
 - TRL's packing (bfd) with the long-context stack (tiled loss, norms and MLP) in the ds_config, ZeRO-3;
 - padding-free, batch 2 (TRL's varlen keys cu_seq_lens_* / max_length_* / seq_idx), accumulation 4, on
   22 training samples (11 batches: the last round repeats a batch in training) and 7 eval samples (the
@@ -55,13 +56,25 @@ CASES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "plain": (
         "plain",
         "",
-        ("--data", "plain", "--eval_steps", "2", "--eval_batch_size", "1", "--eval_samples", "7")
-        + ("--pad_to_multiple_of", "64"),
+        (
+            "--data",
+            "plain",
+            "--eval_steps",
+            "2",
+            "--eval_batch_size",
+            "1",
+            "--eval_samples",
+            "7",
+            "--init_std",
+            "0.5",
+            "--lr",
+            "1e-4",
+        ),
     ),
     "prompt_completion_ga2_zero2": (
         "prompt_completion_ga2",
         "zero2",
-        ("--data", "prompt_completion", "--grad_accum", "2", "--eval_samples", "7"),
+        ("--data", "prompt_completion", "--grad_accum", "2", "--eval_samples", "7", "--pad_to_multiple_of", "64"),
     ),
     "packing_stack": ("packing", "stack", ("--data", "packing")),
     "padding_free_ga4": (
