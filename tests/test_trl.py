@@ -65,10 +65,6 @@ CASES: dict[str, tuple[str, str, tuple[str, ...]]] = {
             "1",
             "--eval_samples",
             "7",
-            "--init_std",
-            "0.5",
-            "--lr",
-            "1e-4",
         ),
     ),
     "prompt_completion_ga2_zero2": (
