@@ -405,11 +405,18 @@ def memory_by_head_chunk(rank, world, seq_per_rank=64, batch=1, heads=32, kv_hea
     gen = torch.Generator().manual_seed(rank)
     shape_q, shape_kv = (batch, seq_per_rank, heads, head_dim), (batch, seq_per_rank, kv_heads, head_dim)
     q, k, v, dout = (torch.randn(s, generator=gen) for s in (shape_q, shape_kv, shape_kv, shape_q))
+
+    def deepspeed_at_best(local_attention):
+        # the least of 3 runs: gloo's finished all-to-all work sometimes frees one of DeepSpeed's exchange
+        # buffers late (seen: exactly one 512 KiB buffer more on one rank in a full-suite run), which
+        # MemTracker then counts in the peak; the baseline is taken at its best
+        attention = DistributedAttention(local_attention, dist.group.WORLD)
+        runs = [measure_attention(attention, q, k, v, dout, 0) for _ in range(3)]
+        return min(runs, key=lambda m: m.intermediate_bytes)
+
     results = {
-        "deepspeed": measure_attention(DistributedAttention(gqa_native_sdpa, dist.group.WORLD), q, k, v, dout, 0),
-        "deepspeed_kernel": measure_attention(
-            DistributedAttention(TorchSDPAKernel(causal=True), dist.group.WORLD), q, k, v, dout, 0
-        ),
+        "deepspeed": deepspeed_at_best(gqa_native_sdpa),
+        "deepspeed_kernel": deepspeed_at_best(TorchSDPAKernel(causal=True)),
     }
     for u in valid_head_chunk_sizes(heads, kv_heads, world):
         attn = UPipeDistributedAttention(TorchSDPAKernel(causal=True), dist.group.WORLD, head_chunk_size=u)
