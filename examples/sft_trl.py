@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="optimizer steps")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init_std", type=float, default=None, help="the model's initializer_range (default: its own)")
     p.add_argument("--output_dir", default="/tmp/ds_upipe_sft_trl")
     p.add_argument("--metrics_out", default=None, help="JSON file for the metrics (rank 0)")
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
@@ -128,7 +129,10 @@ def main(argv: list[str] | None = None) -> None:
         dataset_num_proc=None,
     )
     torch.manual_seed(opts.seed)
-    model = LlamaForCausalLM(tiny_llama_config(opts.seq_len))
+    config = tiny_llama_config(opts.seq_len)
+    if opts.init_std is not None:
+        config.initializer_range = opts.init_std
+    model = LlamaForCausalLM(config)
     vocab = model.config.vocab_size
     model.config.pad_token_id, model.config.eos_token_id = 0, 1
     tokenizer = word_tokenizer(vocab)

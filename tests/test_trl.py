@@ -11,11 +11,13 @@ depends on when ZeRO-3 gathers, not on the data.  Every rank must have run UPipe
 evaluation.  The cases, one launch each with its non-SP reference beside it (all in one pool a few
 processes deep: tests/launches.py, ``run_pool``):
 
-- plain text, batch 2, TRL's dynamic padding (rows of different lengths on the two ranks), ZeRO-3; eval
-  every 2 steps with batch size 1 on 7 samples: accelerate repeats a whole batch on one rank in the last
-  round (and accelerate's ``gather_for_metrics`` would keep 1 gathered value of 2 there, its
-  ``remainder``: ``trainer_sp.per_batch_metrics`` gathers without that cut; at this model's nearly
-  uniform logits the dropped shard moves entropy by less than 1e-5, so this case does not pin that part);
+- plain text, batch 2, TRL's dynamic padding (rows of different lengths on the two ranks), ZeRO-3, weights
+  drawn with std 0.5 (peaked logits: entropy varies from token to token) and learning rate 0 (so that
+  float32 rounding is not amplified by updates at these logits); eval every 2 steps with batch size 1 on
+  9 samples: accelerate repeats a whole batch (sample 0, 64 tokens) on one rank in the last round, so the
+  last sample (43 tokens) is padded to 64 and half of it is on the second rank, where accelerate's
+  ``gather_for_metrics`` would keep 1 gathered value of 2 (its ``remainder``) and drop that shard
+  (``trainer_sp.per_batch_metrics`` gathers without that cut);
 - prompt-completion (loss on the completion only), gradient accumulation 2, ZeRO-2, rows padded to 64;
   eval batches of 2 rows on 7 samples: the last round repeats one row of a batch;
 - TRL's packing (bfd) with the long-context stack (tiled loss, norms and MLP) in the ds_config, ZeRO-3;
@@ -65,7 +67,11 @@ CASES: dict[str, tuple[str, str, tuple[str, ...]]] = {
             "--eval_batch_size",
             "1",
             "--eval_samples",
-            "7",
+            "9",
+            "--init_std",
+            "0.5",
+            "--lr",
+            "0",
         ),
     ),
     "prompt_completion_ga2_zero2": (
