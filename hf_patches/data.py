@@ -271,7 +271,7 @@ class _CheckedLoader:
                 status = _EXHAUSTED
             except Exception as err:  # noqa: BLE001 - reported on every rank by _check_group
                 status, error = _FAILED, err
-            row = _describe_batch(batch, length, status) + (source if status == _OK and length >= 0 else [-1] * 4)
+            row = _describe_batch(batch, length, status) + (source or [-1] * 4)
             longest = self._check_group(batch, row, error)
             if status == _EXHAUSTED:
                 return
