@@ -17,7 +17,7 @@ _LAZY = {
     "FlashAttnKernel": "kernels",
     "MathKernel": "kernels",
     "TorchSDPAKernel": "kernels",
-    "make_kernel": "kernels",
+    "make_kernel": "kernel_choice",
     "UPipeDistributedAttention": "layer",
     "UPipeRuntime": "runtime",
     "DocumentKernel": "packing",
@@ -56,7 +56,8 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from .integration.engine import initialize
     from .integration.process_exit import exit_process
-    from .kernels import AttentionKernel, CallableKernel, FlashAttnKernel, MathKernel, TorchSDPAKernel, make_kernel
+    from .kernel_choice import make_kernel
+    from .kernels import AttentionKernel, CallableKernel, FlashAttnKernel, MathKernel, TorchSDPAKernel
     from .layer import UPipeDistributedAttention
     from .packing import DocumentKernel, documents_from_positions
     from .runtime import UPipeRuntime

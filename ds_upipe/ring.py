@@ -28,8 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import kernels
-from .kernels import AttentionKernel, CallableKernel, KernelAux, TorchSDPAKernel
+from .kernels import AttentionKernel, CallableKernel, KernelAux, lse_block
 from .layout import SequenceLayout, sequence_layout  # also imported from here by callers
 from .windows import band_backward, band_forward, visible_products, window_of
 
@@ -472,9 +471,7 @@ def _lse_for(kernel: AttentionKernel, q: Tensor, lse: Tensor) -> Tensor:
     """The merged lse of these query rows in the layout the kernel's backward reads: contiguous (the
     fused backward ops read it by raw strides), padded to 32 rows for torch's memory-efficient op,
     whose forward returns it so."""
-    block = (
-        kernels.sdpa_path(q.device.type, q.dtype, q.shape[-1]).lse_block if isinstance(kernel, TorchSDPAKernel) else 1
-    )
+    block = lse_block(kernel, q)
     if block > 1:
         padded = math.ceil(q.shape[2] / block) * block
         return F.pad(lse, (0, padded - q.shape[2]))

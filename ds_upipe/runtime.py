@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .kernels import AttentionKernel, CallableKernel, make_kernel, with_softmax_scale
+from .kernel_choice import make_kernel
+from .kernels import AttentionKernel, CallableKernel, with_softmax_scale
 from .layout import SequenceLayout
 from .packing import DocumentBoundaries, DocumentKernel
 from .pipeline import PipelineContext, plan_indices

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import kernels
 from .kernels import (
     AttentionKernel,
     CallableKernel,
@@ -40,6 +39,7 @@ from .kernels import (
     KernelAux,
     TorchSDPAKernel,
     kernel_autograd,
+    lse_block,
 )
 
 #: queries per tile of the banded path: one tile's scores are tile x (tile + W - 1) per head on the
@@ -227,11 +227,7 @@ def _lse_rows(lse: Tensor, rows: int) -> Tensor:
 def _padded_lse(kernel: AttentionKernel, q: Tensor, lse: Tensor) -> Tensor:
     """The merged lse of ``q``'s rows in the layout the kernel's backward reads (torch's memory-efficient
     op reads it padded to 32 rows, as its forward returns it), contiguous."""
-    # looked up on the module at call time, as TorchSDPAKernel itself does (the CUDA contract tests patch it)
-    block = (
-        kernels.sdpa_path(q.device.type, q.dtype, q.shape[-1]).lse_block if isinstance(kernel, TorchSDPAKernel) else 1
-    )
-    pad = -q.shape[2] % block
+    pad = -q.shape[2] % lse_block(kernel, q)
     return torch.nn.functional.pad(lse, (0, pad)).contiguous() if pad else lse.contiguous()
 
 

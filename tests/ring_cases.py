@@ -149,7 +149,7 @@ def cuda_adapter_parity(rank, world):
     """Ring attention around TorchSDPAKernel's CUDA paths (flash for bf16, memory-efficient for fp32),
     run on CPU through test_kernel_contracts' CPU implementations of the CUDA ops: the efficient op's
     lse comes padded to 32 rows with NaN, so a ring that merged or passed back the padding would show."""
-    from ds_upipe import kernels
+    from ds_upipe.kernels import torch_sdpa
     from tests import test_kernel_contracts as contracts
 
     rec = contracts.Recorder()
@@ -158,8 +158,8 @@ def cuda_adapter_parity(rank, world):
     lib.impl("_scaled_dot_product_flash_attention_backward", contracts._flash_backward(rec), "CPU")
     lib.impl("_scaled_dot_product_efficient_attention", contracts._efficient_forward(rec), "CPU")
     lib.impl("_scaled_dot_product_efficient_attention_backward", contracts._efficient_backward(rec), "CPU")
-    original = kernels.sdpa_path
-    kernels.sdpa_path = lambda device_type, dtype, head_dim=None: original("cuda", dtype, head_dim)
+    original = torch_sdpa.sdpa_path
+    torch_sdpa.sdpa_path = lambda device_type, dtype, head_dim=None: original("cuda", dtype, head_dim)
     try:
         groups = Groups(2, 2)
         errors = {}
@@ -167,7 +167,7 @@ def cuda_adapter_parity(rank, world):
             errors[(str(dtype), overlap)] = run_case(groups, 8, 2, 2, 0, True, overlap, dtype=dtype)
         calls = sorted({name for name, *_ in rec.calls})
     finally:
-        kernels.sdpa_path = original
+        torch_sdpa.sdpa_path = original
         lib._destroy()
     return errors, calls
 

@@ -25,8 +25,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ds_upipe import kernels
-from ds_upipe.kernels import FlashAttnKernel, MathKernel, TorchSDPAKernel, sdpa_path
+from ds_upipe import kernel_choice
+from ds_upipe.kernels import FlashAttnKernel, MathKernel, TorchSDPAKernel, sdpa_path, torch_sdpa
 from ds_upipe.pipeline import PipelineContext, PlanIndices, UPipeAttentionFunction
 from ds_upipe.schedule import build_plan
 
@@ -189,7 +189,7 @@ def cuda_ops() -> Recorder:
 def as_cuda(cuda_ops: Recorder, monkeypatch) -> Recorder:
     """TorchSDPAKernel takes its CUDA decisions for these CPU tensors."""
     monkeypatch.setattr(
-        kernels, "sdpa_path", lambda device_type, dtype, head_dim=None: sdpa_path("cuda", dtype, head_dim)
+        torch_sdpa, "sdpa_path", lambda device_type, dtype, head_dim=None: sdpa_path("cuda", dtype, head_dim)
     )
     cuda_ops.clear()
     return cuda_ops
@@ -662,7 +662,7 @@ def test_flash_attn_window_is_flash_attns_own(install_flash_attn, version):
     old = version.startswith("2.6")
     window = 5
     expected = {"window_size": (window - 1, 0)} if old else {"window_size_left": window - 1, "window_size_right": 0}
-    kernel = kernels.make_kernel("flash_attn", softmax_scale=None, window=window)
+    kernel = kernel_choice.make_kernel("flash_attn", softmax_scale=None, window=window)
     assert isinstance(kernel, FlashAttnKernel) and kernel.window == window
     q, k, v, dout = _inputs(4, 2, torch.bfloat16, d=16)
     out, lse, aux = kernel.forward(q, k, v)

@@ -1,8 +1,9 @@
 """The package layout the README's architecture section describes, checked.
 
 Layers, bottom-up: the core (``ds_upipe`` top-level modules) < ``hf_patches`` < ``ds_upipe.integration``
-< ``ds_upipe.tools``.  A module may import from its own layer or below, never above; the core imports
-neither transformers nor pydantic when it is imported; and the cheap entry points stay cheap.
+< ``ds_upipe.tools``.  A module may import from its own layer or below, never above; no modules import
+each other in a circle (also through an import inside a function); the core imports neither
+transformers nor pydantic when it is imported; and the cheap entry points stay cheap.
 """
 
 from __future__ import annotations
@@ -130,6 +131,67 @@ def test_layer_walk_allows_downward_and_annotation_imports():
     source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .tools import cli\nfrom . import schedule\n"
     assert upward_imports("ds_upipe", source, is_package=True) == []
     assert upward_imports("ds_upipe.tools.cli", "from ..integration import engine\nimport hf_patches\n") == []
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """module -> the modules of ``sources`` (name -> (text, is a package)) it imports, at module level or
+    inside a function (an import in a function is still an edge: it only hides it)."""
+
+    def ours(target: str) -> str | None:
+        while target and target not in sources:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    graph: dict[str, set[str]] = {}
+    for name, (source, is_package) in sources.items():
+        targets = (ours(t) for t, _, _ in imports_of(source, name, is_package))
+        graph[name] = {t for t in targets if t is not None and t != name}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = stack[stack.index(v) :]
+            del stack[stack.index(v) :]
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_import_circles():
+    modules = package_modules()
+    sources = {module_name(m): (m.read_text(encoding="utf-8"), m.name == "__init__.py") for m in modules}
+    graph = import_graph(sources)
+    assert "ds_upipe.windows" in graph["ds_upipe.kernel_choice"]  # the graph was built
+    assert import_circles(graph) == []
+
+
+def test_circle_walk_catches_a_circle_through_a_function_import():
+    sources = {
+        "ds_upipe.kernels": ("def make():\n    from .windows import windowed\n", False),
+        "ds_upipe.windows": ("from .kernels import AttentionKernel\n", False),
+        "ds_upipe.schedule": ("import torch\n", False),
+    }
+    assert import_circles(import_graph(sources)) == [["ds_upipe.kernels", "ds_upipe.windows"]]
 
 
 def _loaded_by_import(module: str) -> set[str]:
