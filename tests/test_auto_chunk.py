@@ -3,7 +3,7 @@
 Where a route has the model (``ds_upipe.initialize``, the Trainer / accelerate registration), "auto"
 runs the attention module of a decoder layer of each kind the model has on fake tensors, patched by
 ``hf_patches.apply_upipe`` with the block's fused projections, recompute, overlap, accumulation and
-ring, on unpacked and packed rows (``config.attention_stage_bytes_by_u`` with ``model_config``,
+ring, on unpacked and packed rows (``auto_chunk.attention_stage_bytes_by_u`` with ``model_config``,
 ``fake_run.attention_step``), every valid U in one run.  These tests run in this process (no process
 group: no child process); each fake run takes about half a second, and the measurements are cached
 per spec, so the tests share them.  The routes passing the model are checked in the existing spawn
@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from ds_upipe.integration import fake_run
-from ds_upipe.integration.config import UPipeConfig, attention_stage_bytes_by_u, choose_head_chunk_size
+from ds_upipe.integration.auto_chunk import attention_stage_bytes_by_u, choose_head_chunk_size
+from ds_upipe.integration.config import UPipeConfig
 from ds_upipe.schedule import valid_head_chunk_sizes
 from ds_upipe.tools.models import tiny_config
 

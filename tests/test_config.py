@@ -7,14 +7,13 @@ from pathlib import Path
 import pytest
 from torch.utils.data import DistributedSampler
 
+from ds_upipe.integration.auto_chunk import attention_stage_bytes, choose_head_chunk_size
 from ds_upipe.integration.config import (
     ALLOWED,
     Tiled,
     UPipeConfig,
-    attention_stage_bytes,
     check_heads,
     check_world,
-    choose_head_chunk_size,
     load_config,
     micro_batch_size,
     parse_config,

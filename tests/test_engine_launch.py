@@ -22,7 +22,8 @@ Loss trajectories and gradient norms must agree within 1e-5 relative (float32 ru
 
 import pytest
 
-from ds_upipe.integration.config import UPipeConfig, attention_stage_bytes_by_u, choose_head_chunk_size
+from ds_upipe.integration.auto_chunk import attention_stage_bytes_by_u, choose_head_chunk_size
+from ds_upipe.integration.config import UPipeConfig
 from ds_upipe.tools.ranks import free_port
 from tests.engine_cases import FP32_RTOL, REPO, TORCH_ADAM, launch, launch_many, max_rel, run
 

@@ -357,7 +357,8 @@ def key_results(tmp_path_factory) -> list[dict[str, Any]]:
 def _auto_budget(config: Any) -> float:
     """A budget (GiB) between the core-only measurement of ``ON`` (which fits U = 4) and the model's
     fused + recompute + overlap attention (which fits no U: "auto" picks C = 2)."""
-    from ds_upipe.integration.config import UPipeConfig, attention_stage_bytes_by_u, choose_head_chunk_size
+    from ds_upipe.integration.auto_chunk import attention_stage_bytes_by_u, choose_head_chunk_size
+    from ds_upipe.integration.config import UPipeConfig
 
     dims = dict(num_heads=4, num_kv_heads=2, head_dim=8, group_size=WORLD, micro_batch_size=1, dtype_bytes=4)
     block = UPipeConfig(**{**ON, "memory_budget_gib": 1.0})

@@ -8,8 +8,9 @@ A ds_config turns UPipe on with DeepSpeed's own ``sequence_parallel_size`` and o
 ``"ring_size": R`` makes it UPipe x Ring: C_u = sequence_parallel_size / R ranks run UPipe's
 all-to-alls (within a node), R ranks ring attention (across nodes).
 
-Everything here is pure (no process groups, no transformers), so a bad config fails the same way on
-every rank before any collective runs.  Key-by-key documentation: docs/config.md.
+Everything here is pure (no process groups, no transformers, no measurement: "auto" is measured in
+``auto_chunk``), so a bad config fails the same way on every rank before any collective runs.
+Key-by-key documentation: docs/config.md.
 """
 
 from __future__ import annotations
@@ -23,12 +24,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, model_validator
 
-from ..layout import SequenceLayout
 from ..schedule import (
     check_head_counts,
-    resolve_head_chunk_size,
     valid_group_sizes,
-    valid_head_chunk_sizes,
 )
 
 logger = logging.getLogger("ds_upipe")
@@ -342,127 +340,6 @@ def check_heads(num_heads: int, num_kv_heads: int, sequence_parallel_size: int, 
             f"a model with num_attention_heads={num_heads}, num_key_value_heads={num_kv_heads} cannot: {err}. "
             f"Allowed Ulysses degrees (sequence_parallel_size / ring_size) for this model: {valid}"
         ) from None
-
-
-def attention_stage_bytes(head_chunk_size: int, **kwargs: Any) -> int:
-    """``attention_stage_bytes_by_u`` of one U."""
-    return attention_stage_bytes_by_u([head_chunk_size], **kwargs)[head_chunk_size]
-
-
-def attention_stage_bytes_by_u(
-    head_chunk_sizes: list[int],
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    group_size: int,
-    seq_length: int,
-    micro_batch_size: int,
-    dtype_bytes: int,
-    ring_size: int = 1,
-    accumulate_in_input_dtype: bool = False,
-    overlap_comm: bool = False,
-    model_config: Any = None,
-    fused: bool = False,
-    recompute_attention_output: bool = False,
-) -> dict[int, int]:
-    """Per-rank attention memory of UPipe at each head chunk size, in bytes: the attention's
-    intermediate peak (``fake_run.intermediate``: the peak of its forward + backward minus its inputs,
-    output, their gradients, parameters and parameter gradients), measured by running it on fake
-    tensors as rank 0 of the group, every U in one run (in a process that already has a process
-    group: one child process), with the configured accumulation (``accumulate_in_input_dtype``:
-    upipe.accumulate_dtype = "input"), ``overlap_comm`` (two stages' buffers in flight) and ring.
-
-    ``model_config`` (the model's transformers config, where the route has the model): the attention
-    module of a decoder layer of each kind it has (``layer_types``; the largest) patched by
-    ``hf_patches.apply_upipe`` as the model will run it,
-    ``fused`` projections or not, ``recompute_attention_output``, on unpacked and packed rows (the
-    larger counts; ``fake_run.attention_step``).  None (no HF model: the core layer): the core
-    ``UPipeDistributedAttention`` on q, k, v (``fake_run.core_step``).  Kernel-internal CUDA workspaces
-    are not included; the SDPA kernel runs whatever ``upipe.kernel`` is (fake tensors run on the CPU)."""
-    from . import fake_run
-
-    dtype = {2: "bf16", 4: "fp32", 8: "fp64"}[dtype_bytes]
-    # with a ring the real RingAttentionKernel runs too, over a fake ring group (rank 0 of C_u x R): a stage
-    # attends over its ring block, with the K/V block in flight and the travelling dK/dV counted as allocated
-    multiple = SequenceLayout(group_size, ring_size).sequence_multiple
-    seq = max(multiple, seq_length - seq_length % multiple)
-    common: dict[str, Any] = dict(
-        sp_size=group_size * ring_size,
-        seq_len=seq,
-        batch=micro_batch_size,
-        dtype=dtype,
-        ring_size=ring_size,
-        accumulate_in_input_dtype=accumulate_in_input_dtype,
-        overlap_comm=overlap_comm,
-    )
-    built = None if model_config is None else fake_run.HFModelConfig.of(model_config)
-    if model_config is not None and built is None:
-        logger.warning(
-            '"head_chunk_size": "auto": transformers cannot build model type %r from its name (remote code); '
-            "measuring the core attention layer instead of the model's (leave headroom in memory_budget_gib)",
-            getattr(model_config, "model_type", None),
-        )
-    if built is None:
-        common.update(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-        model = None
-    else:
-        common.update(fused=fused, recompute_attention_output=recompute_attention_output)
-        model = built.json_text
-    peaks = fake_run.isolated("attention_activations", head_chunk_sizes=list(head_chunk_sizes), model=model, **common)
-    return {int(u): int(b) for u, b in peaks.items()}
-
-
-def choose_head_chunk_size(
-    upipe: UPipeConfig,
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    group_size: int,
-    micro_batch_size: int,
-    dtype_bytes: int,
-    model_config: Any = None,
-    fused: bool | None = None,
-) -> int:
-    """The head chunk size U to use: the configured int (validated), C for null, and for "auto" the
-    largest valid U whose measured attention memory (``attention_stage_bytes_by_u``) fits
-    ``memory_budget_gib`` (C when none fits).  ``group_size`` is the Ulysses degree C_u (the
-    sequence-parallel size over ``upipe.ring_size``).  ``model_config``: the model's transformers
-    config where the route has one (its attention layer is measured; else the core layer);
-    ``fused``: whether the model will run fused projections (None: ``upipe.fused_projections``; the
-    routes pass False where apply_upipe falls back for that model, e.g. PEFT LoRA projections)."""
-    value = upipe.head_chunk_size
-    if value != "auto":
-        try:
-            return resolve_head_chunk_size(num_heads, num_kv_heads, group_size, value)
-        except ValueError as err:
-            ring = upipe.ring_size
-            where = "" if ring == 1 else f" (with upipe.ring_size={ring} the heads are split over the Ulysses degree)"
-            raise ValueError(f"invalid ds_config: upipe.head_chunk_size: {err}{where}") from None
-    budget = upipe.memory_budget_gib * 2**30
-    fused = upipe.fused_projections if fused is None else fused
-    # every valid U measured in one fake run, with every setting the model runs with; the same choice
-    # on every rank (the same measurement of the same config, checked equal across ranks: the settings
-    # exchange before registration and the runtime's check of U at each forward)
-    need = attention_stage_bytes_by_u(
-        valid_head_chunk_sizes(num_heads, num_kv_heads, group_size),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        group_size=group_size,
-        seq_length=upipe.seq_length,
-        micro_batch_size=micro_batch_size,
-        dtype_bytes=dtype_bytes,
-        ring_size=upipe.ring_size,
-        accumulate_in_input_dtype=upipe.accumulate_dtype == "input",
-        overlap_comm=upipe.overlap_comm,
-        model_config=model_config,
-        fused=fused,
-        recompute_attention_output=upipe.recompute_attention_output and fused,
-    )
-    fits = [u for u, size in need.items() if size <= budget]
-    return max(fits) if fits else group_size
 
 
 def micro_batch_size(ds_config: dict[str, Any], data_parallel_size: int) -> int:

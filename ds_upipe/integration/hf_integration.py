@@ -63,7 +63,8 @@ from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF,
 from ..heads import HeadLayout
 from . import trainer_sp
 from .agreement import agreed_settings, check_ranks_agree
-from .config import SPSettings, check_heads, choose_head_chunk_size, parse_config, tiled
+from .auto_chunk import choose_head_chunk_size
+from .config import SPSettings, check_heads, parse_config, tiled
 from .sp_setup import (
     apply_long_context,
     apply_upipe_settings,

@@ -21,9 +21,10 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from ..heads import HeadLayout
+from .auto_chunk import choose_head_chunk_size
 from .checkpoint_pairs import check_pairs_fit, install_checkpoint_pairs
 from .checkpointing import install_exact_pinned_pool, releasing
-from .config import SPSettings, UPipeConfig, check_heads, choose_head_chunk_size, tiled
+from .config import SPSettings, UPipeConfig, check_heads, tiled
 
 #: attention functions ALST replaced in transformers' registry, to restore them.  Process-level because
 #: what it undoes is: transformers' ``ALL_ATTENTION_FUNCTIONS`` is one registry per process by design,

@@ -553,10 +553,10 @@ def from_ds_config(
 
 def auto_head_chunk_size(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, upipe: Any) -> int:
     """The U that ``upipe.head_chunk_size: "auto"`` picks for this model and setup: the runtime's rule and
-    measurement (``integration.config.choose_head_chunk_size`` on the model's attention layer, at
+    measurement (``integration.auto_chunk.choose_head_chunk_size`` on the model's attention layer, at
     ``upipe.seq_length`` with ``upipe.memory_budget_gib``), with the scheme's settings (flags given on
     the command line override the block's, as they do for the plan)."""
-    from ..integration.config import choose_head_chunk_size
+    from ..integration.auto_chunk import choose_head_chunk_size
 
     block = upipe.model_copy(
         update=dict(
