@@ -1,6 +1,7 @@
-"""HuggingFace Llama-family attention patches for UPipe.
+"""UPipe inside transformers models.
 
-``apply_upipe`` patches a Llama/Mistral/Qwen2/Qwen3 model in place; ``shard_batch`` /
+``apply_upipe`` patches a causal decoder in place (any whose attention calls transformers' attention
+registry; fused per-stage projections for the families of ``families``); ``shard_batch`` /
 ``sequence_parallel_dataloader`` give each sequence-parallel rank its shard of the inputs, and
 ``sequence_parallel_loss`` turns per-shard logits into the loss of the whole sequence;
 ``apply_long_context_stack`` / ``tiled_sequence_parallel_loss`` tile the loss, norms and MLPs;

@@ -13,7 +13,7 @@ attention dropout, multi-head latent attention.
 Fused per-stage projections replace the module's ``forward`` by one that must compute exactly what it
 did, so they are limited to the forwards known to be Llama-shaped (``FUSED_ATTENTIONS``: plain
 ``nn.Linear`` q/k/v/o with optional bias, rotate-half RoPE, an optional per-head q/k norm of a kind in
-``hf_patches.fused.NORM_KINDS``, optional sinks); a structural check alone cannot see what a forward
+``families.NORM_KINDS``, optional sinks); a structural check alone cannot see what a forward
 does between its projections (SmolLM3 skips RoPE on some layers, OLMo 2 normalizes all heads together,
 Phi-3 fuses q/k/v into one matrix, GLM-4 rotates part of each head).  Other models run unfused with one
 warning naming the reason.
@@ -28,25 +28,11 @@ from typing import Any
 
 from torch import nn
 
-from .fused import NORM_KINDS
+from .families import FUSED_ATTENTIONS, NORM_KINDS
 
 #: ``config.layer_types`` entries UPipe runs (each module's ``sliding_window`` gives the window)
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
-#: transformers attention classes whose forward fused mode reproduces -> the q/k norm kind it needs
-#: (None: no q/k norm).  All: plain nn.Linear q/k/v/o (bias optional), rotate-half RoPE (GPT-OSS: the
-#: same on half-dim cos/sin), the registry call with scaling, sliding_window and (GPT-OSS) s_aux only.
-FUSED_ATTENTIONS: dict[str, str | None] = {
-    "LlamaAttention": None,
-    "MistralAttention": None,
-    "MixtralAttention": None,
-    "Qwen2Attention": None,
-    "Qwen3Attention": "rms",
-    "Qwen3MoeAttention": "rms",
-    "GraniteAttention": None,
-    "Gemma3Attention": "gemma",
-    "GptOssAttention": None,
-}
 
 #: class names of sequence mixers that are not softmax attention (state-space, linear attention); "SSM" / "Ssm"
 #: case-sensitive as a CamelCase word (GptOssMLP is an MLP)
@@ -72,8 +58,9 @@ def calls_attention_registry(module: nn.Module) -> bool:
     return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
 
-def _decoder_stack(hf_model: nn.Module, caller: str) -> nn.Module:
-    """The base model holding the decoder layers: the model itself or its ``base_model_prefix`` child."""
+def decoder_stack(hf_model: nn.Module, caller: str) -> nn.Module:
+    """The base model holding the decoder layers: the model itself or its ``base_model_prefix`` child (the
+    one rule: ``apply_upipe`` and the long-context stack both ask here)."""
     from transformers import PreTrainedModel
 
     if not isinstance(hf_model, PreTrainedModel):
@@ -188,7 +175,7 @@ def find_decoder(hf_model: nn.Module, caller: str = "apply_upipe") -> DecoderMod
     config = getattr(hf_model, "config", None)
     if config is not None:  # model-wide refusals first: they name the rule, whatever the module layout
         _check_config(config.get_text_config() if hasattr(config, "get_text_config") else config)
-    base = _decoder_stack(hf_model, caller)
+    base = decoder_stack(hf_model, caller)
     config = base.config
     _check_config(config)
     if not getattr(type(base), "_supports_attention_backend", False):

@@ -30,6 +30,7 @@ from ds_upipe.pipeline import Piece, PipelineContext, RecomputedOutput, Slot, pi
 from ds_upipe.schedule import StagePlan
 from ds_upipe.sinks import find_sink_kernel
 
+from .families import NORM_KINDS
 from .tiling import NORM_TILE_BYTES
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -61,12 +62,8 @@ class NormSpec:
         return x.dtype if self.kind == "gemma" else torch.result_type(weight, x)
 
 
-#: the per-head norm classes fused mode reproduces (transformers' class name -> NormSpec kind)
-NORM_KINDS = {"Qwen3RMSNorm": "rms", "Qwen3MoeRMSNorm": "rms", "Gemma3RMSNorm": "gemma"}
-
-
 def norm_spec(norm: nn.Module) -> NormSpec:
-    """The ``NormSpec`` of a q/k norm module of a kind in ``NORM_KINDS`` (KeyError otherwise)."""
+    """The ``NormSpec`` of a q/k norm module of a kind in ``families.NORM_KINDS`` (KeyError otherwise)."""
     kind = NORM_KINDS[type(norm).__name__]
     return NormSpec(kind, float(norm.eps if kind == "gemma" else norm.variance_epsilon))
 

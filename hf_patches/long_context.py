@@ -32,10 +32,11 @@ from typing import Any, Literal
 import torch.distributed as dist
 from torch import nn
 
+from .architectures import decoder_stack
 from .data import IGNORE_INDEX
 from .loss import tiled_causal_lm_loss, tiled_sequence_parallel_loss
 from .moe_tiling import find_router, mark_zero3_leaf, tiled_moe
-from .patch import _find_architecture, _unwrap
+from .patch import _unwrap, supported_model_classes
 from .tiling import _forward_function, tiled_mlp, tiled_norm
 
 ForwardLoss = Literal["local", "sequence_parallel"]
@@ -122,18 +123,18 @@ def _layer_modules(base: nn.Module, name: str) -> list[tuple[str, nn.Module]]:
 
 
 def _decoder_of(hf_model: nn.Module) -> nn.Module:
-    """The base model whose ``layers`` the stack tiles: an ``apply_upipe`` class, or any causal LM /
-    base model laid out as transformers' decoders are (``model.layers[i].mlp``, the layer norms,
-    ``model.norm``): the stack leaves the attention alone, so it needs no attention class.  Others
-    get ``_find_architecture``'s error."""
-    try:
-        return _find_architecture(hf_model, caller="apply_long_context_stack")[1]
-    except ValueError:
-        base = getattr(hf_model, "model", hf_model)
-        layers = getattr(base, "layers", None)
-        if isinstance(layers, nn.ModuleList) and len(layers) and isinstance(getattr(base, "norm", None), nn.Module):
-            return base
-        raise
+    """The decoder stack the stack tiles (``architectures.decoder_stack``: the rule ``apply_upipe`` uses),
+    laid out as transformers' decoders are: ``layers[i].mlp``, the layer norms, a final ``norm``."""
+    base = decoder_stack(hf_model, "apply_long_context_stack")
+    if not isinstance(getattr(base, "layers", None), nn.ModuleList) or not isinstance(
+        getattr(base, "norm", None), nn.Module
+    ):
+        raise ValueError(
+            f"apply_long_context_stack: {type(hf_model).__name__}'s decoder ({type(base).__name__}) is not laid out "
+            "as transformers' decoders are (layers[i].mlp, the layer norms, a final norm), which the stack's tiled "
+            f"norms and MLPs replace; the family registry's models are: {', '.join(supported_model_classes())}"
+        )
+    return base
 
 
 def _norm_forward(self: nn.Module, hidden_states: Any) -> Any:

@@ -14,6 +14,7 @@ from ds_upipe.heads import HeadLayout
 
 from .architectures import find_decoder, fused_blocker_of
 from .attention import ATTN_IMPLEMENTATION, fused_attention_forward, register_attention_function
+from .families import FAMILIES
 from .fused import FusedProjections
 from .inputs import GENERATION_UNSUPPORTED, check_and_prepare
 from .rope import use_global_positions
@@ -37,46 +38,12 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return inner
 
 
-#: the long-context stack's classes (``apply_long_context_stack`` replaces their norms' and MLPs' forwards,
-#: so it lists the layouts it knows): architecture -> (causal LM class, base model class, attention class).
-#: ``apply_upipe`` takes any causal decoder whose attention calls the registry (``hf_patches.architectures``).
-_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "LlamaModel", "LlamaAttention"),
-    "mistral": ("MistralForCausalLM", "MistralModel", "MistralAttention"),
-    "qwen2": ("Qwen2ForCausalLM", "Qwen2Model", "Qwen2Attention"),
-    "qwen3": ("Qwen3ForCausalLM", "Qwen3Model", "Qwen3Attention"),
-}
-
-
-def _classes() -> dict[str, tuple[type, type, type]]:
-    """The long-context stack's transformers classes, imported lazily (transformers is heavy)."""
-    import transformers.models.llama.modeling_llama as llama
-    import transformers.models.mistral.modeling_mistral as mistral
-    import transformers.models.qwen2.modeling_qwen2 as qwen2
-    import transformers.models.qwen3.modeling_qwen3 as qwen3
-
-    mods = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3}
-    return {arch: tuple(getattr(mods[arch], name) for name in names) for arch, names in _ARCHITECTURES.items()}
-
-
 def supported_model_classes() -> list[str]:
-    """The classes ``apply_long_context_stack`` patches.  ``apply_upipe`` takes any causal decoder whose
-    attention calls transformers' attention registry (fused where ``architectures.FUSED_ATTENTIONS`` lists it)."""
-    return [name for names in _ARCHITECTURES.values() for name in names[:2]]
-
-
-def _find_architecture(hf_model: nn.Module, caller: str = "apply_long_context_stack") -> tuple[str, nn.Module, type]:
-    """(arch, base model, attention class) of the long-context stack's class table, or a ValueError naming
-    the supported classes."""
-    for arch, (causal_lm, base, attention) in _classes().items():
-        if type(hf_model) is causal_lm:
-            return arch, hf_model.model, attention
-        if type(hf_model) is base:
-            return arch, hf_model, attention
-    raise ValueError(
-        f"unsupported model class {type(hf_model).__name__}: {caller} supports "
-        f"{', '.join(supported_model_classes())} (optionally wrapped by PEFT or a DeepSpeed engine)"
-    )
+    """The causal LM classes of the family registry (``hf_patches.families``: fused per-stage projections,
+    tested per family).  ``apply_upipe`` also takes any other causal decoder whose attention calls
+    transformers' attention registry (unfused), and the long-context stack any decoder laid out as
+    transformers' are."""
+    return [family.causal_lm for family in FAMILIES.values()]
 
 
 def apply_upipe(
@@ -99,7 +66,7 @@ def apply_upipe(
         process_group: the sequence-parallel group (None: the default group).
         head_chunk_size: U, query heads per stage across the group (None: U = group size).
         fused_projections: project q/k/v per stage from the layer input (least memory) where the attention is
-            Llama-shaped (``architectures.FUSED_ATTENTIONS``); other attention classes and projections that
+            Llama-shaped (the family registry, ``hf_patches.families``); other attention classes and projections that
             are not plain ``nn.Linear`` (PEFT LoRA, quantized) fall back to unfused mode (one warning).
         kernel: local attention kernel name for ``ds_upipe.make_kernel`` ('sdpa', 'math', 'flash_attn').
         overlap_comm: issue the next stage's all-to-alls while the current stage computes (two

@@ -11,7 +11,7 @@ from tests.hf_cases import TOLERANCE
 
 REFUSALS = {  # case -> words its message must contain (the offending value and the rule)
     "base_model_loss": ["tiled_loss=True", "LlamaModel", "lm_head", "*ForCausalLM"],
-    "unsupported_arch": ["GPT2LMHeadModel", "apply_long_context_stack supports", "LlamaForCausalLM"],
+    "unsupported_arch": ["GPT2LMHeadModel", "apply_long_context_stack", "not laid out", "layers[i].mlp"],
     "tile_zero": ["mlp_tile_tokens", "got 0", "positive int"],
     "tile_float": ["norm_tile_tokens", "got 2.5"],
     "forward_loss_without_tiled": ["forward_loss='sequence_parallel'", "tiled_loss=True"],

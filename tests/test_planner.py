@@ -557,7 +557,8 @@ def test_cli_plan_config_auto_plans_the_u_auto_picks(tmp_path):
     layer at ``upipe.seq_length``), not U = C; the config is read once (``parse_config``), tile sizes kept.
     Only the setup is built (``cli._plan_setup``: the auto measurement, no plan).  Mutation: dropping the
     replay in ``_plan_setup`` plans U = 4 (C) and fails."""
-    from ds_upipe.integration.config import UPipeConfig, choose_head_chunk_size
+    from ds_upipe.integration.auto_chunk import choose_head_chunk_size
+    from ds_upipe.integration.config import UPipeConfig
     from ds_upipe.tools.cli import _plan_setup, build_parser
 
     fields = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=32)

@@ -9,6 +9,8 @@ transformers nor pydantic when it is imported; and the cheap entry points stay c
 from __future__ import annotations
 
 import ast
+import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -192,6 +194,29 @@ def test_circle_walk_catches_a_circle_through_a_function_import():
         "ds_upipe.schedule": ("import torch\n", False),
     }
     assert import_circles(import_graph(sources)) == [["ds_upipe.kernels", "ds_upipe.windows"]]
+
+
+def test_every_import_of_ours_names_what_exists():
+    """Every ``from <ds_upipe | hf_patches | tests>... import name`` in the packages, tests, benchmarks,
+    scripts and examples, also inside a function (where collecting the tests does not run it), names a
+    module or attribute that exists: a moved function leaves no import behind."""
+    files = [p for d in (*PACKAGES, "tests", "benchmarks", "scripts", "examples") for p in (REPO / d).rglob("*.py")]
+    missing = []
+    for path in files:
+        module = module_name(path)
+        for target, line, _ in imports_of(path.read_text(encoding="utf-8"), module, path.name == "__init__.py"):
+            if target.split(".")[0] not in (*PACKAGES, "tests"):
+                continue
+            owner, _, name = target.rpartition(".")
+            try:
+                found = bool(owner) and hasattr(importlib.import_module(owner), name)
+                found = found or importlib.util.find_spec(target) is not None
+            except ImportError as err:
+                found, name = False, f"{name} ({err})"
+            if not found:
+                missing.append(f"{path.relative_to(REPO)}:{line} imports {name} from {owner}")
+    assert len(files) > 60
+    assert missing == []
 
 
 def _loaded_by_import(module: str) -> set[str]:

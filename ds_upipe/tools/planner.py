@@ -39,6 +39,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hf_patches.families import MOE_TYPES, PLANNER_LAYERS
+
 from ..heads import HeadLayout
 from ..layout import SequenceLayout
 from ..schedule import valid_head_chunk_sizes
@@ -55,16 +57,9 @@ PAPER_STEPS = [128 * 2**10, 256 * 2**10, 512 * 2**10, 2**20, 2 * 2**20, 3 * 2**2
 # -- model dimensions --------------------------------------------------------------------------
 
 
-#: transformers model types the planner reads, -> the dense stand-in its fake run builds (see ModelDims)
-MODEL_TYPES = {
-    "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "qwen3_moe": "qwen3",
-    "mixtral": "mistral",
-    "gpt_oss": "llama",
-}
+#: transformers model types the planner reads -> the dense stand-in its fake run builds (see ModelDims): the
+#: family registry's view (hf_patches.families)
+MODEL_TYPES = PLANNER_LAYERS
 
 
 @dataclass(frozen=True)
@@ -197,7 +192,7 @@ class ModelDims:
         model_type = cfg.get("model_type", "llama")
         if model_type not in MODEL_TYPES:
             raise ValueError(f"model_type={model_type!r}: the planner runs {', '.join(MODEL_TYPES)} layers")
-        experts = cfg.get("num_experts", cfg.get("num_local_experts", 0)) if model_type in _MOE_TYPES else 0
+        experts = cfg.get("num_experts", cfg.get("num_local_experts", 0)) if model_type in MOE_TYPES else 0
         if model_type == "qwen3_moe" and (cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1):
             raise ValueError("a Qwen3-MoE config with dense layers (mlp_only_layers, decoder_sparse_step != 1)")
         gpt_oss = model_type == "gpt_oss"
@@ -230,8 +225,6 @@ class ModelDims:
     def from_file(path: str | Path) -> ModelDims:
         return ModelDims.from_config(json.loads(Path(path).read_text()), name=str(path))
 
-
-_MOE_TYPES = ("qwen3_moe", "mixtral", "gpt_oss")
 
 PRESETS = {
     "llama3-8b": ModelDims("llama3-8b", 32, 8, 128, 4096, 14336, 32, 128256),

@@ -1,0 +1,45 @@
+"""The family registry (hf_patches/families.py) names what transformers has: each entry's classes exist in
+its model type's modeling module, its causal LM's config is of that model type, its q/k norm is the class
+its attention builds, and every view the rest of the code reads is derived from the entries."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import transformers
+
+from hf_patches import families
+from hf_patches.families import FAMILIES
+
+
+def _modeling(causal_lm: str):  # noqa: ANN202 - a module
+    return importlib.import_module(getattr(transformers, causal_lm).__module__)
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_entry_names_transformers_classes(model_type):
+    family = FAMILIES[model_type]
+    causal_lm = getattr(transformers, family.causal_lm)
+    assert causal_lm.config_class.model_type == model_type
+    modeling = _modeling(family.causal_lm)
+    attention = getattr(modeling, family.attention)
+    # the registry call apply_upipe finds (through decorators, as architectures.calls_attention_registry reads it)
+    assert "ALL_ATTENTION_FUNCTIONS" in inspect.unwrap(attention.forward).__code__.co_names
+    source = inspect.getsource(attention)  # the class as written (its __init__ is wrapped by transformers' kernels)
+    if family.qk_norm is None:
+        assert "self.q_norm" not in source, family
+    else:
+        norm, kind = family.qk_norm
+        assert f"self.q_norm = {norm}(" in source and f"self.k_norm = {norm}(" in source, family
+        assert kind in ("rms", "gemma"), family
+    if family.planner_layer is not None:
+        assert family.planner_layer in FAMILIES, family
+
+
+def test_views_are_the_entries():
+    assert list(families.FUSED_ATTENTIONS) == [f.attention for f in FAMILIES.values()]
+    assert families.NORM_KINDS == {"Qwen3RMSNorm": "rms", "Qwen3MoeRMSNorm": "rms", "Gemma3RMSNorm": "gemma"}
+    assert set(families.MOE_TYPES) == {"qwen3_moe", "mixtral", "gpt_oss"}
+    assert families.PLANNER_LAYERS["gpt_oss"] == "llama" and "granite" not in families.PLANNER_LAYERS
