@@ -120,7 +120,9 @@ def measure(model_name: str, config_path: str, layers: int, seq_len: int) -> dic
                     h = layer(h, position_embeddings=(cos, sin), position_ids=pos)
                 h = base.norm(h)
                 if setup.tiled_loss:
-                    return hf_patches.tiled_sequence_parallel_loss(model, h, labels, group)
+                    return hf_patches.tiled_sequence_parallel_loss(
+                        model, h, labels, group, tile_tokens=setup.loss_tile_tokens
+                    )
                 return hf_patches.sequence_parallel_loss(model.lm_head(h), labels, group)
 
             def step() -> None:

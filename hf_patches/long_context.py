@@ -225,10 +225,16 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             stack.loss_group,
             grad_reduction=stack.grad_reduction,
             ignore_index=stack.ignore_index,
+            tile_tokens=stack.loss_tile_tokens,
         )
     else:
         loss = tiled_causal_lm_loss(
-            self, hidden, shift_labels, num_items_in_batch=num_items, ignore_index=stack.ignore_index
+            self,
+            hidden,
+            shift_labels,
+            num_items_in_batch=num_items,
+            ignore_index=stack.ignore_index,
+            tile_tokens=stack.loss_tile_tokens,
         )
     rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
     if aux_function is None:

@@ -100,12 +100,10 @@ def _lm_head_and_shared(model: nn.Module) -> tuple[nn.Module, tuple[nn.Parameter
     return lm_head, tuple(p for p in lm_head.parameters() if id(p) in embed_ids)
 
 
-def _tile_tokens(model: nn.Module, tile_tokens: int | None) -> int | None:
-    """Explicit tile size, else the model's long-context stack setting, else None: the shared
-    default rule (``tiling.default_tile_tokens``), applied to the shard in ``tiled_loss_sum``."""
-    if tile_tokens is None:
-        stack = getattr(_unwrap(model), "_long_context_stack", None)
-        tile_tokens = stack.loss_tile_tokens if stack is not None else None
+def _tile_tokens(tile_tokens: int | None) -> int | None:
+    """The tile size as given (validated), or None: the shared default rule (``tiling.default_tile_tokens``),
+    applied to the shard in ``tiled_loss_sum``.  The caller passes it (the long-context stack its own
+    setting): the loss never looks it up on the model."""
     if tile_tokens is None:
         return None
     if not isinstance(tile_tokens, int) or isinstance(tile_tokens, bool) or tile_tokens < 1:
@@ -122,7 +120,7 @@ def _local_tiled_sum(
             f"shift_labels {tuple(shift_labels.shape)}"
         )
     lm_head, shared = _lm_head_and_shared(model)
-    tokens = _tile_tokens(model, tile_tokens)
+    tokens = _tile_tokens(tile_tokens)
     return tiled_loss_sum(
         lm_head, hidden, shift_labels, tile_tokens=tokens, ignore_index=ignore_index, shared_params=shared
     )
@@ -145,9 +143,9 @@ def tiled_sequence_parallel_loss(
             (``get_output_embeddings()``, the lm_head) is applied per tile.
         hidden: this rank's [batch, local_seq, hidden] last hidden state (after the final norm).
         shift_labels, group, grad_reduction, ignore_index: as ``sequence_parallel_loss``.
-        tile_tokens: tokens per tile (batch rows x sequence positions); None: the model's
-            ``apply_long_context_stack`` setting, else ``tiling.default_tile_tokens`` of the shard
-            (at least 8 tiles, at most about 1 GiB of float32 logits per tile).
+        tile_tokens: tokens per tile (batch rows x sequence positions); None: ``tiling.default_tile_tokens``
+            of the shard (at least 8 tiles, at most about 1 GiB of float32 logits per tile).  The
+            long-context stack's forward passes its own ``loss_tile_tokens``.
     Every rank of ``group`` must call it (one all_reduce of two numbers, plus under ZeRO-3 one
     all_gather of the token counts).  Same value and gradients as ``sequence_parallel_loss``.
     """

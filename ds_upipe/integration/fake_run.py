@@ -672,7 +672,9 @@ def loss_step(spec: StepSpec, live: bool = False) -> Peak:
         def forward() -> torch.Tensor:
             hidden_states = model.model.norm(h)
             if spec.tiled_loss:
-                return hf_patches.tiled_sequence_parallel_loss(model, hidden_states, labels, group)
+                return hf_patches.tiled_sequence_parallel_loss(
+                    model, hidden_states, labels, group, tile_tokens=spec.loss_tile_tokens
+                )
             return hf_patches.sequence_parallel_loss(model.lm_head(hidden_states), labels, group)
 
         def backward(loss: torch.Tensor) -> None:
@@ -738,7 +740,9 @@ def model_step(spec: StepSpec, keep_gradients: bool = False, live: bool = False,
                 h.register_hook(enters(name))  # the layer's backward starts when its output's gradient is there
             h = base.norm(h)
             if spec.tiled_loss:
-                return hf_patches.tiled_sequence_parallel_loss(model, h, labels, group)
+                return hf_patches.tiled_sequence_parallel_loss(
+                    model, h, labels, group, tile_tokens=spec.loss_tile_tokens
+                )
             return hf_patches.sequence_parallel_loss(model.lm_head(h), labels, group)
 
         def backward(loss: torch.Tensor) -> None:
