@@ -43,3 +43,12 @@ def test_views_are_the_entries():
     assert families.NORM_KINDS == {"Qwen3RMSNorm": "rms", "Qwen3MoeRMSNorm": "rms", "Gemma3RMSNorm": "gemma"}
     assert set(families.MOE_TYPES) == {"qwen3_moe", "mixtral", "gpt_oss"}
     assert families.PLANNER_LAYERS["gpt_oss"] == "llama" and "granite" not in families.PLANNER_LAYERS
+
+
+def test_every_entry_is_a_fused_family_of_the_sweep():
+    """Each registered family is built and run fused against the unpatched model by the family sweep
+    (tests/family_cases.py, tests/test_hf_parity.py), under its model type."""
+    from tests.family_cases import FAMILIES as SWEEP
+
+    fused_types = {model_type for model_type, _, fusable in SWEEP.values() if fusable}
+    assert fused_types == set(FAMILIES)
