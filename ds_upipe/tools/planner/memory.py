@@ -1,0 +1,300 @@
+"""The arithmetic: the analytic terms, the fake-tensor phases and one whole training step on one GPU (``predict``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ...schedule import valid_head_chunk_sizes
+from .models import ModelDims
+from .setup import AttentionScheme, TrainSetup
+from .units import DTYPE_BYTES, GiB
+
+if TYPE_CHECKING:
+    pass
+
+# -- the analytic terms ---------------------------------------------------------------------------
+
+
+def model_state_bytes(dims: ModelDims, setup: TrainSetup) -> int:
+    """Weights, gradients and Adam states on one GPU after ZeRO partitioning over the GPUs:
+    bf16 2 + 2 + 12 (fp32 master, m, v) bytes per parameter; fp32 4 + 4 + 8.  offload_optimizer:
+    the optimizer states leave the GPU (``host_terms``); offload_param: the weight partition too."""
+    p = dims.total_params
+    w, g, o = (4, 4, 8) if setup.dtype == "fp32" else (2, 2, 12)
+    n = setup.gpus
+    if not setup.optimizer:  # weights only: the step's gradients are counted where they are made
+        g = o = 0
+    if setup.offload_optimizer:
+        o = 0
+    if setup.offload_param:
+        w = 0
+    if setup.zero_stage >= 3:
+        return math.ceil(p * (w + g + o) / n)
+    if setup.zero_stage == 2:
+        return p * w + math.ceil(p * (g + o) / n)
+    if setup.zero_stage == 1:
+        return p * (w + g) + math.ceil(p * o / n)
+    return p * (w + g + o)
+
+
+def zero_buffer_bytes(dims: ModelDims, setup: TrainSetup) -> int:
+    """ZeRO working buffers: the reduce bucket (stages 2-3) and, at stage 3, the gathered 16-bit
+    weights in flight -- the current module (a layer, or the LM head at the loss) and the
+    prefetched layers.  (At stages 0-2 the weights are part of the model states.)"""
+    pe = DTYPE_BYTES[setup.dtype]
+    bucket = pe * min(setup.zero_reduce_bucket, dims.total_params) if setup.zero_stage >= 2 else 0
+    if setup.zero_stage < 3:
+        return bucket
+    current = max(dims.params_per_layer, dims.embedding_params)
+    return bucket + pe * (current + setup.zero_prefetch_layers * dims.params_per_layer)
+
+
+def hidden_state_bytes(dims: ModelDims, setup: TrainSetup, seq_len: int) -> int:
+    """One layer input of this rank: b x S/C x hidden (a checkpoint)."""
+    return setup.batch * (seq_len // setup.gpus) * dims.hidden_size * setup.act_bytes
+
+
+#: what ``TrainSetup.reserve_gib`` stands for (not measured here: no GPU in the test environment)
+RESERVE_BASIS = (
+    "CUDA context + cuBLAS/cuDNN workspaces ~1 GiB, one NCCL communicator per process group (data, "
+    "sequence, ZeRO) ~0.3-0.5 GiB each, NVLS buffers on NVSwitch nodes ~1 GiB, allocator fragmentation; "
+    "4 GiB assumed (3-6 GiB is typical)"
+)
+#: what ``host_os_gib`` and ``host_per_rank_gib`` stand for (assumed, not measured)
+HOST_BASIS = (
+    "OS, page cache floor and services per node; per rank: the CUDA driver's host mappings, torch / "
+    "DeepSpeed / Python libraries, the data loader, DeepSpeed's host staging"
+)
+
+
+def pinned_block_bytes(nbytes: int, pinning: str) -> int:
+    """Host bytes one pinned checkpoint of ``nbytes`` takes: torch's CachingHostAllocator (what
+    ``tensor.pin_memory()`` / DeepSpeed's offload engine use) rounds a block up to a power of two
+    (c10's ``llvm::PowerOf2Ceil`` in CachingHostAllocator.h, torch 2.x); the exact pool does not."""
+    if pinning == "exact" or nbytes <= 0:
+        return max(0, nbytes)
+    return 1 << (nbytes - 1).bit_length()
+
+
+def ranks_per_node(setup: TrainSetup) -> int:
+    return min(setup.gpus, setup.gpus_per_node)
+
+
+def kept_checkpoints(dims: ModelDims, setup: TrainSetup) -> tuple[int, int]:
+    """(layer inputs DeepSpeed's offload engine pins on the host, inputs the checkpoint pairs keep)
+    per rank.  DeepSpeed checkpoints the ``layers - 2N`` layers above the pairs and keeps the newest
+    input on the GPU (``keep_last_count=1``); each of the N pairs keeps one input (its own exact-size
+    buffer, ``integration.checkpoint_pairs.PairInputStore``)."""
+    pairs = setup.checkpoint_pairs
+    if 2 * pairs > dims.num_layers:
+        raise ValueError(
+            f"checkpoint_pairs={pairs}: {dims.name} has {dims.num_layers} layers, so at most {dims.num_layers // 2}"
+        )
+    return max(0, dims.num_layers - 2 * pairs - 1), pairs
+
+
+def pair_recompute_fraction(dims: ModelDims, setup: TrainSetup) -> float:
+    """The checkpoint pairs' extra compute as a fraction of a checkpointed step's layer compute: N more
+    layer forwards over L x (forward + recompute + backward ~ 2 forwards) = 4L forwards (backward ~ 2
+    forwards: the usual 2:1 FLOP rule; an estimate, not a measurement)."""
+    return setup.checkpoint_pairs / (4 * dims.num_layers)
+
+
+def host_terms(dims: ModelDims, setup: TrainSetup, seq_len: int) -> dict[str, int]:
+    """Host memory of one node by term (bytes).  Offloaded checkpoints: DeepSpeed's offload engine
+    keeps the newest layer input on the GPU (``keep_last_count=1``), so each rank pins ``layers - 1``
+    layer inputs, each rounded as ``setup.checkpoint_pinning`` says.  offload_optimizer: the fp32
+    master, m, v and fp32 gradient partitions (16 bytes per parameter / GPUs; fp32 training: the
+    master is the weights, 12); offload_param: the 16-bit weight partition.  Pinned optimizer /
+    parameter buffers (``pin_memory``) are rounded like the checkpoints (one flat buffer each)."""
+    ranks = ranks_per_node(setup)
+    terms: dict[str, int] = {}
+    if setup.offload_checkpoints:
+        x = hidden_state_bytes(dims, setup, seq_len)
+        engine, pairs = kept_checkpoints(dims, setup)
+        per_rank = engine * pinned_block_bytes(x, setup.checkpoint_pinning)
+        terms[f"checkpoints ({engine} layer inputs/rank, {setup.checkpoint_pinning} pinned)"] = ranks * per_rank
+        if pairs:
+            terms[f"checkpoint pairs ({pairs} layer inputs/rank, exact pinned)"] = ranks * pairs * x
+    rounding = "pow2" if setup.offload_pin_memory else "exact"
+    part = math.ceil(dims.total_params / setup.gpus)
+    if setup.offload_optimizer and setup.optimizer:
+        buffers = (4, 4, 4) if setup.dtype == "fp32" else (4, 4, 4, 4)  # (master,) m, v, fp32 grads
+        terms["optimizer states (offload_optimizer)"] = ranks * sum(
+            pinned_block_bytes(b * part, rounding) for b in buffers
+        )
+    if setup.offload_param:
+        terms["weights (offload_param)"] = ranks * pinned_block_bytes(DTYPE_BYTES[setup.dtype] * part, rounding)
+    terms["OS and processes (assumed)"] = int((setup.host_os_gib + ranks * setup.host_per_rank_gib) * GiB)
+    return terms
+
+
+# -- the fake-tensor phases -------------------------------------------------------------------------
+
+
+def step_spec(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_len: int) -> Any:
+    from ...integration.fake_run import StepSpec
+
+    if seq_len < setup.gpus or seq_len % setup.gpus:
+        raise ValueError(f"seq_len={seq_len} is not a positive multiple of gpus={setup.gpus}")
+    if scheme.kind == "upipe" and scheme.head_chunk_size is not None:
+        valid = valid_head_chunk_sizes(dims.num_heads, dims.num_kv_heads, setup.ulysses_size)
+        if scheme.head_chunk_size not in valid:
+            raise ValueError(f"head_chunk_size={scheme.head_chunk_size} is not valid here; valid: {valid}")
+    return StepSpec(
+        model=dims.shape(),
+        attention="alst" if scheme.kind == "ulysses" else "upipe",
+        sp_size=setup.gpus,
+        seq_len=seq_len,
+        head_chunk_size=scheme.head_chunk_size,
+        fused=scheme.fused,
+        overlap_comm=scheme.overlap_comm,
+        accumulate_in_input_dtype=scheme.accumulate_in_input_dtype,
+        recompute_attention_output=scheme.recompute_attention_output,
+        batch=setup.batch,
+        dtype=setup.dtype,
+        tiled_norm=setup.tiled_norm,
+        tiled_mlp=setup.tiled_mlp,
+        tiled_loss=setup.tiled_loss,
+        norm_tile_tokens=setup.norm_tile_tokens,
+        mlp_tile_tokens=setup.mlp_tile_tokens,
+        loss_tile_tokens=setup.loss_tile_tokens,
+        kernel=setup.kernel,
+        comm_backend=setup.comm_backend,
+        ring_size=setup.ring_size,
+        checkpointed=setup.checkpointing,
+    )
+
+
+def layer_peak(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_len: int, live: bool = False):
+    """The fake run of one decoder layer's forward + backward (``fake_run.Peak``): what one layer saves
+    without checkpointing, and the per-layer calibration against MemTracker."""
+    from ...integration import fake_run
+
+    return fake_run.layer_step(step_spec(dims, setup, scheme, seq_len), live)
+
+
+def step_peak(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_len: int, live: bool = False):
+    """The fake run of a whole step of a two-layer model (``fake_run.model_step``: both layers, the
+    final norm and the loss, forward and backward, measured together; ``Peak.phases`` per phase)."""
+    from ...integration import fake_run
+
+    return fake_run.model_step(step_spec(dims, setup, scheme, seq_len), keep_gradients=not setup.optimizer, live=live)
+
+
+# -- a whole training step on one GPU ------------------------------------------------------------
+
+
+@dataclass
+class Prediction:
+    """Predicted peak of one GPU for one training step (GiB), its parts, and what sets it."""
+
+    method: str
+    seq_len: int
+    total_gib: float
+    fits: bool
+    model_states_gib: float
+    zero_buffers_gib: float
+    reserve_gib: float
+    #: the phase of the step at the peak (``fake_run.STEP_PHASES``: forward, loss, top layer, bottom layer)
+    peak_phase: str
+    #: what the model's other ``layers - 2`` layers add on the GPU in that phase (analytic, ``other_layers``)
+    other_layers_gib: float
+    other_layers_basis: str
+    phase_gib: float  # the two-layer step's fake-run peak in that phase without the weights (workspace included)
+    workspace_gib: float  # of which the analytic kernel workspace
+    peak_at: str  # the allocation that set the two-layer step's peak
+    phases_gib: dict[str, float] = field(default_factory=dict)  # other layers + fake-run peak, per phase
+    live_at_peak: list[tuple[str, float]] = field(default_factory=list)  # GiB by origin (with ``live``)
+    host_gib: float = 0.0  # host memory of one node
+    host_fits: bool = True
+    host_terms_gib: dict[str, float] = field(default_factory=dict)
+    gpu_fits: bool = True
+    #: what stops a longer context: "GPU", "host", "both" or "" (fits)
+    binding: str = ""
+
+
+def other_layers(dims: ModelDims, setup: TrainSetup, seq_len: int, saved_per_layer: int) -> dict[str, tuple[int, str]]:
+    """Per phase of the two-layer step, what the other ``layers - 2`` layers of the model add on the GPU
+    (bytes, basis).  They sit below the two measured layers: in the forward, the loss phase and the top
+    layer's backward each keeps its checkpoint (the layer input DeepSpeed saves; a pair keeps one for
+    two layers), or without checkpointing what its forward saved for backward; with the checkpoints
+    offloaded none stays (the newest and the one coming back are the measured layers' own).  In the bottom
+    layer's backward their backward is done: without an optimizer (gradients kept from their creation
+    on) their weight gradients are alive; with one, ZeRO has moved them into its buckets."""
+    extra = max(0, dims.num_layers - 2)
+    if setup.checkpointing:
+        kept = max(0, extra - setup.checkpoint_pairs)
+        below = (
+            (0, "checkpoints of the layers below: offloaded to the host")
+            if setup.offload_checkpoints
+            else (
+                kept * hidden_state_bytes(dims, setup, seq_len),
+                f"{kept} more layer inputs kept as checkpoints (DeepSpeed keeps each checkpointed layer's input"
+                + (f"; {setup.checkpoint_pairs} pairs keep one for two layers)" if setup.checkpoint_pairs else ")"),
+            )
+        )
+    else:
+        below = (extra * saved_per_layer, f"{extra} more layers' saved activations (one layer's, measured, each)")
+    if setup.optimizer:
+        above = (0, "weight gradients of the layers above: in ZeRO's buckets (model states, ZeRO buffers)")
+    else:
+        grads = extra * dims.params_per_layer * setup.act_bytes
+        above = (grads, f"{extra} more layers' weight gradients (kept from their creation on: no optimizer)")
+    return {"forward": below, "loss": below, "top layer": below, "bottom layer": above}
+
+
+def predict(
+    dims: ModelDims, setup: TrainSetup, method: AttentionScheme, seq_len: int, live: bool = False
+) -> Prediction:
+    """Peak memory of one GPU for one training step at ``seq_len`` tokens (the whole sequence, split
+    over ``setup.gpus`` sequence-parallel ranks).  ``live``: also the largest allocations at the peak.
+
+    The step of a two-layer model is measured whole (``step_peak``), phase by phase; each phase gets
+    what the other layers add there (``other_layers``), and the largest sum, with the model states,
+    ZeRO buffers and the reserve, is the prediction."""
+    kept_checkpoints(dims, setup)  # checkpoint_pairs within the model's layers
+    step = step_peak(dims, setup, method, seq_len, live)
+    saved = 0
+    if not setup.checkpointing:  # what one layer keeps from its forward to its backward, its input among them
+        layer = layer_peak(dims, setup, method, seq_len)
+        x = hidden_state_bytes(dims, setup, seq_len)
+        rope = 2 * setup.batch * (seq_len // setup.gpus) * dims.head_dim * setup.act_bytes
+        saved = max(0, layer.after_forward - layer.weights - x - rope - 8 * setup.batch * (seq_len // setup.gpus))
+    others = other_layers(dims, setup, seq_len, saved)
+    phases = {k: others[k][0] + v - step.weights for k, v in step.phases.items()}
+    phase = max(phases, key=lambda k: phases[k])
+    states, zero, reserve = model_state_bytes(dims, setup), zero_buffer_bytes(dims, setup), setup.reserve_gib * GiB
+    total = states + zero + reserve + phases[phase]
+    host = host_terms(dims, setup, seq_len)
+    host_total = sum(host.values())
+    gpu_fits = total <= setup.gpu_memory_gib * GiB
+    host_fits = host_total <= setup.host_memory_gib * GiB
+    binding = (
+        "" if gpu_fits and host_fits else "both" if not (gpu_fits or host_fits) else "GPU" if host_fits else "host"
+    )
+    at_peak = phase == max(step.phases, key=lambda k: step.phases[k])
+    return Prediction(
+        method=method.label,
+        seq_len=seq_len,
+        total_gib=total / GiB,
+        fits=gpu_fits and host_fits,
+        host_gib=host_total / GiB,
+        host_fits=host_fits,
+        host_terms_gib={k: v / GiB for k, v in host.items()},
+        gpu_fits=gpu_fits,
+        binding=binding,
+        model_states_gib=states / GiB,
+        zero_buffers_gib=zero / GiB,
+        reserve_gib=setup.reserve_gib,
+        peak_phase=phase,
+        other_layers_gib=others[phase][0] / GiB,
+        other_layers_basis=others[phase][1],
+        phase_gib=(step.phases[phase] - step.weights) / GiB,
+        workspace_gib=step.workspace / GiB if at_peak else 0.0,
+        peak_at=step.at if at_peak else f"the {phase} phase's peak (the step's own peak is in another phase)",
+        phases_gib={k: v / GiB for k, v in phases.items()},
+        live_at_peak=[(label, b / GiB) for label, b in step.live] if at_peak else [],
+    )

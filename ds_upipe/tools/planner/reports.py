@@ -1,0 +1,277 @@
+"""Searches and reports: the largest context that fits, what binds it, the tables, the JSON."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+from .memory import (
+    HOST_BASIS,
+    RESERVE_BASIS,
+    host_terms,
+    model_state_bytes,
+    pair_recompute_fraction,
+    predict,
+    ranks_per_node,
+    zero_buffer_bytes,
+)
+from .models import ModelDims
+from .setup import AttentionScheme, TrainSetup, methods_for
+from .units import PAPER_STEPS, GiB
+
+if TYPE_CHECKING:
+    pass
+
+# -- searches and reports --------------------------------------------------------------------------
+
+
+def max_context(
+    dims: ModelDims, setup: TrainSetup, method: AttentionScheme, granularity: int = 2**14, limit: int = 2**27
+) -> int:
+    """The largest sequence length, a multiple of ``granularity`` (and of the GPU count), that fits
+    BOTH the GPU (``predict``) and the node's host memory (``host_terms``); 0 when not even one step
+    fits (``nothing_fits`` says why).  Every candidate is a fake run; the memory is nearly affine in
+    the length, so secant guesses land next to the answer, each checked with its neighbour, and
+    what remains of the bracket is closed by bisection."""
+    step = math.lcm(granularity, setup.seq_multiple)
+    top = max(1, limit // step)
+    # the host memory is analytic and grows with the length: cap the search where it stops fitting
+    host_budget = setup.host_memory_gib * GiB
+    if sum(host_terms(dims, setup, step).values()) > host_budget:
+        return 0
+    lo_h, hi_h = 1, top
+    if sum(host_terms(dims, setup, top * step).values()) > host_budget:
+        while hi_h - lo_h > 1:
+            mid = (lo_h + hi_h) // 2
+            lo_h, hi_h = (
+                (mid, hi_h) if sum(host_terms(dims, setup, mid * step).values()) <= host_budget else (lo_h, mid)
+            )
+        top = lo_h
+    budget = setup.gpu_memory_gib
+    totals: dict[int, float] = {}
+
+    def fits(k: int) -> bool:
+        if k not in totals:
+            totals[k] = predict(dims, setup, method, k * step).total_gib
+        return totals[k] <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, None  # fits(lo); not fits(hi)
+    points = [1, min(top, max(2, 2**20 // step))]  # 1 and ~1M tokens: two runs for the first secant
+    for _ in range(4):
+        for k in points:
+            if fits(k):
+                lo = max(lo, k)
+            else:
+                hi = k if hi is None else min(hi, k)
+        if lo == top or (hi is not None and hi - lo <= 1):
+            break
+        (a, b) = sorted(totals)[-2:] if hi is None else (lo, hi)
+        slope = (totals[b] - totals[a]) / (b - a)
+        guess = top if slope <= 0 else int(a + (budget - totals[a]) / slope)
+        guess = min(max(guess, lo + 1), top if hi is None else hi - 1)
+        points = [guess, guess + 1] if guess < top else [guess]
+    while hi is not None and hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * step
+
+
+def context_step(setup: TrainSetup, granularity: int = 2**14) -> int:
+    return math.lcm(granularity, setup.seq_multiple)
+
+
+def binding_limit(dims: ModelDims, setup: TrainSetup, method: AttentionScheme, max_len: int) -> str:
+    """What stops the next length after ``max_len``: "GPU", "host" or "both"."""
+    nxt = max_len + context_step(setup)
+    gpu_over = predict(dims, setup, method, nxt).total_gib > setup.gpu_memory_gib
+    host_over = sum(host_terms(dims, setup, nxt).values()) > setup.host_memory_gib * GiB
+    return "both" if gpu_over and host_over else "host" if host_over else "GPU"
+
+
+def nothing_fits(dims: ModelDims, setup: TrainSetup, method: AttentionScheme) -> str:
+    """Why not even the smallest length fits: the binding memory and its largest terms."""
+    n = context_step(setup)
+    p = predict(dims, setup, method, n)
+    parts = []
+    if not p.gpu_fits:
+        gpu = {
+            "model states": p.model_states_gib,
+            "ZeRO buffers": p.zero_buffers_gib,
+            "reserve": p.reserve_gib,
+            "the other layers": p.other_layers_gib,
+            f"{p.peak_phase} phase": p.phase_gib,
+        }
+        top = max(gpu, key=lambda k: gpu[k])
+        parts.append(
+            f"GPU: {p.total_gib:.1f} GiB > --gpu-memory {setup.gpu_memory_gib:g} GiB at {fmt_tokens(n)} tokens, "
+            f"largest term {top} {gpu[top]:.1f} GiB"
+        )
+    if not p.host_fits:
+        top = max(p.host_terms_gib, key=lambda k: p.host_terms_gib[k])
+        parts.append(
+            f"host: {p.host_gib:.1f} GiB > --host-memory {setup.host_memory_gib:g} GiB per node at "
+            f"{fmt_tokens(n)} tokens, largest term {top} {p.host_terms_gib[top]:.1f} GiB"
+        )
+    return f"{p.method}: nothing fits; " + "; ".join(parts)
+
+
+def which_head_chunk_report(
+    dims: ModelDims, setup: TrainSetup, seq_len: int, methods: Sequence[AttentionScheme] | None = None
+) -> str:
+    """Answer "which U do I need for N tokens": every method at N (``methods``, as the plan table runs
+    them; default ``methods_for``), then the recommendation (the largest U that fits: fewest stages,
+    closest to Ulysses' speed)."""
+    methods = list(methods) if methods is not None else methods_for(dims, setup.gpus, ring_size=setup.ring_size)
+    preds = [predict(dims, setup, m, seq_len) for m in methods]
+    ring = f" (Ulysses {setup.ulysses_size} x ring {setup.ring_size})" if setup.ring_size > 1 else ""
+    lines = [f"at {fmt_tokens(seq_len)} tokens on {setup.gpus} x {setup.gpu_memory_gib:g} GiB{ring}:"]
+    for p in preds:
+        lines.append(f"  {p.method:<22}{p.total_gib:>8.1f} GiB  {'fits' if p.fits else 'does not fit'}")
+    upipe_fit = [(p, m) for p, m in zip(preds, methods) if m.kind == "upipe" and p.fits]
+    if methods[0].kind == "ulysses" and preds[0].fits:
+        lines.append("-> Ulysses (ALST) already fits; UPipe is not needed at this length.")
+    elif upipe_fit:
+        best = max(upipe_fit, key=lambda pm: pm[1].head_chunk_size or 0)[0]
+        lines.append(f"-> use {best.method}: the largest head chunk that fits (fewest stages).")
+    else:
+        lines.append("-> nothing fits at this length. Add GPUs, offload more, or shorten the sequence.")
+    return "\n".join(lines)
+
+
+def fmt_tokens(n: int) -> str:
+    """Tokens with the paper's K = 1024, M = 1024K."""
+    if n >= 2**20:
+        return f"{n / 2**20:.2f}".rstrip("0").rstrip(".") + "M"
+    if n >= 2**10:
+        return f"{n / 2**10:.0f}K"
+    return str(n)
+
+
+def paper_step(n: int) -> str:
+    """The largest of the paper's lengths not above ``n`` (what its grid would report)."""
+    fitting = [s for s in PAPER_STEPS if s <= n]
+    return fmt_tokens(fitting[-1]) if fitting else "<128K"
+
+
+def moe_basis(dims: ModelDims) -> str:
+    """How an MoE model (and a windowed one) is planned, for the reports ("" for a dense full-causal one)."""
+    notes = []
+    if dims.num_experts:
+        notes.append(
+            f"MoE: {dims.num_experts} experts of {dims.intermediate_size}, top-{dims.experts_per_token}; all experts "
+            "in the model states and ZeRO-3's gathered layer; the fake run's MLP is a dense stand-in of width "
+            f"{dims.mlp_stand_in_intermediate} (top-k x (expert intermediate + 3/4 hidden): one token's activations "
+            "in its experts)"
+        )
+    if dims.sliding_window:
+        notes.append(f"sliding-window layers ({dims.sliding_window} tokens) planned as full causal (an upper bound)")
+    if dims.attention_sinks:
+        notes.append("attention sinks: one logit per head, no activation term")
+    return "; ".join(notes)
+
+
+def describe(dims: ModelDims, setup: TrainSetup) -> str:
+    moe = (
+        f", {dims.num_experts} experts top-{dims.experts_per_token}, {dims.active_params_per_token / 1e9:.2f}B active"
+        if dims.num_experts
+        else ""
+    )
+    basis = moe_basis(dims)
+    return (
+        f"{dims.name}: H={dims.num_heads} KV={dims.num_kv_heads} d={dims.head_dim} hidden={dims.hidden_size} "
+        f"intermediate={dims.intermediate_size} layers={dims.num_layers} vocab={dims.vocab_size} "
+        f"({dims.total_params / 1e9:.2f}B params{moe})\n"
+        + (f"{basis}\n" if basis else "")
+        + f"{setup.gpus} GPUs x {setup.gpu_memory_gib:g} GiB"
+        + (f" (Ulysses {setup.ulysses_size} x ring {setup.ring_size})" if setup.ring_size > 1 else "")
+        + f", ZeRO-{setup.zero_stage}, {setup.dtype}, "
+        f"checkpointing={setup.checkpointing} (CPU offload={setup.offload_checkpoints}"
+        + (f", {setup.checkpoint_pairs} checkpoint pairs" if setup.checkpoint_pairs else "")
+        + f"), {setup.stack_label}, "
+        f"kernel workspace={setup.kernel}, micro-batch={setup.batch}, reserve={setup.reserve_gib:g} GiB\n"
+        f"host {setup.host_memory_gib:g} GiB per node, offload_optimizer={setup.offload_optimizer}, "
+        f"offload_param={setup.offload_param}, checkpoint pinning={setup.checkpoint_pinning}"
+    )
+
+
+def plan_table(dims: ModelDims, setup: TrainSetup, seq_lens: Iterable[int], methods: list[AttentionScheme]) -> str:
+    """Predicted peak GiB per method and length (* = does not fit) and each method's max context."""
+    seq_lens = list(seq_lens)
+    head = (
+        f"{'method':<22}"
+        + "".join(f"{fmt_tokens(s):>9}" for s in seq_lens)
+        + f"{'max context':>13}{'grid':>7}{'binds':>7}"
+    )
+    lines = [
+        describe(dims, setup),
+        "predicted peak GiB per GPU (* = does not fit the GPU; + = does not fit the host)",
+        head,
+        "-" * len(head),
+    ]
+    for m in methods:
+        cells = []
+        for s in seq_lens:
+            p = predict(dims, setup, m, s)
+            cells.append(f"{p.total_gib:>8.1f}{'+' if not p.host_fits else ' ' if p.gpu_fits else '*'}")
+        mc = max_context(dims, setup, m)
+        binds = binding_limit(dims, setup, m, mc) if mc else "-"
+        lines.append(f"{m.label:<22}" + "".join(cells) + f"{fmt_tokens(mc):>13}{paper_step(mc):>7}{binds:>7}")
+    host_row = [sum(host_terms(dims, setup, s).values()) / GiB for s in seq_lens]
+    lines.append(f"{'host GiB per node':<22}" + "".join(f"{h:>8.0f} " for h in host_row))
+    states = model_state_bytes(dims, setup) / GiB
+    zero = zero_buffer_bytes(dims, setup) / GiB
+    lines.append(
+        f"fixed per GPU: model states {states:.1f} GiB, ZeRO buffers {zero:.1f} GiB, "
+        f"reserve {setup.reserve_gib:g} GiB; 'grid' = the largest of the paper's lengths (128K ... 5M) that fits; "
+        f"host: {setup.host_memory_gib:g} GiB per node of {ranks_per_node(setup)} ranks, 'binds' = what stops "
+        "the next length"
+    )
+    return "\n".join(lines)
+
+
+def breakdown_report(dims: ModelDims, setup: TrainSetup, method: AttentionScheme, seq_len: int) -> str:
+    """The components of the predicted peak at ``seq_len`` and the allocation that sets it."""
+    p = predict(dims, setup, method, seq_len, live=True)
+    lines = [
+        f"breakdown: {p.method} at {fmt_tokens(seq_len)} tokens ({p.total_gib:.2f} GiB of "
+        f"{setup.gpu_memory_gib:g}, {'fits' if p.fits else 'does not fit'})",
+        *([f"  model basis: {moe_basis(dims)}"] if moe_basis(dims) else []),
+        f"  model states (ZeRO-{setup.zero_stage}, analytic)        {p.model_states_gib:8.2f} GiB",
+        f"  ZeRO buffers (analytic)                  {p.zero_buffers_gib:8.2f} GiB",
+        f"  reserve (assumed: {RESERVE_BASIS})",
+        f"                                           {p.reserve_gib:8.2f} GiB",
+        f"  {p.peak_phase} phase of a two-layer step, fake-tensor run   {p.phase_gib:8.2f} GiB"
+        + (f"  (of which kernel workspace {p.workspace_gib:.2f}, analytic)" if p.workspace_gib else ""),
+        f"  the other {max(0, dims.num_layers - 2)} layers in that phase (analytic)   {p.other_layers_gib:8.2f} GiB"
+        f"  ({p.other_layers_basis})",
+        "  phases (two-layer run + other layers): " + ", ".join(f"{k} {v:.2f} GiB" for k, v in p.phases_gib.items()),
+        f"  peak set by: {p.peak_at}",
+        "  alive at the peak (by the operation that allocated it):",
+    ]
+    lines += [f"    {gib:8.2f} GiB  {label}" for label, gib in p.live_at_peak]
+    lines.append(
+        f"  host memory per node ({ranks_per_node(setup)} ranks): {p.host_gib:.1f} GiB of "
+        f"{setup.host_memory_gib:g}, {'fits' if p.host_fits else 'does not fit'}"
+    )
+    lines += [f"    {gib:8.1f} GiB  {label}" for label, gib in p.host_terms_gib.items()]
+    lines.append(f"    (OS and processes: {setup.host_os_gib:g} + {setup.host_per_rank_gib:g}/rank GiB; {HOST_BASIS})")
+    if setup.checkpoint_pairs:
+        lines.append(
+            f"  checkpoint pairs: {setup.checkpoint_pairs} (layers 0-{2 * setup.checkpoint_pairs - 1}): "
+            f"{setup.checkpoint_pairs} layer inputs/rank fewer kept, {setup.checkpoint_pairs} more layer forwards per "
+            f"step, about +{100 * pair_recompute_fraction(dims, setup):.1f}% of the layers' compute (estimate: "
+            "backward = 2 forwards)"
+        )
+    return "\n".join(lines)
+
+
+def to_json(dims: ModelDims, setup: TrainSetup, seq_lens: Iterable[int], methods: list[AttentionScheme]) -> dict:
+    out: dict = {"model": asdict(dims), "setup": asdict(setup), "predictions": [], "max_context": {}}
+    for m in methods:
+        out["max_context"][m.label] = max_context(dims, setup, m)
+        out["predictions"].extend(asdict(predict(dims, setup, m, s)) for s in seq_lens)
+    return out
