@@ -24,7 +24,7 @@ from ..heads import HeadLayout
 from .auto_chunk import choose_head_chunk_size
 from .checkpoint_pairs import check_pairs_fit, install_checkpoint_pairs
 from .checkpointing import install_exact_pinned_pool, releasing
-from .config import SPSettings, UPipeConfig, check_heads, tiled
+from .config import SPSettings, UPipeConfig, tiled
 
 #: attention functions ALST replaced in transformers' registry, to restore them.  Process-level because
 #: what it undoes is: transformers' ``ALL_ATTENTION_FUNCTIONS`` is one registry per process by design,
@@ -46,11 +46,11 @@ def model_head_layout(model: torch.nn.Module) -> HeadLayout:
 
 
 def setup_upipe(model: torch.nn.Module, settings: SPSettings, micro_batch_size: int) -> tuple[Any, int]:
-    """UPipe on ``model`` over new (or reused) sequence-parallel groups; returns (mpu, head chunk size)."""
-    sp = settings.sequence_parallel_size
+    """UPipe on ``model`` over new (or reused) sequence-parallel groups; returns (mpu, head chunk size).
+    The model's heads were checked against the group (``config.check_heads``) by the caller, before its
+    first collective (``engine.initialize``)."""
     layout = model_head_layout(model)
-    check_heads(layout.num_heads, layout.num_kv_heads, sp, settings.ring_size)
-    mpu = sequence_parallel_mpu(sp)
+    mpu = sequence_parallel_mpu(settings.sequence_parallel_size)
     head_chunk_size = choose_head_chunk_size(
         settings.upipe,
         **asdict(layout),
