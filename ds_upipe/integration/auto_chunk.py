@@ -6,12 +6,14 @@ child process (``fake_run.isolated``).
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from typing import Any
 
+from ..heads import HeadLayout
 from ..layout import SequenceLayout
 from ..schedule import resolve_head_chunk_size, valid_head_chunk_sizes
 from . import fake_run
-from .config import UPipeConfig
+from .config import SPSettings, UPipeConfig
 
 logger = logging.getLogger("ds_upipe")
 
@@ -133,3 +135,18 @@ def choose_head_chunk_size(
     )
     fits = [u for u, size in need.items() if size <= budget]
     return max(fits) if fits else group_size
+
+
+def run_head_chunk_size(settings: SPSettings, model_config: Any, micro_batch_size: int, fused: bool | None) -> int:
+    """The U a run uses for a model: ``choose_head_chunk_size`` with the run's settings and the model's
+    heads (the one call of the engine route and of the Trainer / accelerate registration).
+    ``fused``: whether the model will run fused projections (None: ``upipe.fused_projections``)."""
+    return choose_head_chunk_size(
+        settings.upipe,
+        **asdict(HeadLayout.from_config(model_config)),
+        group_size=settings.ulysses_size,
+        micro_batch_size=micro_batch_size,
+        dtype_bytes=settings.dtype_bytes,
+        model_config=model_config,
+        fused=fused,
+    )

@@ -52,7 +52,7 @@ import functools
 import types
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import deepspeed
@@ -63,7 +63,7 @@ from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF,
 from ..heads import HeadLayout
 from . import trainer_sp
 from .agreement import agreed_settings, check_ranks_agree
-from .auto_chunk import choose_head_chunk_size
+from .auto_chunk import run_head_chunk_size
 from .config import SPSettings, check_heads, parse_config, tiled
 from .sp_setup import (
     apply_long_context,
@@ -500,15 +500,8 @@ def _register_upipe(args: dict[str, Any], settings: SPSettings) -> tuple[Any, in
     # "auto" measures this model's attention as it will run: fused projections where a model object is
     # patched (Registration.apply_to_model, now or at deepspeed.initialize; by name or path a model-level
     # key such as fused_projections needs that too), unless apply_upipe falls back for this model
-    head_chunk_size = choose_head_chunk_size(
-        settings.upipe,
-        **asdict(heads),
-        group_size=settings.ulysses_size,
-        micro_batch_size=args["micro_batch_size"] or 1,
-        dtype_bytes=settings.dtype_bytes,
-        model_config=text,
-        fused=runs_fused(model, settings.upipe) if hasattr(model, "config") else None,
-    )
+    fused = runs_fused(model, settings.upipe) if hasattr(model, "config") else None
+    head_chunk_size = run_head_chunk_size(settings, text, args["micro_batch_size"] or 1, fused)
     group = mpu.get_sequence_parallel_group()
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 import torch
 from deepspeed.accelerator import get_accelerator
 
 from ..heads import HeadLayout
-from .auto_chunk import choose_head_chunk_size
+from .auto_chunk import run_head_chunk_size
 from .checkpoint_pairs import check_pairs_fit, install_checkpoint_pairs
 from .checkpointing import install_exact_pinned_pool, releasing
 from .config import SPSettings, UPipeConfig, tiled
@@ -49,17 +48,9 @@ def setup_upipe(model: torch.nn.Module, settings: SPSettings, micro_batch_size: 
     """UPipe on ``model`` over new (or reused) sequence-parallel groups; returns (mpu, head chunk size).
     The model's heads were checked against the group (``config.check_heads``) by the caller, before its
     first collective (``engine.initialize``)."""
-    layout = model_head_layout(model)
     mpu = sequence_parallel_mpu(settings.sequence_parallel_size)
-    head_chunk_size = choose_head_chunk_size(
-        settings.upipe,
-        **asdict(layout),
-        group_size=settings.ulysses_size,
-        micro_batch_size=micro_batch_size,
-        dtype_bytes=settings.dtype_bytes,
-        model_config=model.config,  # "auto" measures this model's attention as apply_upipe_settings patches it
-        fused=runs_fused(model, settings.upipe),
-    )
+    # "auto" measures this model's attention as apply_upipe_settings patches it
+    head_chunk_size = run_head_chunk_size(settings, model.config, micro_batch_size, runs_fused(model, settings.upipe))
     apply_upipe_settings(model, mpu.get_sequence_parallel_group(), head_chunk_size, settings)
     return mpu, head_chunk_size
 
