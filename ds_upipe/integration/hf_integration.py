@@ -60,6 +60,8 @@ import torch
 from deepspeed.runtime.sequence_parallel import ulysses_sp
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
 
+from hf_patches.data import ShardedBatch, checked_loader, use_zigzag_shift_labels
+
 from ..heads import HeadLayout
 from . import trainer_sp
 from .agreement import agreed_settings, check_ranks_agree
@@ -331,8 +333,6 @@ class UPipeSPDataLoaderAdapter(UlyssesSPDataLoaderAdapter):
     loss and no metric (``trainer_sp.accelerate_dataset_samples``)."""
 
     def __init__(self, dl: Any, sp_rank: int, sp_group: Any, sp_world_size: int, device: Any) -> None:
-        from hf_patches.data import checked_loader
-
         ring_size = ring_size_of(sp_group)
         # hf_patches.sequence_parallel_dataloader (the eval loaders) passes a checked loader already,
         # and puts the zigzag shift_labels in place itself
@@ -344,8 +344,6 @@ class UPipeSPDataLoaderAdapter(UlyssesSPDataLoaderAdapter):
     def refill(self) -> None:
         """DeepSpeed's refill (one micro-batch per rank of the group, in rank order), each micro-batch
         then given its source batch (the checked loader exchanged them with the batches' sizes)."""
-        from hf_patches.data import ShardedBatch
-
         super().refill()
         sources = self.dl.round_sources
         fresh = [self.micro_batches.pop() for _ in sources][::-1]
@@ -354,8 +352,6 @@ class UPipeSPDataLoaderAdapter(UlyssesSPDataLoaderAdapter):
     def __next__(self) -> dict[str, Any]:
         batch = super().__next__()
         if self.reorders:
-            from hf_patches.data import use_zigzag_shift_labels
-
             use_zigzag_shift_labels(batch)
         return batch
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hf_patches.data import IGNORE_INDEX, DatasetSamples, SourceBatch
+from hf_patches.data import IGNORE_INDEX, DatasetSamples, SourceBatch, sequence_parallel_dataloader
 
 
 def runs_deepspeed_sp(pc: Any) -> bool:
@@ -261,13 +261,16 @@ def _source(trainer: Any, inputs: Any) -> SourceBatch | None:
     return source if source is not None and deepspeed_sp(trainer) is not None else None
 
 
+def metrics_of_source(trainer: Any, inputs: Any) -> contextlib.AbstractContextManager[None]:
+    """``per_batch_metrics`` for a sequence-parallel micro-batch with its source batch; else nothing."""
+    source = _source(trainer, inputs)
+    return contextlib.nullcontext() if source is None else per_batch_metrics(trainer, source)
+
+
 def wrap_training_step(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def training_step(self: Any, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        source = _source(self, inputs)
-        if source is None:
-            return original(self, model, inputs, *args, **kwargs)
-        with per_batch_metrics(self, source):
+        with metrics_of_source(self, inputs):
             return original(self, model, inputs, *args, **kwargs)
 
     return training_step
@@ -339,8 +342,6 @@ class SequenceParallelEvalLoader:
         return len(self.loader) * self.sp
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        from hf_patches import sequence_parallel_dataloader
-
         group = _sp_group()
         sharded = sequence_parallel_dataloader(
             self.loader,
@@ -411,9 +412,9 @@ def sequence_parallel_prediction_step(
     from deepspeed.utils import groups
 
     # the labels the model's loss (and TRL's fused LM head) score: this shard's pre-shifted ones
-    source = _source(trainer, inputs)
+    metrics = metrics_of_source(trainer, inputs)
     inputs = {**inputs, "labels": inputs["shift_labels"]}
-    with contextlib.nullcontext() if source is None else per_batch_metrics(trainer, source):
+    with metrics:
         loss, _, _ = own_step(trainer, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
     tokens = _labelled_tokens(inputs).to(loss.device)
     total, total_tokens = _shard_sums(loss.detach().float(), tokens, _sp_group(), differentiable=False)
