@@ -4,9 +4,11 @@ No class table decides whether a model runs: any causal decoder whose attention 
 transformers' attention-function registry (``ALL_ATTENTION_FUNCTIONS``, the hook through which every
 such model lets another implementation run its core attention) runs unfused UPipe under the module's
 own projections, norms and RoPE.  The modules are recognised by what they are (their class's
-``forward`` reads the registry; the model declares ``_supports_attention_backend``), one per decoder
-layer.  What UPipe cannot honour is refused here, naming the layer and the reason, before any
-collective: layers that are not attention (linear attention, state-space mixers), bidirectional and
+``forward`` reads the registry; the model declares ``_supports_attention_backend``).  A layer holds one
+such module, or a sequence mixer of a kind ``hf_patches.mixers`` shards by heads (linear attention,
+state-space, short convolutions), or, where its config says so, only position-wise blocks.  What UPipe
+cannot honour is refused here, naming the layer and the reason, before any collective: mixers of other
+kinds, bidirectional and
 encoder-decoder models, cross-attention, chunked attention, KV-shared layers, logit softcapping,
 attention dropout, multi-head latent attention.
 
@@ -29,9 +31,12 @@ from typing import Any
 from torch import nn
 
 from .families import FUSED_ATTENTIONS, NORM_KINDS
+from .mixers import MIXER_LAYER_TYPES, mixer_kind_of
 
 #: ``config.layer_types`` entries UPipe runs (each module's ``sliding_window`` gives the window)
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+#: layer types without a token mixer (Nemotron-H's MLP and MoE layers): position-wise, nothing to exchange
+POSITIONWISE_LAYER_TYPES = ("mlp", "moe")
 
 
 #: class names of sequence mixers that are not softmax attention (state-space, linear attention); "SSM" / "Ssm"
@@ -43,12 +48,13 @@ _NON_ATTENTION_MIXER = re.compile(
 
 @dataclass
 class DecoderModel:
-    """What ``find_decoder`` found: the model type, the decoder stack (base model) and one attention
-    module per decoder layer, in layer order."""
+    """What ``find_decoder`` found: the model type, the decoder stack (base model), its softmax attention
+    modules and its other sequence mixers (``hf_patches.mixers``; (layer index, module)), in layer order."""
 
     model_type: str
     base: nn.Module
     attentions: list[nn.Module]
+    mixers: list[tuple[int, nn.Module]]
 
 
 def calls_attention_registry(module: nn.Module) -> bool:
@@ -117,13 +123,13 @@ def _check_config(config: Any) -> None:
             f"apply_upipe: config.attention_chunk_size={chunk} (chunked attention, Llama 4) is not supported: "
             "UPipe's kernels are causal or sliding-window"
         )
+    runs = (*ATTENTION_LAYER_TYPES, "attention", *MIXER_LAYER_TYPES, *POSITIONWISE_LAYER_TYPES)
     for key in ("layer_types", "layers_block_type"):
         for i, kind in enumerate(getattr(config, key, None) or ()):
-            if kind not in ATTENTION_LAYER_TYPES and kind != "attention":
+            if kind not in runs:
                 raise ValueError(
-                    f"apply_upipe: decoder layer {i} is {kind!r} (config.{key}): UPipe runs softmax attention "
-                    f"layers only ({', '.join(ATTENTION_LAYER_TYPES)}); linear-attention and state-space "
-                    "layers are not supported"
+                    f"apply_upipe: decoder layer {i} is {kind!r} (config.{key}): UPipe runs the layer types "
+                    f"{', '.join(runs)} (hf_patches.mixers lists the sequence mixers it shards by heads)"
                 )
     shared = getattr(config, "num_kv_shared_layers", 0)
     if shared:
@@ -183,13 +189,29 @@ def find_decoder(hf_model: nn.Module, caller: str = "apply_upipe") -> DecoderMod
             f"{caller}: {type(base).__name__} does not declare _supports_attention_backend: its attention does not "
             "go through transformers' attention-function registry, where UPipe runs"
         )
-    attentions = []
+    attentions, mixers = [], []
     for i, layer in enumerate(_layers(base)):
-        mixers = sorted({type(m).__name__ for m in layer.modules() if _NON_ATTENTION_MIXER.search(type(m).__name__)})
-        if mixers:
-            raise _refuse(i, layer, f"{', '.join(mixers)} is not softmax attention (state-space / linear attention)")
+        layer_mixers = [m for m in layer.modules() if mixer_kind_of(type(m).__name__) is not None]
+        inside = {id(sub) for mixer in layer_mixers for sub in mixer.modules()}  # a mixer's own norms and convs
+        unknown = sorted(
+            {
+                type(m).__name__
+                for m in layer.modules()
+                if id(m) not in inside and _NON_ATTENTION_MIXER.search(type(m).__name__)
+            }
+        )
+        if unknown:
+            raise _refuse(
+                i,
+                layer,
+                f"{', '.join(unknown)} is a sequence mixer UPipe does not shard (it runs softmax attention and the "
+                "mixers of hf_patches.mixers)",
+            )
+        mixers.extend((i, m) for m in layer_mixers)
         found = [m for m in layer.modules() if calls_attention_registry(m)]
         if not found:
+            if layer_mixers or _layer_type(config, i) in POSITIONWISE_LAYER_TYPES:
+                continue
             raise _refuse(
                 i, layer, "no attention module that calls transformers' attention registry (a non-attention layer)"
             )
@@ -198,7 +220,16 @@ def find_decoder(hf_model: nn.Module, caller: str = "apply_upipe") -> DecoderMod
             raise _refuse(i, layer, f"{len(found)} attention modules ({names}): cross-attention is not supported")
         _check_attention(i, found[0], config)
         attentions.append(found[0])
-    return DecoderModel(getattr(config, "model_type", "") or type(base).__name__, base, attentions)
+    return DecoderModel(getattr(config, "model_type", "") or type(base).__name__, base, attentions, mixers)
+
+
+def _layer_type(config: Any, layer: int) -> str | None:
+    """The layer's type in ``config.layer_types`` or ``config.layers_block_type`` (None: not listed)."""
+    for key in ("layer_types", "layers_block_type"):
+        kinds = getattr(config, key, None) or ()
+        if layer < len(kinds):
+            return kinds[layer]
+    return None
 
 
 def fused_blocker(attn: nn.Module) -> str | None:

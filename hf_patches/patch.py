@@ -17,6 +17,7 @@ from .attention import ATTN_IMPLEMENTATION, fused_attention_forward, register_at
 from .families import FAMILIES
 from .fused import FusedProjections
 from .inputs import GENERATION_UNSUPPORTED, check_and_prepare
+from .mixers import check_mixers, patch_mixers
 from .rope import use_global_positions
 from .state import UPipeState
 
@@ -57,6 +58,7 @@ def apply_upipe(
     ring_group: dist.ProcessGroup | None = None,
     accumulate_in_input_dtype: bool = False,
     recompute_attention_output: bool = False,
+    mixer_head_chunk_size: int | None = None,
 ) -> nn.Module:
     """Patch a causal LM or its base model in place for UPipe: any transformers decoder whose attention
     modules call the attention-function registry (``hf_patches.architectures``; refusals name the layer).
@@ -85,6 +87,9 @@ def apply_upipe(
             backward, and takes o_proj's weight gradient stage by stage.  Less memory for one more
             kernel forward per stage.  Needs fused projections (ValueError with
             ``fused_projections=False``; where fused mode falls back, the warning says it is off too).
+        mixer_head_chunk_size: U of the model's other sequence mixers (gated delta net, Mamba-2:
+            ``hf_patches.mixers``), in their heads (value heads, SSM heads) per stage across the group
+            (None: U = group size); the attention layers use ``head_chunk_size``.
 
     Returns the same model.  Every rank must then pass its sequence shard and the matching global
     ``position_ids`` (see ``shard_batch``): the contiguous shard of its rank without a ring, its
@@ -114,6 +119,12 @@ def apply_upipe(
             " (recompute_attention_output has no effect unfused)" if recompute_attention_output else "",
         )
 
+    if found.mixers and ring_group is not None:
+        raise ValueError(
+            f"apply_upipe: decoder layer {found.mixers[0][0]} ({type(found.mixers[0][1]).__name__}) is a sequence "
+            "mixer: UPipe x Ring shards attention only; pass ring_group=None for models with such layers"
+        )
+    check_mixers(found.mixers, dist.get_world_size(process_group), mixer_head_chunk_size)
     heads = HeadLayout.from_config(config)
     # the one runtime builder of every route (ds_upipe.runtime); validates U, H, Hkv against C_u
     state = UPipeState.build(
@@ -132,13 +143,16 @@ def apply_upipe(
         recompute_attention_output=recompute_attention_output,
         fallback_reason=fallback,
         architecture=arch,
+        mixer_head_chunk_size=mixer_head_chunk_size,
     )
     register_attention_function()
     for attn in attentions:
         attn._upipe_state = state
         if fused:
             attn.forward = types.MethodType(fused_attention_forward, attn)
-            _register_zero3_external(attn)
+            _register_zero3_external(attn, FusedProjections.of(attn).zero3_params())
+    for mixer, params in patch_mixers(found.mixers, state):
+        _register_zero3_external(mixer, params)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if isinstance(getattr(base, "rotary_emb", None), nn.Module):  # models without RoPE have nothing to make global
         use_global_positions(base)
@@ -192,13 +206,13 @@ def _check_inputs(base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     return check_and_prepare(base, args, kwargs, base._upipe_state)
 
 
-def _register_zero3_external(attn: nn.Module) -> None:
-    """Fused mode reads q/k/v (and norm) weights in the attention module's forward and backward,
-    outside their own modules: ZeRO-3 must gather them with the attention module."""
+def _register_zero3_external(module: nn.Module, params: list[nn.Parameter]) -> None:
+    """Fused attention and sharded mixers read weights of their submodules (q/k/v, norms, input projections)
+    in the module's own forward and backward, outside those submodules: ZeRO-3 must gather them with it."""
     from deepspeed.runtime.zero import register_external_parameter
 
-    for param in FusedProjections.of(attn).zero3_params():
-        register_external_parameter(attn, param)
+    for param in params:
+        register_external_parameter(module, param)
 
 
 def upipe_state(model: nn.Module) -> UPipeState | None:

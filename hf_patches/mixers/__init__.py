@@ -1,0 +1,108 @@
+"""Sequence mixers that are not softmax attention (linear attention, state-space, short convolutions),
+run under UPipe sequence parallelism.  One module a kind, one entry a kind in ``MIXER_KINDS``.
+
+A kind's module (``hf_patches.mixers.<module>``) provides:
+
+- ``check(layer: int, module: nn.Module, group_size: int, head_chunk_size: int | None) -> None``: raise a
+  ValueError naming the layer (``apply_upipe: decoder layer {layer} ({class}): ...``) and the rule for what
+  it cannot run, before any collective (same answer on every rank: reads the module and the sizes only);
+- ``zero3_params(module: nn.Module) -> list[nn.Parameter]``: the parameters its sharded forward reads
+  outside their own submodule's forward (ZeRO-3 must gather them with the mixer module);
+- ``sharded_forward(module, hidden_states, *, group, head_chunk_size, documents) -> Tensor``: the
+  module's output for this rank's contiguous sequence shard ``hidden_states`` [B, S/C, D], exactly as the
+  unpatched module computes it on the whole sequence; ``documents`` (``ds_upipe.packing.DocumentBoundaries``
+  of the global sequence, or None) restart the mixer's state at each document start.  ``head_chunk_size``
+  is U, the mixer's heads per stage across the group (None: C): the heads run in stages of U/C a rank,
+  so a stage's intermediates scale with U.
+
+The exchanges they share are in ``exchange``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor, nn
+
+from ..state import DOCUMENTS_KWARG
+
+if TYPE_CHECKING:
+    from ..state import UPipeState
+
+
+@dataclass(frozen=True)
+class MixerKind:
+    name: str
+    #: the transformers module classes of this kind
+    classes: tuple[str, ...]
+    #: ``config.layer_types`` / ``config.layers_block_type`` names of the layers holding it
+    layer_types: tuple[str, ...]
+    #: hf_patches.mixers.<module>: check, zero3_params, sharded_forward
+    module: str
+
+    def implementation(self) -> ModuleType:
+        return importlib.import_module(f"{__name__}.{self.module}")
+
+
+MIXER_KINDS: dict[str, MixerKind] = {}
+
+
+def mixer_kind_of(module_class: str) -> MixerKind | None:
+    """The kind of a mixer module class (None: not a mixer ds_upipe runs)."""
+    for kind in MIXER_KINDS.values():
+        if module_class in kind.classes:
+            return kind
+    return None
+
+
+#: every layer type a registered kind runs
+MIXER_LAYER_TYPES: tuple[str, ...] = tuple(t for kind in MIXER_KINDS.values() for t in kind.layer_types)
+
+
+def check_mixers(mixers: list[tuple[int, nn.Module]], group_size: int, head_chunk_size: int | None) -> None:
+    """Every mixer's refusals (its kind's ``check``), before anything is patched or exchanged."""
+    for layer, module in mixers:
+        kind = mixer_kind_of(type(module).__name__)
+        assert kind is not None, type(module).__name__  # find_decoder lists registered kinds only
+        kind.implementation().check(layer, module, group_size, head_chunk_size)
+
+
+def patch_mixers(mixers: list[tuple[int, nn.Module]], state: UPipeState) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """Run each mixer head-sharded in stages under ``state`` (its group, ``state.mixer_head_chunk_size``);
+    returns, per module, the parameters ZeRO-3 must gather with it (``zero3_params``)."""
+    external = []
+    for _, module in mixers:
+        kind = mixer_kind_of(type(module).__name__)
+        module._upipe_state = state
+        module._upipe_mixer = kind.implementation()
+        module.forward = types.MethodType(_sharded_mixer_forward, module)
+        external.append((module, module._upipe_mixer.zero3_params(module)))
+    return external
+
+
+def _sharded_mixer_forward(
+    self: nn.Module,
+    hidden_states: Tensor,
+    cache: Any = None,
+    attention_mask: Tensor | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """A patched mixer's forward: this rank's shard in, this rank's shard out (``sharded_forward``); the
+    forward's packed-document boundaries arrive as the attention modules' do (``DOCUMENTS_KWARG``)."""
+    if cache is not None:
+        raise ValueError(f"{type(self).__name__}: a cache (generation) is not supported under UPipe")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        # the model-level input check turns right padding into no mask (causal); anything else is refused there
+        raise ValueError(f"{type(self).__name__}: a padding mask reached a sharded mixer (UPipe takes right padding)")
+    state = self._upipe_state
+    return self._upipe_mixer.sharded_forward(
+        self,
+        hidden_states,
+        group=state.group,
+        head_chunk_size=state.mixer_head_chunk_size,
+        documents=kwargs.get(DOCUMENTS_KWARG),
+    )
