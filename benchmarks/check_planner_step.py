@@ -78,15 +78,7 @@ def measure(model_name: str, config_path: str, layers: int, seq_len: int) -> dic
             finally:
                 torch.set_default_dtype(previous)
             if scheme.kind == "upipe":
-                hf_patches.apply_upipe(
-                    model,
-                    group,
-                    head_chunk_size=scheme.head_chunk_size,
-                    fused_projections=scheme.fused,
-                    overlap_comm=scheme.overlap_comm,
-                    accumulate_in_input_dtype=scheme.accumulate_in_input_dtype,
-                    recompute_attention_output=scheme.recompute_attention_output,
-                )
+                hf_patches.apply_upipe(model, group, scheme.options)
             else:
                 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
+    from ds_upipe.options import UPipeOptions
     from ds_upipe.tools import planner
     from ds_upipe.tools.bench import BenchSpec, run_bench
     from ds_upipe.tools.cli import parse_token_list
@@ -50,7 +51,10 @@ def main() -> int:
     points = []
     print(f"{'method':<22}{'seq':>7}{'measured MiB':>14}{'planner MiB':>13}{'error':>9}  peak set by")
     for r in rows:
-        m = planner.measured_scheme(r.kind, r.head_chunk_size, r.fused, args.overlap_comm)
+        options = UPipeOptions(
+            head_chunk_size=r.head_chunk_size, fused_projections=bool(r.fused), overlap_comm=args.overlap_comm
+        )
+        m = planner.measured_scheme(r.kind, options)
         # the measured layer runs plain forward + backward (no replay)
         setup = planner.measured_layer_setup(args.world, args.dtype, tiled, hidden_size=hidden)
         peak = planner.layer_peak(dims, setup, m, r.seq_len)

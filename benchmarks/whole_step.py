@@ -134,6 +134,7 @@ def planner_prediction(args: dict[str, Any], method: str, stack: bool) -> Any:
     no optimizer (gradients from None), CPU (no kernel workspace, no reserve), gloo.  ``args``: this
     script's arguments as a dict.  Runs the fake-tensor phases in this process (it must have no
     process group)."""
+    from ds_upipe.options import UPipeOptions
     from ds_upipe.tools import planner
 
     dims = planner.ModelDims(
@@ -164,7 +165,7 @@ def planner_prediction(args: dict[str, Any], method: str, stack: bool) -> Any:
         comm_backend="gloo",
         optimizer=False,
     )
-    scheme = planner.measured_scheme(method, args["world"])
+    scheme = planner.measured_scheme(method, UPipeOptions(head_chunk_size=args["world"]))
     return planner.predict(dims, setup, scheme, args["seq"])
 
 

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from .cuda_env import warn_if_record_streams
 from .kernels import AttentionKernel
+from .options import UPipeOptions
 from .packing import DocumentBoundaries
 from .pipeline import UPipeAttentionFunction
 from .ring import SequenceLayout, zigzag_positions
@@ -106,13 +107,16 @@ class UPipeDistributedAttention(DistributedAttention):
         #: this layer's UPipe runtime (``ds_upipe.runtime``): groups, kernel and its wrapping, plans, the
         #: cross-rank settings and the per-layout input-check cache; built as the HF routes build theirs
         self.runtime = UPipeRuntime.build(
+            UPipeOptions(
+                head_chunk_size=head_chunk_size,
+                fused_projections=False,  # the core layer gets q, k, v projected
+                overlap_comm=overlap_comm,
+                accumulate_in_input_dtype=accumulate_in_input_dtype,
+            ),
             group=sequence_process_group,
             kernel=local_attention,
-            head_chunk_size=head_chunk_size,
             ring_group=ring_group,
-            overlap_comm=overlap_comm,
             ring_overlap=ring_overlap,
-            accumulate_in_input_dtype=accumulate_in_input_dtype,
         )
         self.validate_inputs = validate_inputs
         if dist.is_initialized() and sequence_process_group is not None:

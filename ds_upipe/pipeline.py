@@ -251,7 +251,7 @@ class PipelineContext:
     accumulate_in_input_dtype: bool = False
     #: fused mode (hf_patches): save no attention output; backward recomputes each stage's attention
     #: forward (``RecomputedOutput``).  One hidden state less per layer, one more kernel forward per stage
-    recompute_output: bool = False
+    recompute_attention_output: bool = False
 
     def stage_attention(self, q_idx: Tensor) -> AttentionKernel:
         """The kernel of the stage whose query heads are ``q_idx`` (every rank's, concatenated as the plan

@@ -32,6 +32,7 @@ from torch import Tensor
 from .kernel_choice import make_kernel
 from .kernels import AttentionKernel, CallableKernel, with_softmax_scale
 from .layout import SequenceLayout
+from .options import UPipeOptions
 from .packing import DocumentBoundaries, DocumentKernel
 from .pipeline import PipelineContext, plan_indices
 from .ring import RingAttentionKernel
@@ -52,6 +53,9 @@ class UPipeRuntime:
     #: the local attention: an ``AttentionKernel``, or (core layer) a generic callable with
     #: DistributedAttention's contract, run as a ``CallableKernel``
     kernel: AttentionKernel | Callable[..., Tensor]
+    #: the settings the runtime was built with, as requested (``ds_upipe.options``); the fields below
+    #: are what runs (U resolved by the plan, fused projections after the model's fallback)
+    options: UPipeOptions = field(default_factory=UPipeOptions)
     #: U as configured (None: U = C); the plan's U where the plan is known (``plan``)
     head_chunk_size: int | None = None
     #: the stage plan, where the head counts were known at build (None: per call, ``plan_for``)
@@ -66,8 +70,9 @@ class UPipeRuntime:
     ring_overlap: bool | None = None
     #: sum half-precision gradients over the stages in the input dtype instead of float32 (settable)
     accumulate_in_input_dtype: bool = False
-    #: HF models: q/k/v projected per stage from the layer input (fused; the core layer: False)
-    fused: bool = False
+    #: HF models: q/k/v projected per stage from the layer input, as it runs (False where the model
+    #: falls back to its own projections, and in the core layer)
+    fused_projections: bool = False
     #: backward recomputes each stage's attention output instead of keeping it: what runs (fused
     #: HF mode only; ``build`` sets it False where the projections run unfused) (settable)
     recompute_attention_output: bool = False
@@ -84,42 +89,38 @@ class UPipeRuntime:
     @classmethod
     def build(
         cls,
+        options: UPipeOptions,
         *,
         group: dist.ProcessGroup | None,
-        kernel: AttentionKernel | Callable[..., Tensor] | str,
-        head_chunk_size: int | None = None,
+        kernel: AttentionKernel | Callable[..., Tensor] | None = None,
         num_heads: int | None = None,
         num_kv_heads: int | None = None,
         softmax_scale: float | None = None,
         ring_group: dist.ProcessGroup | None = None,
-        overlap_comm: bool = False,
         ring_overlap: bool | None = None,
-        accumulate_in_input_dtype: bool = False,
-        fused: bool = False,
-        recompute_attention_output: bool = False,
+        fused_projections: bool = False,
         **extra: Any,
     ) -> Any:
-        """The runtime of one layer or model, the same way for every route.
+        """The runtime of one layer or model from its ``options``, the same way for every route.
 
-        ``kernel``: an ``AttentionKernel``, a callable (core layer) or a ``make_kernel`` name (causal,
-        ``softmax_scale``).  ``num_heads``/``num_kv_heads`` (where known) build and validate the plan
-        now (ValueError naming the valid U; with a ring, saying that C_u, not C_u x R, splits the heads).
-        ``fused``: HF fused projections (``recompute_attention_output`` runs only then).
+        ``kernel``: the core layer's local attention (an ``AttentionKernel`` or a callable) in place of
+        ``options.kernel``, which is built by name otherwise (causal, ``softmax_scale``).
+        ``num_heads``/``num_kv_heads`` (where known) build and validate the plan now (ValueError naming
+        the valid U; with a ring, saying that C_u, not C_u x R, splits the heads).
+        ``fused_projections``: whether HF fused projections run (``options.fused_projections`` unless the
+        model falls back; ``recompute_attention_output`` acts only then).
         ``extra``: the fields of a subclass (``hf_patches.UPipeState``)."""
-        if head_chunk_size is not None and (
-            isinstance(head_chunk_size, bool) or not isinstance(head_chunk_size, int) or head_chunk_size < 1
-        ):
-            raise ValueError(f"head_chunk_size must be a positive int or None, got {head_chunk_size!r}")
         initialized = dist.is_initialized()
         group_size = dist.get_world_size(group) if initialized else 1
         ring_size = dist.get_world_size(ring_group) if ring_group is not None and initialized else 1
-        if isinstance(kernel, str):
-            kernel = make_kernel(kernel, causal=True, softmax_scale=softmax_scale)
-        plan = None
+        if kernel is None:
+            kernel = make_kernel(options.kernel, causal=True, softmax_scale=softmax_scale)
+        head_chunk_size, plan = options.head_chunk_size, None
         if num_heads is not None and num_kv_heads is not None:
             plan = _ring_aware_plan(num_heads, num_kv_heads, group_size, ring_size, head_chunk_size)
             head_chunk_size = plan.head_chunk_size
         return cls(
+            options=options,
             group=group,
             group_size=group_size,
             kernel=kernel,
@@ -127,12 +128,12 @@ class UPipeRuntime:
             plan=plan,
             ring_group=ring_group if ring_size > 1 else None,
             ring_size=ring_size,
-            overlap_comm=bool(overlap_comm),
+            overlap_comm=options.overlap_comm,
             ring_overlap=ring_overlap,
-            accumulate_in_input_dtype=bool(accumulate_in_input_dtype),
-            fused=bool(fused),
+            accumulate_in_input_dtype=options.accumulate_in_input_dtype,
+            fused_projections=fused_projections,
             # unfused, the model's o_proj keeps the attention output anyway: nothing to recompute
-            recompute_attention_output=bool(recompute_attention_output) and bool(fused),
+            recompute_attention_output=options.as_run(fused_projections).recompute_attention_output,
             **extra,
         )
 
@@ -182,7 +183,7 @@ class UPipeRuntime:
             ring_size=self.ring_size,
             ring_overlap=self.overlaps_ring,
             accumulate_in_input_dtype=self.accumulate_in_input_dtype,
-            fused=self.fused,
+            fused_projections=self.fused_projections,
             recompute_attention_output=self.recompute_attention_output,
             num_heads=None if self.plan is None else self.plan.num_heads,
             num_kv_heads=None if self.plan is None else self.plan.num_kv_heads,
@@ -249,7 +250,7 @@ class UPipeRuntime:
             stage_counter=self.stage_runs,
             overlap_comm=self.overlap_comm,
             accumulate_in_input_dtype=self.accumulate_in_input_dtype,
-            recompute_output=self.recompute_attention_output,
+            recompute_attention_output=self.recompute_attention_output,
         )
 
 

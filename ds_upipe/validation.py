@@ -50,7 +50,7 @@ class RuntimeSettings:
     accumulate_in_input_dtype: bool = False
     #: HF path: projections per stage (fused), and backward recomputing each stage's output (one more
     #: kernel forward per stage; fused only); always False in the core layer
-    fused: bool = False
+    fused_projections: bool = False
     recompute_attention_output: bool = False
     #: the model's head counts where the runtime knows them (HF: the config; None in the core layer,
     #: whose exchange compares the q/k/v shapes instead)
@@ -251,7 +251,7 @@ _SETTING_LABELS = {
     "ring_size": "ring_size (ranks of the ring group)",
     "ring_overlap": "ring_overlap",
     "accumulate_in_input_dtype": "accumulate_in_input_dtype",
-    "fused": "fused_projections",
+    "fused_projections": "fused_projections",
     "recompute_attention_output": "recompute_attention_output",
     "num_heads": "num_attention_heads",
     "num_kv_heads": "num_key_value_heads",

@@ -390,7 +390,7 @@ def train(opts: argparse.Namespace) -> dict[str, Any]:
         activation_peak_kind=None
         if activation_peak is None
         else ("cuda_allocated_above_pre_step" if device.type == "cuda" else "cpu_peak_rss_above_pre_step"),
-        upipe_fused=state.fused if state is not None else None,
+        upipe_fused=state.fused_projections if state is not None else None,
         upipe_ring_size=state.ring_size if state is not None else 1,
         # packed rows: documents per row UPipe attended in the last forward (None: one per row, or no UPipe)
         upipe_documents=None

@@ -7,7 +7,7 @@ RoPE to that chunk, and hands it to the core stage loop (``ds_upipe.pipeline``);
 (GPT-OSS) wrap the stage kernel (``ds_upipe.sinks``) and are an input of the node, so their gradient
 reaches the module's parameter; o_proj runs once on the assembled output.  The node
 saves only x, the attention output (which o_proj needs anyway) and the per-stage lse; with
-``recompute_output`` only x, and backward recomputes each stage's output (one more kernel forward per
+``recompute_attention_output`` only x, and backward recomputes each stage's output (one more kernel forward per
 stage), taking o_proj's weight gradient stage by stage (``pipeline.RecomputedOutput``).  Backward
 recomputes each stage's chunk from x and differentiates it back to x and to the weight rows, and
 computes each stage's output gradient from the block's output gradient and that stage's o_proj
@@ -529,7 +529,7 @@ class FusedUPipeAttention(torch.autograd.Function):
             lses = pipeline_forward(pctx, source, out)
             y = F.linear(out.flatten(2), params[_WO], params[_BO])
         fctx.pctx, fctx.proj = pctx, proj
-        if pctx.recompute_output:  # backward recomputes the stages' outputs (pipeline.RecomputedOutput)
+        if pctx.recompute_attention_output:  # backward recomputes the stages' outputs (pipeline.RecomputedOutput)
             del out, lses
             fctx.save_for_backward(x, cos, sin)
         else:
@@ -552,7 +552,7 @@ class FusedUPipeAttention(torch.autograd.Function):
         )
         dy = grad_y.reshape(-1, grad_y.shape[-1])
         w_o = fctx.proj.o_proj.weight
-        recompute = fctx.pctx.recompute_output
+        recompute = fctx.pctx.recompute_attention_output
         num_heads, d = fctx.pctx.plan.num_heads, fctx.proj.head_dim  # the output's shape
 
         def grad_out(slot: Slot, out: Tensor) -> None:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_upipe.heads import HeadLayout
+from ds_upipe.options import UPipeOptions
 
 from .architectures import find_decoder, fused_blocker_of
 from .attention import ATTN_IMPLEMENTATION, fused_attention_forward, register_attention_function
@@ -50,51 +51,38 @@ def supported_model_classes() -> list[str]:
 def apply_upipe(
     model: nn.Module,
     process_group: dist.ProcessGroup | None,
+    options: UPipeOptions | None = None,
     *,
-    head_chunk_size: int | None = None,
-    fused_projections: bool = True,
-    kernel: str = "sdpa",
-    overlap_comm: bool = False,
     ring_group: dist.ProcessGroup | None = None,
-    accumulate_in_input_dtype: bool = False,
-    recompute_attention_output: bool = False,
-    mixer_head_chunk_size: int | None = None,
+    **settings: Any,
 ) -> nn.Module:
     """Patch a causal LM or its base model in place for UPipe: any transformers decoder whose attention
-    modules call the attention-function registry (``hf_patches.architectures``; refusals name the layer).
+    modules call the attention-function registry, and the sequence mixers of ``hf_patches.mixers``
+    (``hf_patches.architectures``; refusals name the layer).
 
     Args:
         model: the model (also accepted wrapped by PEFT or a DeepSpeed engine).
         process_group: the sequence-parallel group (None: the default group).
-        head_chunk_size: U, query heads per stage across the group (None: U = group size).
-        fused_projections: project q/k/v per stage from the layer input (least memory) where the attention is
-            Llama-shaped (the family registry, ``hf_patches.families``); other attention classes and projections that
-            are not plain ``nn.Linear`` (PEFT LoRA, quantized) fall back to unfused mode (one warning).
-        kernel: local attention kernel name for ``ds_upipe.make_kernel`` ('sdpa', 'math', 'flash_attn').
-        overlap_comm: issue the next stage's all-to-alls while the current stage computes (two
-            stages' buffers alive instead of one); with a ring also the next K/V block's send/recv.
+        options: the run's ``ds_upipe.options.UPipeOptions`` (None: the defaults); ``settings`` replace
+            single fields by their names (``apply_upipe(model, group, head_chunk_size=4)``):
+            ``head_chunk_size`` (U, query heads per stage across the group; None: U = group size),
+            ``mixer_head_chunk_size``, ``kernel``, ``fused_projections`` (where the attention is one the
+            family registry knows, ``hf_patches.families``; others, and projections that are not plain
+            ``nn.Linear`` (PEFT LoRA, quantized), fall back to unfused mode with one warning),
+            ``overlap_comm``, ``accumulate_in_input_dtype`` (bf16/fp16 gradients summed over the stages in
+            that dtype: docs/config.md, ``accumulate_dtype``, has the measured error),
+            ``recompute_attention_output`` (fused mode keeps no attention output; where fused mode falls
+            back, the warning says it is off too).  Each field's meaning: ``UPipeOptions``.
         ring_group: UPipe x Ring (None: no ring).  ``process_group`` is then the Ulysses group
             (C_u ranks) and each stage attends over the whole sequence by ring attention over this
             group (R ranks); both come from ``ds_upipe.ring.build_sequence_groups``.  The heads are
             split over C_u only.
-        accumulate_in_input_dtype: with bf16/fp16 inputs, sum the gradients over the stages (dK/dV
-            per round; in fused mode also dx and the q/k/v weight gradients) in that dtype, as the
-            UPipe paper does, instead of float32: those accumulators take half the memory, and each
-            stage adds one rounding (docs/config.md, ``accumulate_dtype``, has the measured error).
-            No effect on float32/float64 inputs.
-        recompute_attention_output: fused mode keeps no attention output (one hidden state per layer)
-            from forward to backward: backward runs each stage's attention forward again, then its
-            backward, and takes o_proj's weight gradient stage by stage.  Less memory for one more
-            kernel forward per stage.  Needs fused projections (ValueError with
-            ``fused_projections=False``; where fused mode falls back, the warning says it is off too).
-        mixer_head_chunk_size: U of the model's other sequence mixers (gated delta net, Mamba-2:
-            ``hf_patches.mixers``), in their heads (value heads, SSM heads) per stage across the group
-            (None: U = group size); the attention layers use ``head_chunk_size``.
 
     Returns the same model.  Every rank must then pass its sequence shard and the matching global
     ``position_ids`` (see ``shard_batch``): the contiguous shard of its rank without a ring, its
     zigzag shard (``ds_upipe.ring.zigzag_positions``) with one; logits come back per shard.
     """
+    options = UPipeOptions.of(options, **settings)
     if not dist.is_initialized():
         raise ValueError("apply_upipe needs torch.distributed to be initialized (the sequence-parallel group)")
     hf_model = _unwrap(model)
@@ -104,46 +92,34 @@ def apply_upipe(
     arch, base, attentions = found.model_type, found.base, found.attentions
     config = base.config
 
-    if recompute_attention_output and not fused_projections:
-        raise ValueError(
-            "recompute_attention_output=True needs fused_projections=True: unfused, o_proj (the model's own "
-            "nn.Linear) keeps the attention output for its weight gradient anyway; set fused_projections=True "
-            "or recompute_attention_output=False"
-        )
-    fallback = fused_blocker_of(attentions) if fused_projections else None
-    fused = fused_projections and fallback is None
+    fallback = fused_blocker_of(attentions) if options.fused_projections else None
+    fused = options.fused_projections and fallback is None
     if fallback is not None and dist.get_rank(process_group) == 0:  # one line per group
         logger.warning(
             "hf_patches: fused projections off (%s); using unfused UPipe attention%s",
             fallback,
-            " (recompute_attention_output has no effect unfused)" if recompute_attention_output else "",
+            " (recompute_attention_output has no effect unfused)" if options.recompute_attention_output else "",
         )
-
     if found.mixers and ring_group is not None:
         raise ValueError(
             f"apply_upipe: decoder layer {found.mixers[0][0]} ({type(found.mixers[0][1]).__name__}) is a sequence "
             "mixer: UPipe x Ring shards attention only; pass ring_group=None for models with such layers"
         )
-    check_mixers(found.mixers, dist.get_world_size(process_group), mixer_head_chunk_size)
+    check_mixers(found.mixers, dist.get_world_size(process_group), options.mixer_head_chunk_size)
     heads = HeadLayout.from_config(config)
     # the one runtime builder of every route (ds_upipe.runtime); validates U, H, Hkv against C_u
     state = UPipeState.build(
+        options,
         group=process_group,
-        kernel=kernel,
         # 1/sqrt(head_dim) here; each call runs with the scale its module passes (``UPipeState.attention``'s
         # ``scale``: Gemma's query_pre_attn_scalar, Granite's attention_multiplier), layer by layer
         softmax_scale=None,
-        head_chunk_size=head_chunk_size,
         num_heads=heads.num_heads,
         num_kv_heads=heads.num_kv_heads,
         ring_group=ring_group,
-        overlap_comm=overlap_comm,
-        accumulate_in_input_dtype=accumulate_in_input_dtype,
-        fused=fused,
-        recompute_attention_output=recompute_attention_output,
+        fused_projections=fused,
         fallback_reason=fallback,
         architecture=arch,
-        mixer_head_chunk_size=mixer_head_chunk_size,
     )
     register_attention_function()
     for attn in attentions:
@@ -166,7 +142,7 @@ def apply_upipe(
 
 
 def fused_fallback(model: nn.Module) -> str | None:
-    """Why ``apply_upipe(model, fused_projections=True)`` would run this model unfused (None: fused),
+    """Why ``apply_upipe`` with ``fused_projections=True`` would run this model unfused (None: fused),
     the rule apply_upipe applies (``architectures.fused_blocker_of``): ``"auto"`` measures the
     attention the model will run.  A model apply_upipe refuses has no fallback (it raises there)."""
     try:

@@ -30,8 +30,6 @@ class UPipeState(UPipeRuntime):
     #: why fused projections are off although requested (None when fused or not requested)
     fallback_reason: str | None = None
     architecture: str = ""
-    #: U of the model's other sequence mixers (``hf_patches.mixers``; None: the group size)
-    mixer_head_chunk_size: int | None = None
     #: set once fused mode has logged that it runs unfused under torch.autocast
     autocast_warned: bool = False
     #: documents per batch row of the last attention call (None: one per row): a report for examples

@@ -349,7 +349,9 @@ def _method(name: str):
     if kind != "upipe" or mode not in ("fused", "recompute", "unfused"):
         raise ValueError(f"method {name!r}: use alst or upipe-fused-U / upipe-recompute-U / upipe-unfused-U")
     # recompute: fused with recompute_attention_output
-    return Method(name, "upipe", int(u), mode != "unfused", recompute_attention_output=mode == "recompute")
+    return Method.upipe(
+        name, int(u), False, fused_projections=mode != "unfused", recompute_attention_output=mode == "recompute"
+    )
 
 
 def _init_fake_group(device: str) -> None:
@@ -406,7 +408,7 @@ def layer_rows(args: argparse.Namespace, device_name: str, alloc: str) -> list[d
         (m.name, seq): planner.layer_peak(
             dims,
             setup,
-            planner.measured_scheme(m.kind, m.head_chunk_size, m.fused, False, m.recompute_attention_output),
+            planner.measured_scheme(m.kind, m.options),
             seq,
         ).total
         for m in methods

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ds_upipe.options import UPipeOptions
+
 #: the small decoder layer of the calibration points: C=2, H=8, KV=2 (GQA 4:1), d=32, hidden 256
 CALIBRATION_SHAPE = {"heads": 8, "kv_heads": 2, "head_dim": 32, "hidden": 256, "intermediate": 512}
 CALIBRATION_WORLD = 2
@@ -24,6 +26,16 @@ class CalibrationPoint:
     overlap_comm: bool = False
     recompute_attention_output: bool = False
     arch: str = "llama"  # "qwen3": the fused path's per-head q/k RMSNorms
+
+    @property
+    def options(self) -> UPipeOptions:
+        """The point's UPipe settings (kind "upipe")."""
+        return UPipeOptions(
+            head_chunk_size=self.head_chunk_size,
+            fused_projections=bool(self.fused),
+            overlap_comm=self.overlap_comm,
+            recompute_attention_output=self.recompute_attention_output,
+        )
 
 
 #: the peaks land in the MLP, the RMSNorm backward and the attention stage loop, for ALST and UPipe
@@ -70,9 +82,7 @@ def calibration_layer(world: int, point: CalibrationPoint) -> tuple:
         **CALIBRATION_SHAPE,
     )
     kind = point.kind
-    method = Method(
-        kind, kind, point.head_chunk_size, point.fused, recompute_attention_output=point.recompute_attention_output
-    )
+    method = Method(kind, kind) if kind == "alst" else Method(kind, kind, point.options)
     layer, rotary = build_layer(method, spec, torch.device("cpu"))
     return layer, rotary, spec
 

@@ -80,7 +80,7 @@ def family_case(family, fused, world, u=None, seq=None, seed=0, checkpointing=No
     model = build_family(family, seed=seed, **overrides)
     ref_model = copy.deepcopy(model)
     state = hf_cases.patch_model(model, group, u, fused, False, False)
-    errors = {"fused_ok": float(state.fused != (fused and FAMILIES[family][2]))}
+    errors = {"fused_ok": float(state.fused_projections != (fused and FAMILIES[family][2]))}
     if checkpointing is not None:
         hf_cases._checkpointing(model, checkpointing)
     if packed:

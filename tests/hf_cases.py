@@ -146,7 +146,10 @@ def parity_case(
     model = build_model(arch, dtype, seed=seed, base=base_model, **overrides)
     ref_model = copy.deepcopy(model)
     state = patch_model(model, group, u, fused, overlap, recompute, accumulate_in_input_dtype=accumulate_input)
-    assert state.fused == fused and state.overlap_comm == overlap, (state.fused, state.fallback_reason)
+    assert state.fused_projections == fused and state.overlap_comm == overlap, (
+        state.fused_projections,
+        state.fallback_reason,
+    )
     if base_model:
         return _base_model_case(model, ref_model, data, group, seq)
     before = state.stage_runs[0]
@@ -733,7 +736,7 @@ def peft_case(world):
         logging.getLogger("hf_patches").removeHandler(handler)
     state = hf_patches.upipe_state(model)
     errors = compare(reference_step(ref_model, data), sharded_step(model, data, group), 6 * world)
-    errors["fell_back"] = float(state.fused)
+    errors["fell_back"] = float(state.fused_projections)
     errors["reason_names_lora"] = float("peft" not in (state.fallback_reason or ""))
     errors["log_lines"] = float(len(records) != (1 if dist.get_rank() == 0 else 0))
     errors["trainable_only_lora"] = float(any("lora" not in n for n, p in model.named_parameters() if p.requires_grad))
@@ -1038,7 +1041,7 @@ def ring_parity_case(arch, fused, layout, u=None, overlap=False, seq=None, recom
     model = build_model(arch, torch.float64, **overrides)
     ref_model = copy.deepcopy(model)
     state = patch_model(model, ulysses, u, fused, overlap, recompute, ring_group=ring)
-    assert (state.fused, state.ring_size, state.group_size) == (fused, r, cu), state
+    assert (state.fused_projections, state.ring_size, state.group_size) == (fused, r, cu), state
     before = state.stage_runs[0]
     errors = compare(reference_step(ref_model, data), sharded_step(model, data, world, ring_size=r), seq)
     errors["stage_runs_ok"] = float(

@@ -20,6 +20,7 @@ import pytest
 from ds_upipe.integration import fake_run
 from ds_upipe.integration.auto_chunk import attention_stage_bytes_by_u, choose_head_chunk_size
 from ds_upipe.integration.config import UPipeConfig
+from ds_upipe.options import UPipeOptions
 from ds_upipe.schedule import valid_head_chunk_sizes
 from ds_upipe.tools.models import tiny_config
 
@@ -38,7 +39,7 @@ def _need(model: Any = MODEL, **settings: Any) -> dict[int, int]:
 def _measured(block: UPipeConfig) -> dict[int, int]:
     """The layer measurement of a block's settings, each passed to the measurement explicitly."""
     return _need(
-        fused=block.fused_projections,
+        fused_projections=block.fused_projections,
         recompute_attention_output=block.recompute_attention_output,
         overlap_comm=block.overlap_comm,
     )
@@ -60,7 +61,8 @@ def _budget_where_they_differ(a: dict[int, int], b: dict[int, int]) -> int:
 
 def _choose(budget: int, model: Any = MODEL, fused: bool | None = None, dtype_bytes: int = 4, **block: Any) -> int:
     cfg = UPipeConfig(head_chunk_size="auto", memory_budget_gib=budget / 2**30, seq_length=SEQ, **block)
-    return choose_head_chunk_size(cfg, **{**DIMS, "dtype_bytes": dtype_bytes}, model_config=model, fused=fused)
+    options = None if fused is None else cfg.options(None).as_run(fused)
+    return choose_head_chunk_size(cfg, **{**DIMS, "dtype_bytes": dtype_bytes}, model_config=model, options=options)
 
 
 def test_fused_recompute_overlap_chooses_by_the_layer_not_the_core():
@@ -80,10 +82,7 @@ def test_fused_recompute_overlap_chooses_by_the_layer_not_the_core():
                     "upipe",
                     2,
                     SEQ,
-                    head_chunk_size=u,
-                    fused=True,
-                    recompute_attention_output=True,
-                    overlap_comm=True,
+                    options=UPipeOptions(head_chunk_size=u, recompute_attention_output=True, overlap_comm=True),
                     dtype="fp32",
                 ),
                 packed,
@@ -117,9 +116,9 @@ def test_fused_recompute_overlap_chooses_by_the_layer_not_the_core():
 )
 def test_each_setting_reaches_the_measurement(on, off):
     """The setting changes the layer measurement and, at a budget between, the choice.  Mutations (each
-    fails its case): fused: ``choose_head_chunk_size`` passing ``fused=True`` always, or
-    ``_patched_model`` dropping ``fused_projections=spec.fused``; recompute: ``attention_stage_bytes_by_u``
-    not forwarding ``recompute_attention_output`` (or ``choose_head_chunk_size`` passing False);
+    fails its case): fused: ``run_head_chunk_size`` passing fused projections on always, or
+    ``_patched_model`` dropping ``spec.options``; recompute: ``attention_stage_bytes_by_u`` not forwarding
+    ``recompute_attention_output`` (or ``UPipeConfig.options`` dropping it);
     overlap: ``overlap_comm`` dropped on the way to ``apply_upipe``."""
     need_on, need_off = (_measured(UPipeConfig(**block)) for block in (on, off))
     budget = _budget_where_they_differ(need_on, need_off)
@@ -131,7 +130,9 @@ def test_accumulate_dtype_reaches_the_measurement():
     dK/dV sums in bf16, not float32: less memory, and the choice follows.  Mutation: dropping
     ``accumulate_in_input_dtype`` on the way to ``apply_upipe`` (``_patched_model``) or in
     ``choose_head_chunk_size`` fails."""
-    fp32_sums, input_sums = (_need(fused=True, dtype_bytes=2, accumulate_in_input_dtype=on) for on in (False, True))
+    fp32_sums, input_sums = (
+        _need(fused_projections=True, dtype_bytes=2, accumulate_in_input_dtype=on) for on in (False, True)
+    )
     assert all(input_sums[u] < fp32_sums[u] for u in VALID), (fp32_sums, input_sums)
     budget = _budget_where_they_differ(input_sums, fp32_sums)
     assert _choose(budget, dtype_bytes=2, accumulate_dtype="input") == _pick(input_sums, budget)
@@ -143,12 +144,12 @@ def test_packed_rows_are_measured_and_the_larger_counts():
     buffers), and memory: the packed row needs more here, and "auto" counts the larger of the two.
     Mutation: ``attention_activations`` measuring unpacked rows only fails."""
     model = fake_run.HFModelConfig.of(MODEL)
-    need = _need(fused=True)
+    need = _need(fused_projections=True)
     for u in VALID:
-        spec = fake_run.StepSpec(model, "upipe", 2, SEQ, head_chunk_size=u, fused=True, dtype="fp32")
+        spec = fake_run.StepSpec(model, "upipe", 2, SEQ, options=UPipeOptions(head_chunk_size=u), dtype="fp32")
         plain, packed = (fake_run.attention_step(spec, p).activations for p in (False, True))
         assert need[u] == max(plain, packed), (u, need[u], plain, packed)
-    spec = fake_run.StepSpec(model, "upipe", 2, SEQ, head_chunk_size=2, fused=True, dtype="fp32")
+    spec = fake_run.StepSpec(model, "upipe", 2, SEQ, options=UPipeOptions(head_chunk_size=2), dtype="fp32")
     assert fake_run.attention_step(spec, True).activations > fake_run.attention_step(spec, False).activations
 
 

@@ -197,7 +197,7 @@ def test_recompute_attention_output_needs_fused_upipe():
         ({"enabled": False}, "upipe.recompute_attention_output: got true with upipe.enabled=false; allowed: false"),
         (
             {"fused_projections": False},
-            "upipe.recompute_attention_output: got true with upipe.fused_projections=false; allowed: false",
+            "upipe.recompute_attention_output: got true: recompute_attention_output=True needs fused_projections=True",
         ),
     ):
         with pytest.raises(ValueError) as err:

@@ -54,7 +54,7 @@ def _auto_budget() -> float:
     )
     dims = dict(num_heads=8, num_kv_heads=2, head_dim=16, group_size=2, micro_batch_size=1, dtype_bytes=4)
     core = attention_stage_bytes_by_u([2, 4, 8], **dims, seq_length=256)
-    layer = attention_stage_bytes_by_u([2, 4, 8], **dims, seq_length=256, model_config=model, fused=True)
+    layer = attention_stage_bytes_by_u([2, 4, 8], **dims, seq_length=256, model_config=model, fused_projections=True)
     assert max(layer.values()) < core[8], (layer, core)
     budget = (max(layer.values()) + core[8]) / 2 / 2**30
     cfg = UPipeConfig(head_chunk_size="auto", memory_budget_gib=budget, seq_length=256)

@@ -66,7 +66,7 @@ def test_max_context_is_the_boundary_and_memory_grows_with_length():
     setup = planner.TrainSetup(
         gpus=2, gpu_memory_gib=0.25, reserve_gib=0.0, kernel="none", tiled_mlp=False, tiled_norm=False
     )
-    method = planner.AttentionScheme("upipe", 2)
+    method = planner.AttentionScheme.upipe(2)
     totals = [planner.predict(SMALL, setup, method, s).total_gib for s in (4096, 8192, 16384)]
     assert totals == sorted(totals)
     mc = planner.max_context(SMALL, setup, method, granularity=1024)
@@ -84,7 +84,7 @@ def test_invalid_inputs_are_refused():
     with pytest.raises(ValueError, match="offload_checkpoints"):
         planner.TrainSetup(checkpointing=False, offload_checkpoints=True)
     with pytest.raises(ValueError, match="head_chunk_size"):
-        planner.predict(LLAMA, planner.TrainSetup(), planner.AttentionScheme("upipe", 12), 2**20)
+        planner.predict(LLAMA, planner.TrainSetup(), planner.AttentionScheme.upipe(12), 2**20)
 
 
 def test_parse_tokens():
@@ -104,13 +104,13 @@ def test_ds_config_sets_what_is_planned():
         False,
     )
     assert not (setup.tiled_loss or setup.tiled_norm or setup.tiled_mlp)  # the config has no stack
-    assert scheme == planner.AttentionScheme("upipe", None, True, False)
+    assert scheme == planner.AttentionScheme.upipe(None)
     stack = {**cfg, "upipe": {**cfg["upipe"], "enabled": False, "offload_checkpoints": True}}
     stack["upipe"].update(tiled_loss=True, tiled_norm=True, tiled_mlp={"tile_tokens": 512})
     setup, scheme, _ = planner.from_ds_config(stack)
     assert scheme.kind == "ulysses" and setup.offload_checkpoints and setup.tiled_loss and setup.mlp_tile_tokens == 512
     _, scheme, _ = planner.from_ds_config({**cfg, "upipe": {**cfg["upipe"], "accumulate_dtype": "input"}})
-    assert scheme == planner.AttentionScheme("upipe", None, True, False, True)
+    assert scheme == planner.AttentionScheme.upipe(None, accumulate_in_input_dtype=True)
 
 
 def test_planner_reads_the_runtimes_validated_settings():
@@ -140,7 +140,9 @@ def test_planner_reads_the_runtimes_validated_settings():
         assert (setup.checkpointing, setup.offload_checkpoints, setup.checkpoint_pinning) == (True, True, "exact")
         assert (setup.offload_optimizer, setup.offload_pin_memory, setup.offload_param) == (True, True, False)
         assert (setup.dtype, setup.zero_stage) == ("bf16", 3)
-        assert scheme == planner.AttentionScheme("upipe", 4, True, False, True, True)
+        assert scheme == planner.AttentionScheme.upipe(
+            4, accumulate_in_input_dtype=True, recompute_attention_output=True
+        )
     plain = planner.from_ds_config({**cfg, "upipe": {**cfg["upipe"], "tiled_mlp": True}})[0]
     assert plain.tiled_mlp and plain.mlp_tile_tokens is None  # on, with the stack's default tile
     with pytest.raises(ValueError, match="upipe.tiled_mlps: unknown key"):
@@ -161,7 +163,7 @@ def test_ring_layouts_are_planned_by_running_the_ring(capsys):
     with pytest.raises(ValueError, match="DeepSpeed ALST has no ring"):
         planner.layer_peak(SMALL, small, planner.AttentionScheme("ulysses"), 4096)
     with pytest.raises(ValueError, match="head_chunk_size=1 is not valid"):
-        planner.layer_peak(SMALL, small, planner.AttentionScheme("upipe", 1), 4096)
+        planner.layer_peak(SMALL, small, planner.AttentionScheme.upipe(1), 4096)
     assert "4 GPUs x 79.6 GiB (Ulysses 2 x ring 2)" in planner.describe(SMALL, small)
     args = ["plan", "--model", "qwen3-32b", "--gpus", "16", "--ring-size", "2", "--seq", "128K,1000"]
     assert main(args) == 2  # refused before any run: the CLI reads --ring-size
@@ -185,7 +187,7 @@ def test_memory_options_are_planned_by_running_them(option, share):
     setup = planner.TrainSetup()
     seq = 2**20
     off, on = (
-        planner.layer_peak(LLAMA, setup, planner.AttentionScheme("upipe", 8, **{option: flag}), seq)
+        planner.layer_peak(LLAMA, setup, planner.AttentionScheme.upipe(8, **{option: flag}), seq)
         for flag in (False, True)
     )
     hidden_state = seq // 8 * LLAMA.hidden_size * 2
@@ -194,7 +196,7 @@ def test_memory_options_are_planned_by_running_them(option, share):
 
 def test_which_head_chunk_report_plans_the_given_methods():
     """``plan --tokens`` reports the methods the CLI built (its flags applied), not a rebuilt default set."""
-    methods = [planner.AttentionScheme("ulysses"), planner.AttentionScheme("upipe", 8, recompute_attention_output=True)]
+    methods = [planner.AttentionScheme("ulysses"), planner.AttentionScheme.upipe(8, recompute_attention_output=True)]
     report = planner.which_head_chunk_report(LLAMA, planner.TrainSetup(), 2**20, methods)
     assert "upipe+recompute U=8" in report and "ulysses (ALST)" in report, report
     assert "upipe U=16" not in report, report
@@ -237,7 +239,7 @@ def test_fake_run_at_paper_scale_is_the_plan_less_the_analytic_terms():
     from ds_upipe.integration import fake_run
 
     setup = planner.TrainSetup()
-    method = planner.AttentionScheme("upipe", 8)
+    method = planner.AttentionScheme.upipe(8)
     seq = 2**20
     p = planner.predict(LLAMA, setup, method, seq)
     run = fake_run.model_step(planner.step_spec(LLAMA, setup, method, seq))
@@ -300,9 +302,7 @@ def calibration_dims(arch: str = "llama") -> planner.ModelDims:
 
 def measured_scheme(point: bench_cases.CalibrationPoint) -> planner.AttentionScheme:
     """The planner's scheme of a calibration point."""
-    return planner.measured_scheme(
-        point.kind, point.head_chunk_size, point.fused, point.overlap_comm, point.recompute_attention_output
-    )
+    return planner.measured_scheme(point.kind, point.options)
 
 
 def test_layer_plan_matches_memtracker_on_cpu(calibration):
@@ -406,7 +406,7 @@ def test_host_memory_is_planned_and_bounds_the_max_context():
         gpus=2, gpu_memory_gib=1.0, reserve_gib=0.0, kernel="none", host_memory_gib=10 / 1024, host_os_gib=0.0
     )
     roomy = replace(roomy, host_per_rank_gib=0.0)
-    method = planner.AttentionScheme("upipe", 2)
+    method = planner.AttentionScheme.upipe(2)
     mc = planner.max_context(SMALL, roomy, method, granularity=1024)
     assert 0 < mc and planner.predict(SMALL, roomy, method, mc).fits
     nxt = planner.predict(SMALL, roomy, method, mc + 1024)
@@ -544,7 +544,7 @@ def test_moe_presets_count_every_expert_and_plan_a_step(tmp_path):
     assert planner.model_dims(str(tmp_path)) == replace(oss, name=str(tmp_path / "config.json"))
     for dims, name in ((qwen, "qwen3-30b-a3b"), (oss, "gpt-oss-20b")):
         setup = planner.TrainSetup(gpus=planner.PRESET_GPUS[name])
-        method = planner.AttentionScheme("upipe", setup.gpus)
+        method = planner.AttentionScheme.upipe(setup.gpus)
         p = planner.predict(dims, setup, method, 128 * 2**10)
         assert p.fits and p.model_states_gib * GiB == planner.model_state_bytes(dims, setup), (name, p)
         assert "stand-in" in planner.describe(dims, setup) and "experts" in planner.moe_basis(dims)
@@ -574,4 +574,4 @@ def test_cli_plan_config_auto_plans_the_u_auto_picks(tmp_path):
     assert want == 8  # a large budget: the largest valid U (C = 4 would be U = 4)
     args = build_parser().parse_args(["plan", "--model", str(model), "--config", str(tmp_path / "ds.json")])
     _, setup, methods = _plan_setup(args)
-    assert [m.head_chunk_size for m in methods] == [want] and setup.mlp_tile_tokens == 4096
+    assert [m.options.head_chunk_size for m in methods] == [want] and setup.mlp_tile_tokens == 4096

@@ -135,7 +135,7 @@ def _record(model: torch.nn.Module) -> dict[str, Any]:
         "U": state.head_chunk_size if state else None,
         "kernel": type(state.kernel).__name__ if state else None,
         "overlap": state.overlap_comm if state else None,
-        "fused": state.fused if state else None,
+        "fused": state.fused_projections if state else None,
         "accumulate_input": state.accumulate_in_input_dtype if state else None,
         "recompute": state.recompute_attention_output if state else None,
         "tiles": [stack.loss_tile_tokens, stack.norm_tile_tokens, stack.mlp_tile_tokens] if stack else None,
@@ -275,7 +275,7 @@ def _two_models(path: str) -> dict[str, Any]:
             "U": state.head_chunk_size,
             "recompute": state.recompute_attention_output,
             "accumulate_input": state.accumulate_in_input_dtype,
-            "fused": state.fused,
+            "fused": state.fused_projections,
             "stages": state.stage_runs[0] - before,
             "max_err": float((got - want).abs().max()),
         }
@@ -365,7 +365,7 @@ def _auto_budget(config: Any) -> float:
     settings = dict(seq_length=SEQ, overlap_comm=True, accumulate_in_input_dtype=True)
     core = attention_stage_bytes_by_u([2, 4], **dims, **settings)
     layer = attention_stage_bytes_by_u(
-        [2, 4], **dims, **settings, model_config=config, fused=True, recompute_attention_output=True
+        [2, 4], **dims, **settings, model_config=config, fused_projections=True, recompute_attention_output=True
     )
     budget = (max(core.values()) + min(layer.values())) // 2
     assert max(core.values()) < budget < min(layer.values()), (core, layer)

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..heads import HeadLayout
 from ..layout import SequenceLayout
+from ..options import UPipeOptions
 from ..schedule import resolve_head_chunk_size, valid_head_chunk_sizes
 from . import fake_run
 from .config import SPSettings, UPipeConfig
@@ -34,23 +35,21 @@ def attention_stage_bytes_by_u(
     micro_batch_size: int,
     dtype_bytes: int,
     ring_size: int = 1,
-    accumulate_in_input_dtype: bool = False,
-    overlap_comm: bool = False,
     model_config: Any = None,
-    fused: bool = False,
-    recompute_attention_output: bool = False,
+    options: UPipeOptions | None = None,
+    **settings: Any,
 ) -> dict[int, int]:
     """Per-rank attention memory of UPipe at each head chunk size, in bytes: the attention's
     intermediate peak (``fake_run.intermediate``: the peak of its forward + backward minus its inputs,
     output, their gradients, parameters and parameter gradients), measured by running it on fake
     tensors as rank 0 of the group, every U in one run (in a process that already has a process
-    group: one child process), with the configured accumulation (``accumulate_in_input_dtype``:
-    upipe.accumulate_dtype = "input"), ``overlap_comm`` (two stages' buffers in flight) and ring.
+    group: one child process), with the run's ``options`` as it runs them (``UPipeOptions.of(options,
+    **settings)``; its head_chunk_size is each U in turn: accumulation, ``overlap_comm`` (two stages'
+    buffers in flight), fused projections or not, ``recompute_attention_output``) and ring.
 
     ``model_config`` (the model's transformers config, where the route has the model): the attention
     module of a decoder layer of each kind it has (``layer_types``; the largest) patched by
-    ``hf_patches.apply_upipe`` as the model will run it,
-    ``fused`` projections or not, ``recompute_attention_output``, on unpacked and packed rows (the
+    ``hf_patches.apply_upipe`` as the model will run it, on unpacked and packed rows (the
     larger counts; ``fake_run.attention_step``).  None (no HF model: the core layer): the core
     ``UPipeDistributedAttention`` on q, k, v (``fake_run.core_step``).  Kernel-internal CUDA workspaces
     are not included; the SDPA kernel runs whatever ``upipe.kernel`` is (fake tensors run on the CPU)."""
@@ -65,8 +64,7 @@ def attention_stage_bytes_by_u(
         batch=micro_batch_size,
         dtype=dtype,
         ring_size=ring_size,
-        accumulate_in_input_dtype=accumulate_in_input_dtype,
-        overlap_comm=overlap_comm,
+        options=asdict(UPipeOptions.of(options, **settings)),
     )
     built = None if model_config is None else fake_run.HFModelConfig.of(model_config)
     if model_config is not None and built is None:
@@ -79,7 +77,6 @@ def attention_stage_bytes_by_u(
         common.update(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
         model = None
     else:
-        common.update(fused=fused, recompute_attention_output=recompute_attention_output)
         model = built.json_text
     peaks = fake_run.isolated("attention_activations", head_chunk_sizes=list(head_chunk_sizes), model=model, **common)
     return {int(u): int(b) for u, b in peaks.items()}
@@ -95,15 +92,16 @@ def choose_head_chunk_size(
     micro_batch_size: int,
     dtype_bytes: int,
     model_config: Any = None,
-    fused: bool | None = None,
+    options: UPipeOptions | None = None,
 ) -> int:
     """The head chunk size U to use: the configured int (validated), C for null, and for "auto" the
     largest valid U whose measured attention memory (``attention_stage_bytes_by_u``) fits
     ``memory_budget_gib`` (C when none fits).  ``group_size`` is the Ulysses degree C_u (the
     sequence-parallel size over ``upipe.ring_size``).  ``model_config``: the model's transformers
     config where the route has one (its attention layer is measured; else the core layer);
-    ``fused``: whether the model will run fused projections (None: ``upipe.fused_projections``; the
-    routes pass False where apply_upipe falls back for that model, e.g. PEFT LoRA projections)."""
+    ``options``: the settings as the model runs them (None: the block's, ``upipe.options``; the routes
+    pass them with fused projections off where apply_upipe falls back for that model, e.g. PEFT LoRA
+    projections; the planner its scheme's)."""
     value = upipe.head_chunk_size
     if value != "auto":
         try:
@@ -113,7 +111,7 @@ def choose_head_chunk_size(
             where = "" if ring == 1 else f" (with upipe.ring_size={ring} the heads are split over the Ulysses degree)"
             raise ValueError(f"invalid ds_config: upipe.head_chunk_size: {err}{where}") from None
     budget = upipe.memory_budget_gib * 2**30
-    fused = upipe.fused_projections if fused is None else fused
+    options = upipe.options(None) if options is None else options
     # every valid U measured in one fake run, with every setting the model runs with; the same choice
     # on every rank (the same measurement of the same config, checked equal across ranks: the settings
     # exchange before registration and the runtime's check of U at each forward)
@@ -127,20 +125,17 @@ def choose_head_chunk_size(
         micro_batch_size=micro_batch_size,
         dtype_bytes=dtype_bytes,
         ring_size=upipe.ring_size,
-        accumulate_in_input_dtype=upipe.accumulate_dtype == "input",
-        overlap_comm=upipe.overlap_comm,
         model_config=model_config,
-        fused=fused,
-        recompute_attention_output=upipe.recompute_attention_output and fused,
+        options=options,
     )
     fits = [u for u, size in need.items() if size <= budget]
     return max(fits) if fits else group_size
 
 
-def run_head_chunk_size(settings: SPSettings, model_config: Any, micro_batch_size: int, fused: bool | None) -> int:
+def run_head_chunk_size(settings: SPSettings, model_config: Any, micro_batch_size: int, fused: bool) -> int:
     """The U a run uses for a model: ``choose_head_chunk_size`` with the run's settings and the model's
     heads (the one call of the engine route and of the Trainer / accelerate registration).
-    ``fused``: whether the model will run fused projections (None: ``upipe.fused_projections``)."""
+    ``fused``: whether the model will run fused projections (apply_upipe's fallback applied)."""
     return choose_head_chunk_size(
         settings.upipe,
         **asdict(HeadLayout.from_config(model_config)),
@@ -148,5 +143,5 @@ def run_head_chunk_size(settings: SPSettings, model_config: Any, micro_batch_siz
         micro_batch_size=micro_batch_size,
         dtype_bytes=settings.dtype_bytes,
         model_config=model_config,
-        fused=fused,
+        options=settings.upipe.options(None).as_run(fused),
     )

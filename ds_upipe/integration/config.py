@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, model_validator
 
+from ..options import KERNEL_NAMES, UPipeOptions
 from ..schedule import (
     check_head_counts,
     valid_group_sizes,
@@ -84,7 +85,7 @@ class UPipeConfig(BaseModel):
     enabled: StrictBool = True
     head_chunk_size: StrictInt | Literal["auto"] | None = None
     fused_projections: StrictBool = True
-    kernel: Literal["sdpa", "math", "flash_attn"] = "sdpa"
+    kernel: Literal[KERNEL_NAMES] = "sdpa"
     memory_budget_gib: StrictFloat | StrictInt | None = None
     seq_length: StrictInt | None = None
     offload_checkpoints: StrictBool = False
@@ -99,6 +100,18 @@ class UPipeConfig(BaseModel):
     tiled_loss: TiledSetting = False
     tiled_norm: TiledSetting = False
     tiled_mlp: TiledSetting = False
+
+    def options(self, head_chunk_size: int | None) -> UPipeOptions:
+        """The run's ``UPipeOptions``: the one translation of the block's keys (``head_chunk_size``: U as
+        resolved for the model, ``auto_chunk.choose_head_chunk_size``; "auto" is not a U)."""
+        return UPipeOptions(
+            head_chunk_size=head_chunk_size,
+            kernel=self.kernel,
+            fused_projections=self.fused_projections,
+            overlap_comm=self.overlap_comm,
+            accumulate_in_input_dtype=self.accumulate_dtype == "input",
+            recompute_attention_output=self.recompute_attention_output,
+        )
 
     @property
     def long_context(self) -> bool:
@@ -276,7 +289,8 @@ def check_checkpoint_pairs(upipe: UPipeConfig, checkpointing: bool, act: dict[st
 
 def check_recompute_attention_output(upipe: UPipeConfig) -> None:
     """ValueError if ``upipe.recompute_attention_output`` is on where it cannot act: only fused UPipe
-    owns o_proj's weight gradient (unfused, and in ALST, the model's o_proj keeps the output itself)."""
+    owns o_proj's weight gradient (the rule on the settings: ``UPipeOptions``; in ALST the model's o_proj
+    keeps the output itself)."""
     if not upipe.recompute_attention_output:
         return
     if not upipe.enabled:
@@ -284,12 +298,10 @@ def check_recompute_attention_output(upipe: UPipeConfig) -> None:
             "invalid ds_config: upipe.recompute_attention_output: got true with upipe.enabled=false; allowed: false "
             "(DeepSpeed ALST keeps the attention output for o_proj; set upipe.enabled=true for UPipe)"
         )
-    if not upipe.fused_projections:
-        raise ValueError(
-            "invalid ds_config: upipe.recompute_attention_output: got true with upipe.fused_projections=false; "
-            "allowed: false (unfused, the model's o_proj keeps the attention output for its weight gradient anyway; "
-            "set upipe.fused_projections=true to recompute it)"
-        )
+    try:
+        upipe.options(None)
+    except ValueError as err:
+        raise ValueError(f"invalid ds_config: upipe.recompute_attention_output: got true: {err}") from None
 
 
 def check_ring_size(upipe: UPipeConfig, sequence_parallel_size: int) -> None:

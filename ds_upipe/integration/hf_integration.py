@@ -496,7 +496,7 @@ def _register_upipe(args: dict[str, Any], settings: SPSettings) -> tuple[Any, in
     # "auto" measures this model's attention as it will run: fused projections where a model object is
     # patched (Registration.apply_to_model, now or at deepspeed.initialize; by name or path a model-level
     # key such as fused_projections needs that too), unless apply_upipe falls back for this model
-    fused = runs_fused(model, settings.upipe) if hasattr(model, "config") else None
+    fused = runs_fused(model, settings.upipe) if hasattr(model, "config") else settings.upipe.fused_projections
     head_chunk_size = run_head_chunk_size(settings, text, args["micro_batch_size"] or 1, fused)
     group = mpu.get_sequence_parallel_group()
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -542,17 +542,14 @@ def _unfused_state(text_config: Any, group: Any, head_chunk_size: int, settings:
     from .sp_setup import upipe_groups
 
     ulysses_group, ring_group = upipe_groups(group, settings)
-    upipe, heads = settings.upipe, HeadLayout.from_config(text_config)
+    heads = HeadLayout.from_config(text_config)
     return UPipeState.build(
+        settings.upipe.options(head_chunk_size),
         group=ulysses_group,
-        kernel=upipe.kernel,
-        head_chunk_size=head_chunk_size,
         num_heads=heads.num_heads,
         num_kv_heads=heads.num_kv_heads,
         ring_group=ring_group,
-        overlap_comm=upipe.overlap_comm,
-        accumulate_in_input_dtype=upipe.accumulate_dtype == "input",
-        fused=False,
+        fused_projections=False,
         architecture=getattr(text_config, "model_type", ""),
     )
 

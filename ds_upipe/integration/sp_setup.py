@@ -158,19 +158,8 @@ def apply_upipe_settings(model: torch.nn.Module, group: Any, head_chunk_size: in
             "upipe.enabled=true needs hf_patches.apply_upipe (part of ds-upipe); it could not be imported: "
             f"{err}. Set upipe.enabled=false to run DeepSpeed ALST's Ulysses instead"
         ) from err
-    upipe = settings.upipe
     ulysses_group, ring_group = upipe_groups(group, settings)
-    apply_upipe(
-        model,
-        ulysses_group,
-        head_chunk_size=head_chunk_size,
-        fused_projections=upipe.fused_projections,
-        kernel=upipe.kernel,
-        overlap_comm=upipe.overlap_comm,
-        ring_group=ring_group,
-        accumulate_in_input_dtype=upipe.accumulate_dtype == "input",
-        recompute_attention_output=upipe.recompute_attention_output,
-    )
+    apply_upipe(model, ulysses_group, settings.upipe.options(head_chunk_size), ring_group=ring_group)
 
 
 def long_context_options(upipe: UPipeConfig) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..options import UPipeOptions
 from .memory import measure_peak, tensor_bytes
 
 LEVELS = ("core", "layer")
@@ -47,16 +48,20 @@ class Method:
 
     name: str
     kind: str  # "deepspeed" | "alst" | "upipe"
-    head_chunk_size: int | None = None
-    fused: bool | None = None
+    #: UPipe's settings (kind "upipe"; the core level reads U and overlap_comm, the layer level passes them
+    #: all to ``apply_upipe``)
+    options: UPipeOptions | None = None
     #: core level: equal documents packed into each row (1: one sequence per row)
     documents: int = 1
-    #: layer level, fused: ``apply_upipe(recompute_attention_output=True)``
-    recompute_attention_output: bool = False
-    #: layer level, fused: ``apply_upipe(accumulate_in_input_dtype=True)`` (dK/dV per stage)
-    accumulate_in_input_dtype: bool = False
     #: core level: sliding window of W tokens (None: full causal)
     window: int | None = None
+
+    @classmethod
+    def upipe(cls, name: str, head_chunk_size: int, overlap_comm: bool, **kwargs: Any) -> Method:
+        """A UPipe column at U = ``head_chunk_size``; ``kwargs``: ``UPipeOptions`` fields, documents, window."""
+        own = {k: kwargs.pop(k) for k in ("documents", "window") if k in kwargs}
+        options = UPipeOptions(head_chunk_size=head_chunk_size, overlap_comm=overlap_comm, **kwargs)
+        return cls(name, "upipe", options, **own)
 
 
 @dataclass
@@ -165,39 +170,42 @@ class BenchSpec:
     def methods(self, level: str) -> list[Method]:
         """The baseline first, then the others in a fixed order."""
         us = self.chunk_sizes
+
+        def upipe(name: str, u: int, **kwargs: Any) -> Method:
+            return Method.upipe(name, u, self.overlap_comm, **kwargs)
+
         if self.ring_size > 1:  # U = H (Ulysses x Ring) is the baseline
             us = [self.heads] + [u for u in us if u != self.heads]
+            ring = self.ring_size
             if level == "core":
-                methods = [Method(f"upipe-ring{self.ring_size}[U={u}]", "upipe", u) for u in us]
+                methods = [upipe(f"upipe-ring{ring}[U={u}]", u) for u in us]
                 if self.window is not None:  # the windowed ring: chunk pairs outside the window skipped
                     w = self.window
-                    methods += [
-                        Method(f"upipe-ring{self.ring_size}[U={u}] window={w}", "upipe", u, window=w) for u in us
-                    ]
+                    methods += [upipe(f"upipe-ring{ring}[U={u}] window={w}", u, window=w) for u in us]
                 return methods
-            return [Method(f"upipe-fused-ring{self.ring_size}[U={u}]", "upipe", u, True) for u in us] + [
-                Method(f"upipe-unfused-ring{self.ring_size}[U={u}]", "upipe", u, False) for u in us
+            return [upipe(f"upipe-fused-ring{ring}[U={u}]", u) for u in us] + [
+                upipe(f"upipe-unfused-ring{ring}[U={u}]", u, fused_projections=False) for u in us
             ]
         if level == "core":
             methods = [Method("deepspeed", "deepspeed"), Method("alst", "alst")]
-            methods += [Method(f"upipe[U={u}]", "upipe", u) for u in us]
+            methods += [upipe(f"upipe[U={u}]", u) for u in us]
             if self.documents > 1:  # packed rows: DeepSpeed with per-document local attention first (reference)
                 n = self.documents
                 methods += [Method(f"deepspeed docs={n}", "deepspeed", documents=n)]
-                methods += [Method(f"upipe[U={u}] docs={n}", "upipe", u, documents=n) for u in us]
+                methods += [upipe(f"upipe[U={u}] docs={n}", u, documents=n) for u in us]
             if self.window is not None:  # sliding window: DeepSpeed with the windowed kernel first (reference)
                 w = self.window
                 methods += [Method(f"deepspeed window={w}", "deepspeed", window=w)]
-                methods += [Method(f"upipe[U={u}] window={w}", "upipe", u, window=w) for u in us]
+                methods += [upipe(f"upipe[U={u}] window={w}", u, window=w) for u in us]
             return methods
         return (
             [Method("alst", "alst")]
-            + [Method(f"upipe-fused[U={u}]", "upipe", u, True) for u in us]
+            + [upipe(f"upipe-fused[U={u}]", u) for u in us]
             + [
-                Method(f"upipe-fused-recompute[U={u}]", "upipe", u, True, recompute_attention_output=True)
+                upipe(f"upipe-fused-recompute[U={u}]", u, recompute_attention_output=True)
                 for u in (us if self.recompute_attention_output else [])
             ]
-            + [Method(f"upipe-unfused[U={u}]", "upipe", u, False) for u in us]
+            + [upipe(f"upipe-unfused[U={u}]", u, fused_projections=False) for u in us]
         )
 
 
@@ -332,8 +340,8 @@ def _core_attention(method: Method, spec: BenchSpec, group: Any, pos: torch.Tens
         upipe = UPipeDistributedAttention(
             TorchSDPAKernel(causal=True),
             ulysses,
-            head_chunk_size=method.head_chunk_size,
-            overlap_comm=spec.overlap_comm,
+            head_chunk_size=method.options.head_chunk_size,
+            overlap_comm=method.options.overlap_comm,
             ring_group=ring,
             window=method.window,
         )
@@ -474,16 +482,7 @@ def build_layer(method: Method, spec: BenchSpec, device: torch.device) -> tuple[
         from hf_patches import apply_upipe
 
         ulysses, ring = sequence_groups(spec)
-        apply_upipe(
-            model,
-            ulysses,
-            head_chunk_size=method.head_chunk_size,
-            fused_projections=method.fused,
-            overlap_comm=spec.overlap_comm,
-            ring_group=ring,
-            recompute_attention_output=method.recompute_attention_output,
-            accumulate_in_input_dtype=method.accumulate_in_input_dtype,
-        )
+        apply_upipe(model, ulysses, method.options, ring_group=ring)
     else:
         raise ValueError(f"method {method.name!r} has no decoder-layer implementation")
     layer = model.model.layers[0]
@@ -606,8 +605,9 @@ def combine_ranks(per_rank: list[list[tuple]]) -> list[Measurement]:
                 level=level,
                 method=method.name,
                 kind=method.kind,
-                head_chunk_size=method.head_chunk_size,
-                fused=method.fused,
+                head_chunk_size=None if method.options is None else method.options.head_chunk_size,
+                # the core level has no projections to fuse
+                fused=None if method.options is None or level == "core" else method.options.fused_projections,
                 seq_len=seq,
                 peak_bytes=max(c[3] for c in cases),
                 intermediate_bytes=max(c[4] for c in cases),

@@ -242,14 +242,14 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
     changes = {k: v for k, v in changes.items() if v is not None}
     if args.accumulate_dtype is not None:
         on = args.accumulate_dtype == "input"
-        methods = [replace(m, accumulate_in_input_dtype=on) if m.kind == "upipe" else m for m in methods]
+        methods = [m.with_options(accumulate_in_input_dtype=on) if m.kind == "upipe" else m for m in methods]
     if args.recompute_attention_output:
-        if any(m.kind == "upipe" and not m.fused for m in methods):
+        if any(m.kind == "upipe" and not m.options.fused_projections for m in methods):
             raise ValueError(
                 "--recompute-attention-output needs fused projections (drop --unfused, or set "
                 "upipe.fused_projections=true in the config)"
             )
-        methods = [replace(m, recompute_attention_output=True) if m.kind == "upipe" else m for m in methods]
+        methods = [m.with_options(recompute_attention_output=True) if m.kind == "upipe" else m for m in methods]
     if args.no_checkpointing:
         changes.update(checkpointing=False, offload_checkpoints=False, checkpoint_pairs=0)
     elif args.no_offload:
@@ -258,14 +258,16 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
     if settings is not None and settings.upipe.enabled and settings.upipe.head_chunk_size == "auto":
         # the U the run's "auto" picks for this model, setup and settings (the same measurement)
         methods = [
-            replace(m, head_chunk_size=planner.auto_head_chunk_size(dims, setup, m, settings.upipe))
+            m.with_options(head_chunk_size=planner.auto_head_chunk_size(dims, setup, m, settings.upipe))
             if m.kind == "upipe"
             else m
             for m in methods
         ]
     # head_chunk_size null is U = C_u of the GPUs planned for (after --gpus, which overrides the config's sp)
     methods = [
-        replace(m, head_chunk_size=setup.ulysses_size) if m.kind == "upipe" and m.head_chunk_size is None else m
+        m.with_options(head_chunk_size=setup.ulysses_size)
+        if m.kind == "upipe" and m.options.head_chunk_size is None
+        else m
         for m in methods
     ]
     return dims, setup, methods

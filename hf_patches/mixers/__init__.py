@@ -72,7 +72,7 @@ def check_mixers(mixers: list[tuple[int, nn.Module]], group_size: int, head_chun
 
 
 def patch_mixers(mixers: list[tuple[int, nn.Module]], state: UPipeState) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """Run each mixer head-sharded in stages under ``state`` (its group, ``state.mixer_head_chunk_size``);
+    """Run each mixer head-sharded in stages under ``state`` (its group, ``options.mixer_head_chunk_size``);
     returns, per module, the parameters ZeRO-3 must gather with it (``zero3_params``)."""
     external = []
     for _, module in mixers:
@@ -103,6 +103,6 @@ def _sharded_mixer_forward(
         self,
         hidden_states,
         group=state.group,
-        head_chunk_size=state.mixer_head_chunk_size,
+        head_chunk_size=state.options.mixer_head_chunk_size,
         documents=kwargs.get(DOCUMENTS_KWARG),
     )

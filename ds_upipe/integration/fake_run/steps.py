@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ...options import UPipeOptions
 from ..checkpointing import releasing, without_recomputed_outputs
 from .models import HFModelConfig, ModelShape
 from .tracker import KERNELS, Peak, track
@@ -28,11 +29,8 @@ class StepSpec:
     attention: str  # "alst" (DeepSpeed's UlyssesSPAttentionHF around transformers' sdpa) or "upipe"
     sp_size: int  # C: the whole sequence-parallel group, C_u x ring_size (fake_run uses no other group size)
     seq_len: int  # global tokens S (each rank holds S / C)
-    head_chunk_size: int | None = None  # UPipe's U (None: C)
-    fused: bool = True
-    overlap_comm: bool = False
-    accumulate_in_input_dtype: bool = False  # upipe.accumulate_dtype = "input"
-    recompute_attention_output: bool = False  # upipe.recompute_attention_output (fused only)
+    #: UPipe's settings (``attention="upipe"``), as the run passes them to ``apply_upipe``
+    options: UPipeOptions = UPipeOptions()
     batch: int = 1
     dtype: str = "bf16"
     tiled_norm: bool = False
@@ -129,16 +127,7 @@ def _patched_model(spec: StepSpec, group: dist.ProcessGroup, layers: int = 1) ->
             UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", spec.sp_size, spec.batch)
         else:
             ulysses, ring = _sequence_groups(spec, group)
-            hf_patches.apply_upipe(
-                model,
-                ulysses,
-                head_chunk_size=spec.head_chunk_size,
-                fused_projections=spec.fused,
-                overlap_comm=spec.overlap_comm,
-                accumulate_in_input_dtype=spec.accumulate_in_input_dtype,
-                recompute_attention_output=spec.recompute_attention_output,
-                ring_group=ring,
-            )
+            hf_patches.apply_upipe(model, ulysses, spec.options, ring_group=ring)
         if spec.tiled_norm or spec.tiled_mlp or spec.tiled_loss:
             hf_patches.apply_long_context_stack(
                 model,
@@ -396,12 +385,11 @@ def intermediate(peak: Peak, io_bytes: int) -> Peak:
 @functools.lru_cache(maxsize=512)
 def attention_step(spec: StepSpec, packed: bool = False) -> Peak:
     """Rank 0's peak over the attention module of the first decoder layer of ``spec.model`` (one per
-    kind of layer: ``HFModelConfig.layer_kinds``), forward + backward,
-    run as the model runs it: built from ``spec.model`` (the real model's config on ``"auto"``'s
-    routes), patched by ``hf_patches.apply_upipe`` with the spec's fused projections (apply_upipe's own
-    fallback for that architecture), ``recompute_attention_output``, ``overlap_comm``, accumulation and
-    ring, and called as the decoder layer calls it (hidden states, cos/sin, position ids, this
-    forward's documents).  ``packed``: the row is packed as two documents, one token and the rest, so
+    kind of layer: ``HFModelConfig.layer_kinds``), forward + backward, run as the model runs it: built
+    from ``spec.model`` (the real model's config on ``"auto"``'s routes), patched by
+    ``hf_patches.apply_upipe`` with the spec's options (apply_upipe's own fallback of fused projections
+    for that architecture) and ring, and called as the decoder layer calls it (hidden states, cos/sin,
+    position ids, this forward's documents).  ``packed``: the row is packed as two documents, one token and the rest, so
     the kernel runs per document (``ds_upipe.packing.DocumentKernel``) with a segment of nearly the
     whole row beside the row's buffers (the most that per-document path holds).  ``activations``:
     ``intermediate``."""
@@ -440,22 +428,33 @@ def attention_step(spec: StepSpec, packed: bool = False) -> Peak:
     return intermediate(peak, 2 * params + io)
 
 
-def attention_activations(head_chunk_sizes: list[int], *, model: str | None, **kwargs: Any) -> dict[str, int]:
+def attention_activations(
+    head_chunk_sizes: list[int], *, model: str | None, options: dict[str, Any], **kwargs: Any
+) -> dict[str, int]:
     """The intermediate peak (``intermediate``) of every U, in one process (``"auto"``: one child process
     for all U).  ``model``: the JSON of the real model's config (``HFModelConfig``), measured with
     ``attention_step`` on a layer of each kind the model has (``HFModelConfig.layer_kinds``: sliding and
     full attention layers), unpacked and packed rows (without a ring; rings refuse packing): the
     largest counts, since every layer runs at the chosen U and whether a batch is packed is known only
-    per forward.  None (the core
-    layer's route, no HF model): ``core_step`` of ``UPipeDistributedAttention``."""
+    per forward.  None (the core layer's route, no HF model): ``core_step`` of
+    ``UPipeDistributedAttention``.  ``options``: the run's ``UPipeOptions`` as a dict (JSON to a child
+    process); ``kwargs``: sp_size, seq_len, batch, dtype, ring_size (``StepSpec``'s fields), and without a
+    model the head counts and head_dim."""
+    base = UPipeOptions(**options)
     if model is None:
-        return {str(u): core_step(head_chunk_size=u, **kwargs).activations for u in head_chunk_sizes}
+        return {
+            str(u): core_step(
+                head_chunk_size=u,
+                accumulate_in_input_dtype=base.accumulate_in_input_dtype,
+                overlap_comm=base.overlap_comm,
+                **kwargs,
+            ).activations
+            for u in head_chunk_sizes
+        }
     kinds = HFModelConfig(model).layer_kinds()  # the JSON of HFModelConfig.of, one per kind of layer
     out = {}
     for u in head_chunk_sizes:
-        # kwargs: sp_size, seq_len, batch, dtype, ring_size, overlap_comm, accumulate_in_input_dtype, fused,
-        # recompute_attention_output (StepSpec's fields, as attention_stage_bytes_by_u passes them)
-        specs = [StepSpec(kind, "upipe", head_chunk_size=u, **kwargs) for kind in kinds]
+        specs = [StepSpec(kind, "upipe", options=replace(base, head_chunk_size=u), **kwargs) for kind in kinds]
         packings = (False, True) if specs[0].ring_size == 1 else (False,)
         out[str(u)] = max(attention_step(spec, packed).activations for spec in specs for packed in packings)
     return out

@@ -139,20 +139,17 @@ def step_spec(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_l
 
     if seq_len < setup.gpus or seq_len % setup.gpus:
         raise ValueError(f"seq_len={seq_len} is not a positive multiple of gpus={setup.gpus}")
-    if scheme.kind == "upipe" and scheme.head_chunk_size is not None:
+    u = scheme.options.head_chunk_size
+    if scheme.kind == "upipe" and u is not None:
         valid = valid_head_chunk_sizes(dims.num_heads, dims.num_kv_heads, setup.ulysses_size)
-        if scheme.head_chunk_size not in valid:
-            raise ValueError(f"head_chunk_size={scheme.head_chunk_size} is not valid here; valid: {valid}")
+        if u not in valid:
+            raise ValueError(f"head_chunk_size={u} is not valid here; valid: {valid}")
     return StepSpec(
         model=dims.shape(),
         attention="alst" if scheme.kind == "ulysses" else "upipe",
         sp_size=setup.gpus,
         seq_len=seq_len,
-        head_chunk_size=scheme.head_chunk_size,
-        fused=scheme.fused,
-        overlap_comm=scheme.overlap_comm,
-        accumulate_in_input_dtype=scheme.accumulate_in_input_dtype,
-        recompute_attention_output=scheme.recompute_attention_output,
+        options=scheme.options,
         batch=setup.batch,
         dtype=setup.dtype,
         tiled_norm=setup.tiled_norm,

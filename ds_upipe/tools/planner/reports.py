@@ -135,7 +135,7 @@ def which_head_chunk_report(
     if methods[0].kind == "ulysses" and preds[0].fits:
         lines.append("-> Ulysses (ALST) already fits; UPipe is not needed at this length.")
     elif upipe_fit:
-        best = max(upipe_fit, key=lambda pm: pm[1].head_chunk_size or 0)[0]
+        best = max(upipe_fit, key=lambda pm: pm[1].options.head_chunk_size or 0)[0]
         lines.append(f"-> use {best.method}: the largest head chunk that fits (fewest stages).")
     else:
         lines.append("-> nothing fits at this length. Add GPUs, offload more, or shorten the sequence.")

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...integration.fake_run import KERNELS
 from ...layout import SequenceLayout
+from ...options import UPipeOptions
 from ...schedule import valid_head_chunk_sizes
 from .models import ModelDims
 from .units import DTYPE_BYTES
@@ -19,28 +20,26 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class AttentionScheme:
-    """``ulysses`` is DeepSpeed ALST's UlyssesSPAttentionHF; ``upipe`` is ours at head chunk U."""
+    """``ulysses`` is DeepSpeed ALST's UlyssesSPAttentionHF; ``upipe`` is ours with ``options`` (U =
+    ``options.head_chunk_size``; ignored for ``ulysses``)."""
 
     kind: str  # "ulysses" | "upipe"
-    head_chunk_size: int | None = None
-    fused: bool = True
-    overlap_comm: bool = False  # the pipeline's prefetch of the next stage (two stages' inputs alive)
-    #: upipe.accumulate_dtype = "input": bf16/fp16 gradients summed over the stages in that dtype
-    accumulate_in_input_dtype: bool = False
-    #: upipe.recompute_attention_output: fused backward recomputes each stage's attention output
-    recompute_attention_output: bool = False
+    options: UPipeOptions = UPipeOptions()
+
+    @classmethod
+    def upipe(cls, head_chunk_size: int | None = None, **settings: Any) -> AttentionScheme:
+        """UPipe at U = ``head_chunk_size`` with ``settings`` (``UPipeOptions`` fields)."""
+        return cls("upipe", UPipeOptions(head_chunk_size=head_chunk_size, **settings))
+
+    def with_options(self, **settings: Any) -> AttentionScheme:
+        """This scheme with ``settings`` (``UPipeOptions`` fields) replaced."""
+        return replace(self, options=UPipeOptions.of(self.options, **settings))
 
     @property
     def label(self) -> str:
         if self.kind == "ulysses":
             return "ulysses (ALST)"
-        extra = (
-            ("" if self.fused else "-unfused")
-            + ("+overlap" if self.overlap_comm else "")
-            + ("+input-acc" if self.accumulate_in_input_dtype else "")
-            + ("+recompute" if self.recompute_attention_output else "")
-        )
-        return f"upipe{extra} U={self.head_chunk_size}"
+        return f"upipe{self.options.label} U={self.options.head_chunk_size}"
 
 
 @dataclass(frozen=True)
@@ -164,19 +163,11 @@ class TrainSetup:
 PLANNER_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def measured_scheme(
-    kind: str,
-    head_chunk_size: int | None = None,
-    fused: bool = True,
-    overlap_comm: bool = False,
-    recompute_attention_output: bool = False,
-) -> AttentionScheme:
+def measured_scheme(kind: str, options: UPipeOptions | None = None) -> AttentionScheme:
     """The scheme of a measured method: the bench's ``"alst"`` is the planner's ``"ulysses"``."""
     if kind == "alst":
         return AttentionScheme("ulysses")
-    return AttentionScheme(
-        "upipe", head_chunk_size, fused, overlap_comm, recompute_attention_output=recompute_attention_output
-    )
+    return AttentionScheme("upipe", options or UPipeOptions())
 
 
 def measured_layer_setup(
@@ -208,7 +199,7 @@ def methods_for(
     """Ulysses, then UPipe at every valid U (smallest first).  With a ring (``ring_size`` > 1) UPipe x Ring
     at every U valid for C_u = gpus / ring_size; U = H is Ulysses x Ring (DeepSpeed ALST has no ring)."""
     us = valid_head_chunk_sizes(dims.num_heads, dims.num_kv_heads, gpus // ring_size)
-    upipe = [AttentionScheme("upipe", u, fused, overlap_comm) for u in us]
+    upipe = [AttentionScheme.upipe(u, fused_projections=fused, overlap_comm=overlap_comm) for u in us]
     return upipe if ring_size > 1 else [AttentionScheme("ulysses"), *upipe]
 
 
@@ -260,14 +251,8 @@ def from_ds_config(
     )
     if upipe.enabled:
         u = upipe.head_chunk_size
-        scheme = AttentionScheme(
-            "upipe",
-            None if u == "auto" else u,  # "auto": auto_head_chunk_size, once the setup is final (cli)
-            upipe.fused_projections,
-            upipe.overlap_comm,
-            upipe.accumulate_dtype == "input",
-            upipe.recompute_attention_output,
-        )
+        # "auto": auto_head_chunk_size, once the setup is final (cli)
+        scheme = AttentionScheme("upipe", upipe.options(None if u == "auto" else u))
     else:
         scheme = AttentionScheme("ulysses")
     return setup, scheme, upipe.seq_length
@@ -280,17 +265,8 @@ def auto_head_chunk_size(dims: ModelDims, setup: TrainSetup, scheme: AttentionSc
     the command line override the block's, as they do for the plan)."""
     from ...integration.auto_chunk import choose_head_chunk_size
 
-    block = upipe.model_copy(
-        update=dict(
-            fused_projections=scheme.fused,
-            overlap_comm=scheme.overlap_comm,
-            accumulate_dtype="input" if scheme.accumulate_in_input_dtype else "fp32",
-            recompute_attention_output=scheme.recompute_attention_output,
-            ring_size=setup.ring_size,
-        )
-    )
     return choose_head_chunk_size(
-        block,
+        upipe.model_copy(update=dict(ring_size=setup.ring_size)),
         num_heads=dims.num_heads,
         num_kv_heads=dims.num_kv_heads,
         head_dim=dims.head_dim,
@@ -298,6 +274,7 @@ def auto_head_chunk_size(dims: ModelDims, setup: TrainSetup, scheme: AttentionSc
         micro_batch_size=setup.batch,
         dtype_bytes=setup.act_bytes,
         model_config=dims.shape().config(1),
+        options=scheme.options,
     )
 
 
