@@ -47,7 +47,8 @@ def build_model(moe: bool, seed: int = 0, **overrides):
     common.update(overrides)
     if moe:
         config = transformers.Lfm2MoeConfig(
-            **common, moe_intermediate_size=16,
+            **common,
+            moe_intermediate_size=16,
             num_experts=4,
             num_experts_per_tok=2,
             num_dense_layers=1,
@@ -86,24 +87,27 @@ def packed_batch(cus: list[list[int]], seed: int) -> dict:
     return {k: torch.cat([r[k] for r in rows]) for k in ("input_ids", "labels", "position_ids")}
 
 
-def patched_pair(moe: bool, checkpointing: bool):
-    """(patched model, unpatched copy); HF gradient checkpointing (non-reentrant) on the patched one."""
+def patched_pair(moe: bool, checkpointing: str | None):
+    """(patched model, unpatched copy); HF gradient checkpointing ("reentrant", "non_reentrant" or None) on
+    the patched one."""
     model = build_model(moe)
     ref = copy.deepcopy(model)
     hf_patches.apply_upipe(model, None)
     if checkpointing:
         model.train()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"}
+        )
     return model, ref
 
 
-def parity_case(moe: bool, checkpointing: bool, world: int) -> dict[str, float]:
+def parity_case(moe: bool, checkpointing: str | None, world: int) -> dict[str, float]:
     model, ref = patched_pair(moe, checkpointing)
     data = random_batch(seed=1)
     return compare(reference_step(ref, data), sharded_step(model, data, dist.group.WORLD), SEQ)
 
 
-def packed_case(moe: bool, checkpointing: bool, world: int) -> dict[str, float]:
+def packed_case(moe: bool, checkpointing: str | None, world: int) -> dict[str, float]:
     model, ref = patched_pair(moe, checkpointing)
     cus = PACKED[world]
     data = packed_batch(cus, seed=2)
@@ -134,11 +138,11 @@ def refusals(world: int) -> dict[str, str]:
 
 
 CASES = {
-    "lfm2": (parity_case, False, False),
-    "lfm2_packed": (packed_case, False, False),
-    "lfm2_packed_checkpointing": (packed_case, False, True),
-    "lfm2_moe_checkpointing": (parity_case, True, True),
-    "lfm2_moe_packed": (packed_case, True, False),
+    "lfm2": (parity_case, False, None),
+    "lfm2_packed": (packed_case, False, None),
+    "lfm2_packed_checkpointing_reentrant": (packed_case, False, "reentrant"),
+    "lfm2_moe_checkpointing": (parity_case, True, "non_reentrant"),
+    "lfm2_moe_packed_checkpointing": (packed_case, True, "non_reentrant"),
 }
 
 

@@ -80,7 +80,9 @@ def check_causal_conv1d_arguments(x: Tensor, weight: Tensor, bias: Tensor | None
     channel_last = x.stride(1) == 1 and x.stride(2) > 1
     if channel_last:
         assert dim % 8 == 0, f"channel-last x needs dim divisible by 8, got {dim}"
-        assert x.stride(2) % 8 == 0 and x.stride(0) % 8 == 0, f"channel-last x strides {x.stride()}: need multiples of 8"
+        assert x.stride(2) % 8 == 0 and x.stride(0) % 8 == 0, (
+            f"channel-last x strides {x.stride()}: need multiples of 8"
+        )
     if bias is not None:
         assert tuple(bias.shape) == (dim,), f"bias must be [{dim}], got {tuple(bias.shape)}"
         assert bias.dtype == weight.dtype, f"bias dtype {bias.dtype} != weight dtype {weight.dtype}"
@@ -116,18 +118,16 @@ def _document_layout(
     documents: DocumentBoundaries, batch: int, first: int, length: int, halo: int, device: torch.device
 ) -> tuple[Tensor, int] | None:
     """Where each token of the conv window (global positions [first, first + length)) goes once ``halo``
-    zeros precede every document start inside it: [batch, length] positions in rows of a common length
-    (rows with fewer starts padded with zeros at the front), and that length.  None: no start inside."""
-    starts = torch.zeros(batch, length, dtype=torch.long, device=device)
-    for row, cu in enumerate(documents.for_batch(batch)):
-        inside = [g - first for g in cu[1:-1] if first < g < first + length]
-        starts[row, inside] = 1
-    if not bool(starts.any()):
+    zeros precede every document start inside it: [batch, length] positions, and the longest row's length
+    (shorter rows end in zeros, which a causal conv's kept outputs never read).  None: no start inside."""
+    inside = [[g - first for g in cu[1:-1] if first < g < first + length] for cu in documents.for_batch(batch)]
+    if not any(inside):
         return None
-    shift = halo * starts.cumsum(1)  # zeros before this token and every earlier start in the window
-    ends = shift[:, -1] + length
-    total = int(ends.max())
-    return torch.arange(length, device=device) + shift + (total - ends)[:, None], total
+    starts = torch.zeros(batch, length, dtype=torch.long)  # built on the host from the boundaries: no device sync
+    for row, columns in enumerate(inside):
+        starts[row, columns] = 1
+    shift = halo * starts.cumsum(1)  # zeros before this token's and every earlier start in the window
+    return (torch.arange(length) + shift).to(device), length + int(shift[:, -1].max())
 
 
 def _conv(module: nn.Module, window: Tensor) -> Tensor:
