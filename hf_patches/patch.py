@@ -19,7 +19,7 @@ from .families import FAMILIES
 from .fused import FusedProjections
 from .inputs import GENERATION_UNSUPPORTED, check_and_prepare
 from .mixers import check_mixers, patch_mixers
-from .rope import use_global_positions
+from .rope import rotary_embedding, use_global_positions
 from .state import UPipeState
 
 logger = logging.getLogger("hf_patches")
@@ -130,7 +130,7 @@ def apply_upipe(
     for mixer, params in patch_mixers(found.mixers, state):
         _register_zero3_external(mixer, params)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    if isinstance(getattr(base, "rotary_emb", None), nn.Module):  # models without RoPE have nothing to make global
+    if rotary_embedding(base) is not None:  # models without RoPE have nothing to make global
         use_global_positions(base)
     base._upipe_state = hf_model._upipe_state = state
     base._upipe_input_hook = base.register_forward_pre_hook(_check_inputs, with_kwargs=True)

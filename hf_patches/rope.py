@@ -35,10 +35,26 @@ def set_last_position(base: nn.Module, last_position: Tensor) -> None:
     setattr(_rotary(base), _LAST_POSITION, last_position)
 
 
+#: the base model's attribute holding its rotary embedding (LFM2-MoE names it ``pos_emb``)
+ROTARY_ATTRIBUTES = ("rotary_emb", "pos_emb")
+
+
+def rotary_embedding(base: nn.Module) -> nn.Module | None:
+    """The base model's rotary embedding module (None: the model has none)."""
+    for name in ROTARY_ATTRIBUTES:
+        rotary = getattr(base, name, None)
+        if isinstance(rotary, nn.Module):
+            return rotary
+    return None
+
+
 def _rotary(base: nn.Module) -> nn.Module:
-    rotary = getattr(base, "rotary_emb", None)
-    if not isinstance(rotary, nn.Module):
-        raise ValueError(f"{type(base).__name__} has no rotary_emb module; UPipe patches Llama-family RoPE models")
+    rotary = rotary_embedding(base)
+    if rotary is None:
+        raise ValueError(
+            f"{type(base).__name__} has no rotary embedding module ({' or '.join(ROTARY_ATTRIBUTES)}); UPipe patches "
+            "Llama-family RoPE models"
+        )
     return rotary
 
 

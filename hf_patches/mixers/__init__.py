@@ -48,7 +48,15 @@ class MixerKind:
         return importlib.import_module(f"{__name__}.{self.module}")
 
 
-MIXER_KINDS: dict[str, MixerKind] = {}
+MIXER_KINDS: dict[str, MixerKind] = {
+    kind.name: kind
+    for kind in (
+        # LFM2's gated short convolution: no heads, a halo of conv_L_cache - 1 tokens from the previous rank
+        MixerKind(
+            "short_conv", classes=("Lfm2ShortConv", "Lfm2MoeShortConv"), layer_types=("conv",), module="short_conv"
+        ),
+    )
+}
 
 
 def mixer_kind_of(module_class: str) -> MixerKind | None:
