@@ -48,7 +48,14 @@ class MixerKind:
         return importlib.import_module(f"{__name__}.{self.module}")
 
 
-MIXER_KINDS: dict[str, MixerKind] = {}
+MIXER_KINDS: dict[str, MixerKind] = {
+    "gated_delta": MixerKind(
+        "gated_delta",
+        classes=("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet", "OlmoHybridGatedDeltaNet"),
+        layer_types=("linear_attention",),
+        module="gated_delta",
+    ),
+}
 
 
 def mixer_kind_of(module_class: str) -> MixerKind | None:
