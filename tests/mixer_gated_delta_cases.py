@@ -10,7 +10,14 @@ import torch
 import torch.distributed as dist
 
 import hf_patches
-from tests.hf_cases import make_batch, packed_batch, per_document_reference, reference_step, sharded_step, relative_error
+from tests.hf_cases import (
+    make_batch,
+    packed_batch,
+    per_document_reference,
+    reference_step,
+    sharded_step,
+    relative_error,
+)
 
 TOLERANCE = 1e-10
 #: RMSNorms that reduce their weight's gradient over the tokens in float32 (``1 + weight.float()``) even in a
@@ -66,17 +73,18 @@ def build_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     return model
 
 
-def _float32_grads(model: torch.nn.Module) -> set[str]:
-    return {
-        f"{name}.weight" for name, m in model.named_modules() if type(m).__name__ in FLOAT32_GRAD_NORMS and name
-    }
+def _float32_grads(model: torch.nn.Module, a_log: bool) -> set[str]:
+    names = {f"{name}.weight" for name, m in model.named_modules() if type(m).__name__ in FLOAT32_GRAD_NORMS}
+    return names | ({n for n, _ in model.named_parameters() if n.endswith(".A_log")} if a_log else set())
 
 
-def compare(model: torch.nn.Module, ref: tuple, got: tuple, seq: int) -> dict[str, float]:
-    """Relative errors: logits, loss, every gradient (``grads``; ``grads_f32``: FLOAT32_GRAD_NORMS' weights),
-    and a flag for a gradient missing on either side; each against ``tolerance_of`` its key."""
+def compare(model: torch.nn.Module, ref: tuple, got: tuple, seq: int, a_log_f32: bool = False) -> dict[str, float]:
+    """Relative errors: logits, loss, every gradient (``grads``; ``grads_f32``: FLOAT32_GRAD_NORMS' weights
+    and, with ``a_log_f32``, A_log: the module's ``A_log.float().exp()`` backward runs in float32 once per
+    forward, and the per-document reference runs one forward a document), and a flag for a gradient
+    missing on either side; each against ``tolerance_of`` its key."""
     (r_logits, r_loss, r_grads), (g_logits, g_loss, g_grads) = ref, got
-    f32 = _float32_grads(model)
+    f32 = _float32_grads(model, a_log_f32)
     errors = {"logits": relative_error(g_logits[:, :seq], r_logits), "loss": relative_error(g_loss, r_loss)}
     errors["grad_names"] = float(set(r_grads) != set(g_grads) or not any("A_log" in n for n in r_grads))
     errors["grads"] = max(relative_error(g_grads[n], r_grads[n]) for n in r_grads if n not in f32)
@@ -108,7 +116,8 @@ def packed_case(family: str, u: int | None, world: int, seed: int = 0, rows: int
     model = build_model(family, seed)
     ref_model = copy.deepcopy(model)
     hf_patches.apply_upipe(model, None, mixer_head_chunk_size=u)
-    return compare(ref_model, per_document_reference(ref_model, batch, cus), sharded_step(model, batch, dist.group.WORLD), seq)
+    reference = per_document_reference(ref_model, batch, cus)
+    return compare(ref_model, reference, sharded_step(model, batch, dist.group.WORLD), seq, a_log_f32=True)
 
 
 def refusals(world: int) -> dict[str, str]:

@@ -51,7 +51,12 @@ class MixerKind:
 MIXER_KINDS: dict[str, MixerKind] = {
     "gated_delta": MixerKind(
         "gated_delta",
-        classes=("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet", "OlmoHybridGatedDeltaNet"),
+        classes=(
+            "Qwen3_5GatedDeltaNet",
+            "Qwen3_5MoeGatedDeltaNet",
+            "Qwen3NextGatedDeltaNet",
+            "OlmoHybridGatedDeltaNet",
+        ),
         layer_types=("linear_attention",),
         module="gated_delta",
     ),

@@ -144,9 +144,7 @@ def zero3_params(module: nn.Module) -> list[nn.Parameter]:
 # ---- FLA's contract --------------------------------------------------------------------------------
 
 
-def check_fla_arguments(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor | None
-) -> None:
+def check_fla_arguments(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor | None) -> None:
     """What FLA's ``chunk_gated_delta_rule`` requires (fla/ops/gated_delta_rule/chunk.py): token-first
     q, k [B, T, H, K] of equal shape, v [B, T, HV, V] with HV a multiple of H (grouped value attention),
     g and beta [B, T, HV], contiguous; ``cu_seqlens`` (varlen) int32 [N + 1] from 0 to T with B == 1.
@@ -167,7 +165,9 @@ def check_fla_arguments(
     if cu_seqlens is None:
         return
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
-        raise ValueError(f"FLA gated delta rule: cu_seqlens must be 1-D int32, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        raise ValueError(
+            f"FLA gated delta rule: cu_seqlens must be 1-D int32, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+        )
     if b != 1:
         raise ValueError(f"FLA gated delta rule: batch {b} with cu_seqlens: flatten the rows to B == 1")
     if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != t:
@@ -219,7 +219,9 @@ def _segments(documents: DocumentBoundaries | None, batch: int) -> list[list[tup
     return [list(zip(row, row[1:])) for row in documents.for_batch(batch)]
 
 
-def _per_document(fn: Callable[..., Tensor], spans: list[list[tuple[int, int]]] | None, dim: int, *xs: Tensor) -> Tensor:
+def _per_document(
+    fn: Callable[..., Tensor], spans: list[list[tuple[int, int]]] | None, dim: int, *xs: Tensor
+) -> Tensor:
     """``fn`` on each document of each row alone, outputs joined along ``dim`` (the tokens of every x).
     The torch fallbacks ignore cu_seqlens, so running each document by itself is how their state restarts
     (a correct, if slower, call of the FLA / causal-conv1d kernels too)."""
@@ -247,12 +249,22 @@ def _stage(
     device = hidden_states.device
     weights, biases = [], []
     for j in range(c):  # block j: rank j's q, k, v, b, a rows
-        for name, hs in (("q", heads.keys[j]), ("k", heads.keys[j]), ("v", heads.values[j]), ("b", heads.values[j]), ("a", heads.values[j])):
+        for name, hs in (
+            ("q", heads.keys[j]),
+            ("k", heads.keys[j]),
+            ("v", heads.values[j]),
+            ("b", heads.values[j]),
+            ("a", heads.values[j]),
+        ):
             part = layout.parts[name]
             rows = _rows(part, hs, device)
             weights.append(part.proj.weight[rows])
             biases.append(None if part.proj.bias is None else part.proj.bias[rows])
-    bias = None if all(b is None for b in biases) else torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
+    bias = (
+        None
+        if all(b is None for b in biases)
+        else torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
+    )
     send = F.linear(hidden_states, torch.cat(weights), bias)
     mixed = sequence_to_heads(send.unflatten(-1, (c, -1)), group)  # [B, S, 2 kl dk + u dv + 2u]
     qkv, b, a = mixed.split([2 * kl * dk + u * dv, u, u], dim=-1)
@@ -290,7 +302,9 @@ def _stage(
     def run(q: Tensor, k: Tensor, v: Tensor, g_: Tensor, beta_: Tensor) -> Tensor:
         q, k, v, g_, beta_ = (x.contiguous() for x in (q, k, v, g_, beta_))
         check_fla_arguments(q, k, v, g_, beta_, None)
-        out, _ = recurrence(q, k, v, g=g_, beta=beta_, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
+        out, _ = recurrence(
+            q, k, v, g=g_, beta=beta_, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True
+        )
         return out
 
     out = _per_document(run, spans, 1, query, key, value, g, beta)  # [B, S, u, dv]
@@ -317,9 +331,7 @@ def sharded_forward(
     for stage in range(module.num_v_heads // u):
         heads = _stage_heads(module, stage, u // c, c)
         # checkpointed: between forward and backward a stage keeps its input and output only
-        outs.append(
-            checkpoint(_stage, module, layout, heads, rank, group, spans, hidden_states, use_reentrant=False)
-        )
+        outs.append(checkpoint(_stage, module, layout, heads, rank, group, spans, hidden_states, use_reentrant=False))
     core = torch.cat(outs, dim=2)  # [B, s, H_v, dv]
     if _z_is_whole(layout, module):
         z = layout.parts["z"].proj(hidden_states)
