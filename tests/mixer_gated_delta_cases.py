@@ -15,8 +15,8 @@ from tests.hf_cases import (
     packed_batch,
     per_document_reference,
     reference_step,
-    sharded_step,
     relative_error,
+    sharded_step,
 )
 
 TOLERANCE = 1e-10
