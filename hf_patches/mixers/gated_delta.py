@@ -234,6 +234,28 @@ def _per_document(
     return torch.cat(rows, dim=0)
 
 
+def _stage_projection(layout: _Layout, heads: _StageHeads, device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """The stage's input projection: for each rank j in turn, the rows of its q, k (its key heads) and
+    v, b, a (its value heads), so that one matmul and one all-to-all serve the whole stage."""
+    weights, biases = [], []
+    for keys, values in zip(heads.keys, heads.values):
+        for name, hs in (("q", keys), ("k", keys), ("v", values), ("b", values), ("a", values)):
+            proj = layout.parts[name].proj
+            rows = _rows(layout.parts[name], hs, device)
+            weights.append(proj.weight[rows])
+            biases.append(proj.weight.new_zeros(len(rows)) if proj.bias is None else proj.bias[rows])
+    has_bias = any(layout.parts[n].proj.bias is not None for n in ("q", "k", "v", "b", "a"))
+    return torch.cat(weights), torch.cat(biases) if has_bias else None
+
+
+def _conv_channels(module: nn.Module, keys: list[int], values: list[int]) -> Tensor:
+    """The conv channels (layout [q | k | v] of all heads) of these key heads' q and k and value heads' v."""
+    dk, dv, key_dim = module.head_k_dim, module.head_v_dim, module.key_dim
+    spans = [(g * dk, dk) for g in keys] + [(key_dim + g * dk, dk) for g in keys]
+    spans += [(2 * key_dim + h * dv, dv) for h in values]
+    return torch.cat([torch.arange(first, first + n) for first, n in spans])
+
+
 def _stage(
     module: nn.Module,
     layout: _Layout,
@@ -247,37 +269,12 @@ def _stage(
     dk, dv, c = module.head_k_dim, module.head_v_dim, len(heads.values)
     kl, u = len(heads.keys[0]), len(heads.values[0])
     device = hidden_states.device
-    weights, biases = [], []
-    for j in range(c):  # block j: rank j's q, k, v, b, a rows
-        for name, hs in (
-            ("q", heads.keys[j]),
-            ("k", heads.keys[j]),
-            ("v", heads.values[j]),
-            ("b", heads.values[j]),
-            ("a", heads.values[j]),
-        ):
-            part = layout.parts[name]
-            rows = _rows(part, hs, device)
-            weights.append(part.proj.weight[rows])
-            biases.append(None if part.proj.bias is None else part.proj.bias[rows])
-    bias = (
-        None
-        if all(b is None for b in biases)
-        else torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
-    )
-    send = F.linear(hidden_states, torch.cat(weights), bias)
+    send = F.linear(hidden_states, *_stage_projection(layout, heads, device))
     mixed = sequence_to_heads(send.unflatten(-1, (c, -1)), group)  # [B, S, 2 kl dk + u dv + 2u]
     qkv, b, a = mixed.split([2 * kl * dk + u * dv, u, u], dim=-1)
 
     mine_k, mine_v = heads.keys[rank], heads.values[rank]
-    key_dim = module.key_dim
-    channels = torch.cat(
-        [
-            torch.cat([torch.arange(g * dk, (g + 1) * dk) for g in mine_k]),
-            torch.cat([torch.arange(key_dim + g * dk, key_dim + (g + 1) * dk) for g in mine_k]),
-            torch.cat([torch.arange(2 * key_dim + h * dv, 2 * key_dim + (h + 1) * dv) for h in mine_v]),
-        ]
-    ).to(device)
+    channels = _conv_channels(module, mine_k, mine_v).to(device)
     conv = module.conv1d
     weight = conv.weight[channels].squeeze(1)
     conv_bias = None if conv.bias is None else conv.bias[channels]
@@ -296,7 +293,6 @@ def _stage(
         beta = beta * layout.beta_scale
     index = torch.tensor(mine_v, device=device)
     g = -module.A_log[index].float().exp() * F.softplus(a.float() + module.dt_bias[index])
-    beta, g = beta.contiguous(), g.contiguous()
     recurrence = _module_function(module, _RECURRENCE_NAMES)
 
     def run(q: Tensor, k: Tensor, v: Tensor, g_: Tensor, beta_: Tensor) -> Tensor:
