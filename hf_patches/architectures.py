@@ -184,7 +184,10 @@ def find_decoder(hf_model: nn.Module, caller: str = "apply_upipe") -> DecoderMod
     base = decoder_stack(hf_model, caller)
     config = base.config
     _check_config(config)
-    if not getattr(type(base), "_supports_attention_backend", False):
+    # hybrid models (Qwen3.5, Qwen3-Next, OLMo hybrid) leave the flag unset although their attention modules
+    # call the registry: a model whose layer types name a registered mixer is judged by its modules below
+    hybrid = any(_layer_type(config, i) in MIXER_LAYER_TYPES for i in range(getattr(config, "num_hidden_layers", 0)))
+    if not getattr(type(base), "_supports_attention_backend", False) and not hybrid:
         raise ValueError(
             f"{caller}: {type(base).__name__} does not declare _supports_attention_backend: its attention does not "
             "go through transformers' attention-function registry, where UPipe runs"
@@ -193,6 +196,8 @@ def find_decoder(hf_model: nn.Module, caller: str = "apply_upipe") -> DecoderMod
     for i, layer in enumerate(_layers(base)):
         layer_mixers = [m for m in layer.modules() if mixer_kind_of(type(m).__name__) is not None]
         inside = {id(sub) for mixer in layer_mixers for sub in mixer.modules()}  # a mixer's own norms and convs
+        if layer_mixers:  # the layer holding a registered mixer (OlmoHybridLinearAttentionDecoderLayer) is no mixer
+            inside.add(id(layer))
         unknown = sorted(
             {
                 type(m).__name__

@@ -171,8 +171,9 @@ def refused_models() -> dict[str, Any]:
 
     return {
         "refuse_softcapping": lambda: _tiny("gemma2", attn_logit_softcapping=50.0),
+        # a linear-attention layer type of a mixer no kind shards (the gated delta net's is registered)
         "refuse_linear_attention": lambda: _tiny(
-            "qwen3_next", layer_types=["linear_attention", "full_attention"], num_experts=2, moe_intermediate_size=16
+            "minimax", layer_types=["linear_attention", "full_attention"], num_local_experts=2
         ),
         "refuse_chunked": lambda: _tiny("llama4_text", attention_chunk_size=8),
         "refuse_hybrid_ssm": lambda: _tiny("falcon_h1"),

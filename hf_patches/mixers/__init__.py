@@ -51,6 +51,26 @@ class MixerKind:
 MIXER_KINDS: dict[str, MixerKind] = {
     kind.name: kind
     for kind in (
+        # gated delta net (linear attention): value heads grouped on key heads like GQA
+        MixerKind(
+            "gated_delta",
+            classes=(
+                "Qwen3_5GatedDeltaNet",
+                "Qwen3_5MoeGatedDeltaNet",
+                "Qwen3NextGatedDeltaNet",
+                "OlmoHybridGatedDeltaNet",
+            ),
+            layer_types=("linear_attention",),
+            module="gated_delta",
+        ),
+        # Mamba-2: SSM heads grouped on B/C groups; transformers 5 names Mamba layers "linear_attention"
+        # (legacy configs' "mamba" is remapped on load)
+        MixerKind(
+            "mamba2",
+            classes=("NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer"),
+            layer_types=("linear_attention", "mamba"),
+            module="mamba2",
+        ),
         # LFM2's gated short convolution: no heads, a halo of conv_L_cache - 1 tokens from the previous rank
         MixerKind(
             "short_conv", classes=("Lfm2ShortConv", "Lfm2MoeShortConv"), layer_types=("conv",), module="short_conv"
@@ -68,7 +88,7 @@ def mixer_kind_of(module_class: str) -> MixerKind | None:
 
 
 #: every layer type a registered kind runs
-MIXER_LAYER_TYPES: tuple[str, ...] = tuple(t for kind in MIXER_KINDS.values() for t in kind.layer_types)
+MIXER_LAYER_TYPES: tuple[str, ...] = tuple(dict.fromkeys(t for kind in MIXER_KINDS.values() for t in kind.layer_types))
 
 
 def check_mixers(mixers: list[tuple[int, nn.Module]], group_size: int, head_chunk_size: int | None) -> None:

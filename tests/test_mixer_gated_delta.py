@@ -1,0 +1,60 @@
+"""Gated delta net layers under apply_upipe (hf_patches/mixers/gated_delta.py): whole-model parity of
+Qwen3.5 (dense, MoE), Qwen3-Next and OLMo hybrid with the unpatched model, float64, over 2 and 4 gloo
+ranks (one spawn each; the cases are in tests/mixer_gated_delta_cases.py), the refusals of bad U, and
+FLA's argument contract checked on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_upipe.tools.ranks import run_ranks
+from hf_patches.mixers.gated_delta import check_fla_arguments
+from tests import mixer_gated_delta_cases as cases
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_parity_and_refusals(world):
+    results = run_ranks(cases.spawn_body, world)
+    names = set(cases.cases(world)) | {"packed_qwen3_5_u=C", "packed_qwen3_next_u=H"}
+    for rank, result in enumerate(results):
+        assert set(result["parity"]) == names
+        for name, errors in result["parity"].items():
+            bad = {k: v for k, v in errors.items() if not v <= cases.tolerance_of(k)}
+            assert not bad, f"C={world} rank {rank} {name}: {errors}"
+        refusals = result["refusals"]
+        assert "decoder layer 0 (Qwen3_5GatedDeltaNet)" in refusals["not_multiple"], refusals
+        assert f"mixer_head_chunk_size={world + 1}" in refusals["not_multiple"], refusals
+        valid = [u for u in range(world, 9, world) if 8 % u == 0]
+        assert f"valid values: {valid}" in refusals["not_multiple"], refusals
+        assert f"mixer_head_chunk_size={3 * world}" in refusals["not_dividing"], refusals
+        assert "8 value heads" in refusals["not_dividing"], refusals
+
+
+def _fla_inputs(b=2, t=5, h=2, hv=4, k=3, v=4):
+    q, kk = torch.randn(b, t, h, k), torch.randn(b, t, h, k)
+    return q, kk, torch.randn(b, t, hv, v), torch.randn(b, t, hv), torch.rand(b, t, hv)
+
+
+def test_fla_arguments_accepted():
+    check_fla_arguments(*_fla_inputs(), None)
+    check_fla_arguments(*_fla_inputs(b=1), torch.tensor([0, 2, 5], dtype=torch.int32))
+
+
+@pytest.mark.parametrize(
+    "mutate, cu_seqlens, match",
+    [
+        (lambda x: (x[0].transpose(1, 2), x[1].transpose(1, 2), *x[2:]), None, "v .* must be \\[B, T, HV, V\\]"),
+        (lambda x: (x[0], x[1][:, :, :1], *x[2:]), None, "q .* and k .* must be equal"),
+        (lambda x: (*x[:2], x[2][:, :, :3], x[3][..., :3], x[4][..., :3]), None, "HV a multiple of H=2"),
+        (lambda x: (*x[:3], x[3][..., :2], x[4]), None, "g .* must be \\[B, T, HV\\]"),
+        (lambda x: (x[0].transpose(0, 1).contiguous().transpose(0, 1), *x[1:]), None, "q must be contiguous"),
+        (lambda x: (x[0].double(), *x[1:]), None, "dtypes"),
+        (lambda x: x, torch.tensor([0, 5], dtype=torch.int32), "flatten the rows to B == 1"),
+        (lambda x: tuple(t[:1] for t in x), torch.tensor([0, 5]), "1-D int32"),
+        (lambda x: tuple(t[:1] for t in x), torch.tensor([0, 4], dtype=torch.int32), "from 0 to T=5"),
+    ],
+)
+def test_fla_arguments_refused(mutate, cu_seqlens, match):
+    with pytest.raises(ValueError, match=match):
+        check_fla_arguments(*mutate(_fla_inputs()), cu_seqlens)
