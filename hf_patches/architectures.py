@@ -184,7 +184,11 @@ def find_decoder(hf_model: nn.Module, caller: str = "apply_upipe") -> DecoderMod
     base = decoder_stack(hf_model, caller)
     config = base.config
     _check_config(config)
-    if not getattr(type(base), "_supports_attention_backend", False):
+    # Nemotron-H and Bamba call the registry and pass the forward's kwargs through but do not declare it: a model
+    # holding a registered mixer class (classes are per family, each tested on packed rows, which fail unless the
+    # kwargs reach every attention and mixer) is taken on that evidence
+    holds_mixers = any(mixer_kind_of(type(m).__name__) is not None for m in base.modules())
+    if not getattr(type(base), "_supports_attention_backend", False) and not holds_mixers:
         raise ValueError(
             f"{caller}: {type(base).__name__} does not declare _supports_attention_backend: its attention does not "
             "go through transformers' attention-function registry, where UPipe runs"

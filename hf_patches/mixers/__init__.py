@@ -48,7 +48,18 @@ class MixerKind:
         return importlib.import_module(f"{__name__}.{self.module}")
 
 
-MIXER_KINDS: dict[str, MixerKind] = {}
+MIXER_KINDS: dict[str, MixerKind] = {
+    kind.name: kind
+    for kind in (
+        # transformers 5 names Mamba layers "linear_attention" (legacy configs' "mamba" is remapped on load)
+        MixerKind(
+            "mamba2",
+            classes=("NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer"),
+            layer_types=("linear_attention", "mamba"),
+            module="mamba2",
+        ),
+    )
+}
 
 
 def mixer_kind_of(module_class: str) -> MixerKind | None:
