@@ -149,14 +149,17 @@ def refusal(world: int) -> str:
 
 
 def matrix(rank: int, world: int) -> dict:
-    """Every family at U = C and U = all heads, a packed row per family, HF gradient checkpointing, Granite's
-    group-per-head case (C=2, U=4), and the refusal."""
+    """Every family at U = C and U = all heads and on a packed row, HF gradient checkpointing, Granite's
+    group-per-head stage (C=2, U=4), all in float64 internals (``float64_internals``: tolerance 1e-10); Nemotron-H
+    with transformers' float32 internals as they are (float32 tolerance); the refusal's message."""
     cases = {}
-    for family in FAMILIES:
-        cases[f"{family}_u=C"] = parity(family, None, world)
-        cases[f"{family}_u=H"] = parity(family, num_heads(family), world)
-        cases[f"{family}_packed"] = packed(family, None if family == "bamba" else num_heads(family), world)
-    cases["nemotron_h_checkpointing"] = parity("nemotron_h", None, world, checkpointing=True)
-    if world == 2:
-        cases["granitemoehybrid_u=4"] = parity("granitemoehybrid", 4, world)
-    return {"errors": cases, "refusal": refusal(world)}
+    with float64_internals():
+        for family in FAMILIES:
+            heads = num_heads(family)
+            cases[f"{family}_u=C"] = parity(family, None, world)
+            cases[f"{family}_u=H"] = parity(family, heads, world)
+            cases[f"{family}_packed"] = packed(family, None if family == "bamba" else heads, world)
+        cases["nemotron_h_checkpointing"] = parity("nemotron_h", None, world, checkpointing=True)
+        if world == 2:
+            cases["granitemoehybrid_u=4"] = parity("granitemoehybrid", 4, world)
+    return {"float64": cases, "float32_internals": parity("nemotron_h", None, world), "refusal": refusal(world)}
