@@ -139,6 +139,57 @@ def packed(family: str, u: int | None, world: int, seq: int = 24) -> dict[str, f
     return compare(per_document_reference(ref_model, batch, cus), sharded_step(model, batch, group), seq)
 
 
+def _per_segment(fn, seq_idx_of_call, calls):
+    """A stand-in for a mamba_ssm / causal-conv1d kernel on CPU: transformers' torch function run on each run of
+    equal ``seq_idx`` alone (how the kernels restart at a change of seq_idx); counts the calls given a seq_idx."""
+
+    def kernel(*args, seq_idx=None, **kwargs):
+        if seq_idx is None:
+            return fn(*args, **kwargs)
+        calls.append(tuple(seq_idx.shape))
+        time_dim, tensors = seq_idx_of_call(args)
+        rows = []
+        for b, idx in enumerate(seq_idx.tolist()):
+            cuts = [0, *(t for t in range(1, len(idx)) if idx[t] != idx[t - 1]), len(idx)]
+            parts = [
+                fn(*(a[b : b + 1].narrow(time_dim, s, e - s) if i in tensors else a for i, a in enumerate(args)), **kwargs)
+                for s, e in zip(cuts, cuts[1:])
+            ]
+            rows.append(torch.cat(parts, dim=time_dim))
+        return torch.cat(rows)
+
+    return kernel
+
+
+def kernel_path(world: int) -> dict[str, float]:
+    """The kernel route on a packed row (Bamba, float32, as the kernels take): ``_kernel_runs`` answers yes, each
+    kernel call's arguments pass the kernel's contract (checked by the sharded forward) and carry ``seq_idx``, and
+    stand-ins honouring seq_idx as the kernels do give every document alone through the unpatched model."""
+    import sys
+
+    group = dist.group.WORLD
+    batch, cus = packed_batch(3, 24, world)
+    model = build("bamba", seed=2).float()
+    ref = per_document_reference(copy.deepcopy(model), batch, cus)
+    hf_patches.apply_upipe(model, group)
+    namespace = vars(sys.modules[type(mixers(model)[0]).__module__])
+    originals = {name: namespace[name] for name in ("causal_conv1d_fn", "mamba2_chunk_scan")}
+    calls: list = []
+    namespace["causal_conv1d_fn"] = _per_segment(originals["causal_conv1d_fn"], lambda a: (2, {0}), calls)
+    namespace["mamba2_chunk_scan"] = _per_segment(originals["mamba2_chunk_scan"], lambda a: (1, {0, 1, 3, 4}), calls)
+    kernel_runs = hf_patches.mixers.mamba2._kernel_runs
+    hf_patches.mixers.mamba2._kernel_runs = lambda package, device: True
+    try:
+        errors = compare(ref, sharded_step(model, batch, group), 24)
+    finally:
+        namespace.update(originals)
+        hf_patches.mixers.mamba2._kernel_runs = kernel_runs
+    # each mixer's conv and scan in each of its H / C stages (U = C), in forward and the checkpointed recompute
+    expected = len(mixers(model)) * 2 * (num_heads("bamba") // world) * 2
+    errors["seq_idx_calls"] = float(len(calls) != expected or set(calls) != {(1, 24)})
+    return errors
+
+
 def refusal(world: int) -> str:
     """apply_upipe's message for a U that is not a multiple of C (raised before any collective)."""
     try:
@@ -162,4 +213,9 @@ def matrix(rank: int, world: int) -> dict:
         cases["nemotron_h_checkpointing"] = parity("nemotron_h", None, world, checkpointing=True)
         if world == 2:
             cases["granitemoehybrid_u=4"] = parity("granitemoehybrid", 4, world)
-    return {"float64": cases, "float32_internals": parity("nemotron_h", None, world), "refusal": refusal(world)}
+    return {
+        "float64": cases,
+        "float32_internals": parity("nemotron_h", None, world),
+        "kernel_path": kernel_path(world),
+        "refusal": refusal(world),
+    }
