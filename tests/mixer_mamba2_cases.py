@@ -152,7 +152,10 @@ def _per_segment(fn, seq_idx_of_call, calls):
         for b, idx in enumerate(seq_idx.tolist()):
             cuts = [0, *(t for t in range(1, len(idx)) if idx[t] != idx[t - 1]), len(idx)]
             parts = [
-                fn(*(a[b : b + 1].narrow(time_dim, s, e - s) if i in tensors else a for i, a in enumerate(args)), **kwargs)
+                fn(
+                    *(a[b : b + 1].narrow(time_dim, s, e - s) if i in tensors else a for i, a in enumerate(args)),
+                    **kwargs,
+                )
                 for s, e in zip(cuts, cuts[1:])
             ]
             rows.append(torch.cat(parts, dim=time_dim))

@@ -16,7 +16,10 @@ REFUSALS = {  # case -> words its message must contain (the offending value and 
     "mistral_sliding_window_zero": ["MistralAttention.sliding_window must be a positive int", "got 0"],
     "unsupported_arch": ["BertModel is bidirectional", "BertSelfAttention.is_causal=False"],
     "refuse_softcapping": ["config.attn_logit_softcapping=50.0", "not supported"],
-    "refuse_linear_attention": ["decoder layer 0 is 'linear_attention'", "UPipe runs the layer types"],
+    "refuse_linear_attention": [
+        "decoder layer 0 (Qwen3NextDecoderLayer)",
+        "Qwen3NextGatedDeltaNet is a sequence mixer UPipe does not shard",
+    ],
     "refuse_chunked": ["config.attention_chunk_size=8", "chunked attention"],
     "refuse_hybrid_ssm": ["decoder layer 0 is 'hybrid'", "UPipe runs the layer types"],
     "refuse_encoder_decoder": ["T5ForConditionalGeneration is an encoder-decoder model"],

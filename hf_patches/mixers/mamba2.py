@@ -22,7 +22,7 @@ import importlib.util
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 import torch.distributed as dist
@@ -65,13 +65,15 @@ def valid_head_chunk_sizes(num_heads: int, group_size: int) -> list[int]:
 
 
 def check(layer: int, module: nn.Module, group_size: int, head_chunk_size: int | None) -> None:
+    """The mixer has the Mamba-2 layout the sharded forward slices, and U is a multiple of C dividing the heads."""
     missing = [a for a in _ATTRIBUTES if not hasattr(module, a)]
     if missing:
         raise _refuse(layer, module, f"a Mamba-2 mixer without {', '.join(missing)}: not the computation UPipe shards")
     heads, width = module.num_heads, module.in_proj.out_features
-    if module.intermediate_size != heads * module.head_dim or width != 2 * module.intermediate_size + 2 * (
-        module.n_groups * module.ssm_state_size
-    ) + heads:
+    if (
+        module.intermediate_size != heads * module.head_dim
+        or width != 2 * module.intermediate_size + 2 * (module.n_groups * module.ssm_state_size) + heads
+    ):
         raise _refuse(
             layer,
             module,
@@ -127,7 +129,7 @@ def _rank_groups(first: int, count: int, heads_per_group: int) -> list[int]:
     return [(first + i) // heads_per_group for i in range(count)]  # a group per head, replicated
 
 
-@lru_cache(maxsize=None)
+@cache
 def _plan(
     heads: int, head_dim: int, groups: int, state: int, d_inner: int, u: int, size: int, rank: int, stage: int
 ) -> _StagePlan:
@@ -226,9 +228,7 @@ def _per_document(run: Callable[..., Tensor], documents: DocumentBoundaries, *in
     return torch.cat(rows)
 
 
-def _conv(
-    module: nn.Module, fns: dict, xbc: Tensor, channels: Tensor, documents: DocumentBoundaries | None
-) -> Tensor:
+def _conv(module: nn.Module, fns: dict, xbc: Tensor, channels: Tensor, documents: DocumentBoundaries | None) -> Tensor:
     """The depthwise causal conv and activation over this rank's channels of the whole sequence ([B, T, D'] in
     and out), restarting at each document start."""
     weight = module.conv1d.weight[channels, 0]
