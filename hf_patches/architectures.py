@@ -184,14 +184,6 @@ def find_decoder(hf_model: nn.Module, caller: str = "apply_upipe") -> DecoderMod
     base = decoder_stack(hf_model, caller)
     config = base.config
     _check_config(config)
-    # hybrid models (Qwen3.5, Qwen3-Next, OLMo hybrid) leave the flag unset although their attention modules
-    # call the registry: a model whose layer types name a registered mixer is judged by its modules below
-    hybrid = any(_layer_type(config, i) in MIXER_LAYER_TYPES for i in range(getattr(config, "num_hidden_layers", 0)))
-    if not getattr(type(base), "_supports_attention_backend", False) and not hybrid:
-        raise ValueError(
-            f"{caller}: {type(base).__name__} does not declare _supports_attention_backend: its attention does not "
-            "go through transformers' attention-function registry, where UPipe runs"
-        )
     attentions, mixers = [], []
     for i, layer in enumerate(_layers(base)):
         layer_mixers = [m for m in layer.modules() if mixer_kind_of(type(m).__name__) is not None]
@@ -225,6 +217,14 @@ def find_decoder(hf_model: nn.Module, caller: str = "apply_upipe") -> DecoderMod
             raise _refuse(i, layer, f"{len(found)} attention modules ({names}): cross-attention is not supported")
         _check_attention(i, found[0], config)
         attentions.append(found[0])
+    # hybrid models (Qwen3.5, Qwen3-Next, OLMo hybrid, Nemotron-H, Bamba) call the registry and pass the forward's
+    # kwargs through but do not declare it: a model holding a registered mixer class (classes are per family, each
+    # tested on packed rows, which fail unless the kwargs reach every attention and mixer) is taken on that evidence
+    if not getattr(type(base), "_supports_attention_backend", False) and not mixers:
+        raise ValueError(
+            f"{caller}: {type(base).__name__} does not declare _supports_attention_backend: its attention does not "
+            "go through transformers' attention-function registry, where UPipe runs"
+        )
     return DecoderModel(getattr(config, "model_type", "") or type(base).__name__, base, attentions, mixers)
 
 

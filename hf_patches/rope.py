@@ -31,8 +31,11 @@ def use_global_positions(base: nn.Module) -> None:
 
 
 def set_last_position(base: nn.Module, last_position: Tensor) -> None:
-    """The largest position of the whole sequence (all ranks), a 0-dim tensor, for the next forward."""
-    setattr(_rotary(base), _LAST_POSITION, last_position)
+    """The largest position of the whole sequence (all ranks), a 0-dim tensor, for the next forward (nothing
+    for models without RoPE, e.g. Nemotron-H, as ``apply_upipe`` patches none)."""
+    rotary = rotary_embedding(base)
+    if rotary is not None:
+        setattr(rotary, _LAST_POSITION, last_position)
 
 
 #: the base model's attribute holding its rotary embedding (LFM2-MoE names it ``pos_emb``)
