@@ -192,7 +192,9 @@ def main() -> None:
         "grad_norms": grad_norms,
         "eval_loss": metrics["eval_loss"],
         **stage_runs,
-        "upipe": None if state is None else {"fused": state.fused_projections, "head_chunk_size": state.head_chunk_size},
+        "upipe": None
+        if state is None
+        else {"fused": state.fused_projections, "head_chunk_size": state.head_chunk_size},
         "eval_local_seq_lens": sorted(set(eval_lengths)),
         "upipe_documents_per_row": sorted(documents_per_row),
         "long_context": long_context(),
