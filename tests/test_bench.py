@@ -123,3 +123,19 @@ def test_op_counter_counts_copies_syncs_and_ops():
     assert counter.copy_bytes == 32 + 64
     assert counter.host_syncs == 1
     assert counter.ops["index_copy_"] == 1 and counter.ops["cat"] == 1 and not counter.collectives
+
+
+def test_op_level_methods_carry_their_options():
+    """``ds-upipe bench --levels ops`` runs each UPipe column with its ``UPipeOptions`` (U, overlap, recompute,
+    accumulation), as the core and layer levels do.  Mutation: building a column's method without options (the
+    pre-``UPipeOptions`` positional form) fails here, before any rank is spawned."""
+    from ds_upipe.options import UPipeOptions
+    from ds_upipe.tools.opcount import methods
+
+    spec = BenchSpec(world=2, heads=4, kv_heads=2, overlap_comm=True)
+    columns = {method.name: method for _, method in methods(spec)}
+    assert columns["alst"].options is None
+    assert columns["upipe[U=2]"].options == UPipeOptions(head_chunk_size=2, overlap_comm=True)
+    assert columns["upipe-fused-recompute[U=4]"].options.recompute_attention_output
+    assert columns["upipe-fused+input[U=2]"].options.accumulate_in_input_dtype
+    assert all(isinstance(m.options, UPipeOptions) for m in columns.values() if m.kind == "upipe")

@@ -162,17 +162,15 @@ def methods(spec: BenchSpec) -> list[tuple[str, Method]]:
     """(level, method) in order, each level's baseline (ALST) first."""
     us = list(dict.fromkeys(u for u in (spec.world, spec.heads) if u in spec.chunk_sizes))
     core = [("core", Method("alst", "alst")), ("core", Method("deepspeed", "deepspeed"))]
-    core += [("core", Method(f"upipe[U={u}]", "upipe", u)) for u in us]
+    core += [("core", Method.upipe(f"upipe[U={u}]", u, spec.overlap_comm)) for u in us]
     layer = [("layer", Method("alst", "alst"))]
     for u in us:
-        layer.append(("layer", Method(f"upipe-fused[U={u}]", "upipe", u, True)))
-        layer.append(
-            ("layer", Method(f"upipe-fused-recompute[U={u}]", "upipe", u, True, recompute_attention_output=True))
-        )
+        layer.append(("layer", Method.upipe(f"upipe-fused[U={u}]", u, spec.overlap_comm)))
+        recompute = Method.upipe(f"upipe-fused-recompute[U={u}]", u, spec.overlap_comm, recompute_attention_output=True)
+        layer.append(("layer", recompute))
         if u == spec.world:  # accumulate_dtype "input": dK/dV per stage (where rounds have several stages)
-            layer.append(
-                ("layer", Method(f"upipe-fused+input[U={u}]", "upipe", u, True, accumulate_in_input_dtype=True))
-            )
+            accumulate = Method.upipe(f"upipe-fused+input[U={u}]", u, spec.overlap_comm, accumulate_in_input_dtype=True)
+            layer.append(("layer", accumulate))
     return core + layer
 
 
