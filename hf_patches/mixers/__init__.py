@@ -79,6 +79,12 @@ MIXER_KINDS: dict[str, MixerKind] = {
 }
 
 
+def valid_head_chunk_sizes(num_heads: int, group_size: int) -> list[int]:
+    """The U values a head-sharded mixer of ``num_heads`` heads runs with over ``group_size`` ranks: multiples of
+    the group size dividing the heads (every stage gives each rank U / C whole heads)."""
+    return [u for u in range(group_size, num_heads + 1, group_size) if num_heads % u == 0]
+
+
 def mixer_kind_of(module_class: str) -> MixerKind | None:
     """The kind of a mixer module class (None: not a mixer ds_upipe runs)."""
     for kind in MIXER_KINDS.values():

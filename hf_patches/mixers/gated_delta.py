@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ds_upipe.packing import DocumentBoundaries
 
+from . import valid_head_chunk_sizes
 from .exchange import heads_to_sequence, sequence_to_heads
 
 #: the module-level recurrence each family's modeling file defines (dispatching to FLA when installed)
@@ -107,10 +108,6 @@ def _z_is_whole(layout: _Layout, module: nn.Module) -> bool:
 # ---- what this layer can run ----------------------------------------------------------------------
 
 
-def _valid_chunks(heads: int, group_size: int) -> list[int]:
-    return [u for u in range(group_size, heads + 1, group_size) if heads % u == 0]
-
-
 def check(layer: int, module: nn.Module, group_size: int, head_chunk_size: int | None) -> None:
     """U must be a multiple of C dividing the value heads; the value heads a multiple of the key heads."""
     name = f"apply_upipe: decoder layer {layer} ({type(module).__name__})"
@@ -118,7 +115,7 @@ def check(layer: int, module: nn.Module, group_size: int, head_chunk_size: int |
     if hv % hk:
         raise ValueError(f"{name}: {hv} value heads are not a multiple of its {hk} key heads")
     u = group_size if head_chunk_size is None else head_chunk_size
-    valid = _valid_chunks(hv, group_size)
+    valid = valid_head_chunk_sizes(hv, group_size)
     if u <= 0 or u % group_size or hv % u:
         raise ValueError(
             f"{name}: mixer_head_chunk_size={u} must be a multiple of the group size {group_size} dividing the "

@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ds_upipe.packing import DocumentBoundaries
 
+from . import valid_head_chunk_sizes
 from .exchange import heads_to_sequence, sequence_to_heads
 
 #: the SSM attributes the sharded forward reads from the module (all three classes define them)
@@ -57,11 +58,6 @@ _ATTRIBUTES = (
 
 def _refuse(layer: int, module: nn.Module, why: str) -> ValueError:
     return ValueError(f"apply_upipe: decoder layer {layer} ({type(module).__name__}): {why}")
-
-
-def valid_head_chunk_sizes(num_heads: int, group_size: int) -> list[int]:
-    """U values a Mamba-2 mixer of ``num_heads`` heads runs with over ``group_size`` ranks."""
-    return [u for u in range(group_size, num_heads + 1, group_size) if num_heads % u == 0]
 
 
 def check(layer: int, module: nn.Module, group_size: int, head_chunk_size: int | None) -> None:
