@@ -167,9 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         "over the ranks; CPU)",
     )
     bench.add_argument("--heads", type=int, default=32, help="query heads (mixer level: value heads / SSM heads)")
-    bench.add_argument(
-        "--kv-heads", type=int, default=8, help="KV heads (mixer level: key heads / Mamba-2 B,C groups)"
-    )
+    bench.add_argument("--kv-heads", type=int, default=8, help="KV heads (mixer level: key heads / Mamba-2 B,C groups)")
     bench.add_argument("--head-dim", type=int, default=64, help="(mixer level: key and value / SSM head dim)")
     bench.add_argument(
         "--mixers",
