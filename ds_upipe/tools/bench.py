@@ -285,6 +285,7 @@ class Measurement:
     documents: int = 1  # core level: equal documents packed per row
     window: int | None = None  # core level: sliding window (None: full causal)
     mixer: str | None = None  # mixer level: the kind (head_chunk_size is then the mixer's U)
+    clock: str = "wall"  # time_s: "wall" time, or "cpu": the main thread's CPU time (the mixer level on CPU)
 
 
 def packing_ratios(rows: list[Measurement]) -> list[dict[str, Any]]:
@@ -329,8 +330,14 @@ def window_ratios(rows: list[Measurement]) -> list[dict[str, Any]]:
 # -- timing one forward+backward ----------------------------------------------------------------
 
 
-def time_step(step: Callable[[], Any], repeats: int, warmup: int, device: torch.device) -> float:
-    """Median wall time of ``step()`` (all ranks start together)."""
+def time_step(
+    step: Callable[[], Any],
+    repeats: int,
+    warmup: int,
+    device: torch.device,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Median time of ``step()`` by ``clock`` (wall time by default; all ranks start together)."""
     import torch.distributed as dist
 
     times = []
@@ -338,12 +345,12 @@ def time_step(step: Callable[[], Any], repeats: int, warmup: int, device: torch.
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start = clock()
         step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
     return statistics.median(times)
 
 
@@ -488,7 +495,13 @@ def run_core_case(method: Method, spec: BenchSpec, seq: int, rank: int, device: 
         attention(*leaves, 0).backward(data["dout"])
 
     seconds = time_step(step, spec.repeats, spec.warmup, device) if spec.repeats else math.nan
-    return {"peak": mem.peak_bytes, "intermediate": mem.intermediate_bytes, "time": seconds, "values": values}
+    return {
+        "peak": mem.peak_bytes,
+        "intermediate": mem.intermediate_bytes,
+        "time": seconds,
+        "values": values,
+        "clock": "wall",
+    }
 
 
 # -- the decoder-layer level ---------------------------------------------------------------------
@@ -585,10 +598,18 @@ def layer_case(
 
 
 def measure_layer(
-    layer: torch.nn.Module, x0: torch.Tensor, dy: torch.Tensor, spec: BenchSpec, device: torch.device, **kwargs: Any
+    layer: torch.nn.Module,
+    x0: torch.Tensor,
+    dy: torch.Tensor,
+    spec: BenchSpec,
+    device: torch.device,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+    **kwargs: Any,
 ) -> dict[str, Any]:
     """``layer_case``'s measurement of ``layer(x, **kwargs).backward(dy)`` (the layer and mixer levels):
-    peak, activation memory (peak minus weights and weight gradients), time, outputs and gradients."""
+    peak, activation memory (peak minus weights and weight gradients), time by ``clock``, outputs and
+    gradients."""
     result: dict[str, torch.Tensor] = {}
 
     def step(x: torch.Tensor, keep: bool = False) -> None:
@@ -606,9 +627,10 @@ def measure_layer(
     layer.zero_grad(set_to_none=True)
     seconds = math.nan
     if spec.repeats:
-        seconds = time_step(lambda: step(x0.clone().requires_grad_(True)), spec.repeats, spec.warmup, device)
+        seconds = time_step(lambda: step(x0.clone().requires_grad_(True)), spec.repeats, spec.warmup, device, clock)
         layer.zero_grad(set_to_none=True)
-    return {"peak": peak, "intermediate": peak - weights, "time": seconds, "values": result}
+    clock_name = "cpu" if clock is time.thread_time else "wall"
+    return {"peak": peak, "intermediate": peak - weights, "time": seconds, "values": result, "clock": clock_name}
 
 
 def run_layer_case(method: Method, spec: BenchSpec, seq: int, rank: int, device: torch.device) -> dict[str, Any]:
@@ -656,6 +678,12 @@ def mixer_config(spec: BenchSpec, kind: str) -> Any:
     raise ValueError(f"mixer {kind!r}: choose one of {list(MIXER_MODELS)}")
 
 
+def mixer_clock(device: torch.device) -> Callable[[], float]:
+    """The mixer level's clock: on CPU the main thread's CPU time (C ranks share a few cores there, so wall time
+    measures the scheduler; the gloo exchanges run on their own threads), on CUDA wall time."""
+    return time.thread_time if device.type == "cpu" else time.perf_counter
+
+
 def run_mixer_case(method: Method, spec: BenchSpec, seq: int, rank: int, device: torch.device) -> dict[str, Any]:
     """The decoder layer of a one-layer hybrid model holding ``method.mixer``, patched by ``apply_upipe`` with
     ``method.options`` (its ``mixer_head_chunk_size``), forward+backward on this rank's shard (same weights and
@@ -673,7 +701,7 @@ def run_mixer_case(method: Method, spec: BenchSpec, seq: int, rank: int, device:
     x0, dy = hidden_inputs(spec, seq, rank, device)
     # Qwen3.5's decoder layer takes position embeddings positionally; its linear-attention layers do not read them
     kwargs = {"position_embeddings": None} if method.mixer == "gated_delta" else {}
-    result = measure_layer(layer, x0, dy, spec, device, **kwargs)
+    result = measure_layer(layer, x0, dy, spec, device, clock=mixer_clock(device), **kwargs)
     # a head's parameters (A_log, dt_bias, its conv channels) get their gradient on the rank running the head,
     # which depends on U: compare the sums over the group, the gradients the optimizer steps with
     for name, value in result["values"].items():
@@ -705,7 +733,7 @@ def _rank_main(rank: int, world: int, spec: BenchSpec) -> list[tuple]:
                 res = runner(method, spec, seq, rank, device)
                 reference = references.setdefault((method.documents, method.window, method.mixer), res["values"])
                 diff = _max_abs_diff(res["values"], reference)
-                rows.append((level, method, seq, res["peak"], res["intermediate"], res["time"], diff))
+                rows.append((level, method, seq, res["peak"], res["intermediate"], res["time"], diff, res["clock"]))
                 del res
                 report_progress()
     return rows
@@ -756,6 +784,7 @@ def combine_ranks(per_rank: list[list[tuple]]) -> list[Measurement]:
                 documents=method.documents,
                 window=method.window,
                 mixer=method.mixer,
+                clock=cases[0][7],
             )
         )
     baselines = {(m.level, m.seq_len, m.mixer): m for m in rows if _is_first(m, rows)}
@@ -793,6 +822,7 @@ def format_table(rows: list[Measurement]) -> str:
         if level == "mixer":
             base = "U = H of each mixer (all heads at once: Ulysses' memory shape)"
         mid = "interm." if level == "core" else "activ."
+        seconds = "fwd+bwd cpu s" if any(r.clock == "cpu" for r in rows if r.level == level) else "fwd+bwd s"
         lines.append(
             f"[{level} level] ratios (x) vs {base}; per-rank memory of the worst rank in MiB; {mid} = "
             f"{INTERMEDIATE[level]}"
@@ -802,15 +832,13 @@ def format_table(rows: list[Measurement]) -> str:
         if level == "mixer":
             kinds = dict.fromkeys(r.mixer for r in rows if r.level == level)
             lines.append("decoder layers: " + "; ".join(f"{k}: {MIXER_MODELS[k]}" for k in kinds))
-        header = (
-            f"{'method':<26}{'seq':>9}{'peak':>10}{'x':>6}{mid:>10}{'x':>6}{'fwd+bwd s':>11}{'x':>6}{'maxdiff':>10}"
-        )
+        header = f"{'method':<26}{'seq':>9}{'peak':>10}{'x':>6}{mid:>10}{'x':>6}{seconds:>15}{'x':>6}{'maxdiff':>10}"
         lines += [header, "-" * len(header)]
         for r in (r for r in rows if r.level == level):
             lines.append(
                 f"{r.method:<26}{r.seq_len:>9}{r.peak_bytes / 2**20:>10.1f}{r.peak_ratio:>6.2f}"
                 f"{r.intermediate_bytes / 2**20:>10.1f}{r.intermediate_ratio:>6.2f}"
-                f"{r.time_s:>11.3f}{r.time_ratio:>6.2f}{r.max_abs_diff:>10.1e}"
+                f"{r.time_s:>15.3f}{r.time_ratio:>6.2f}{r.max_abs_diff:>10.1e}"
             )
         lines.append("")
     packed = packing_ratios(rows)
@@ -889,9 +917,8 @@ def plot(path: str | Path, rows: list[Measurement], title: str = "") -> None:
             row_axes[0].plot(xs, [r.peak_bytes / 2**20 for r in pts], style, marker="o", label=method)
             row_axes[1].plot(xs, [r.intermediate_bytes / 2**20 for r in pts], style, marker="o", label=method)
             row_axes[2].plot(xs, [r.time_s for r in pts], style, marker="o", label=method)
-        for ax, ylabel in zip(
-            row_axes, ("peak memory per rank (MiB)", "intermediate memory (MiB)", "fwd+bwd time (s)")
-        ):
+        seconds = "fwd+bwd CPU time (s)" if level_rows[0].clock == "cpu" else "fwd+bwd time (s)"
+        for ax, ylabel in zip(row_axes, ("peak memory per rank (MiB)", "intermediate memory (MiB)", seconds)):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("sequence length (tokens)")
             ax.set_ylabel(ylabel)
