@@ -56,8 +56,8 @@ class Method:
 
     name: str
     kind: str  # "deepspeed" | "alst" | "upipe"
-    #: UPipe's settings (kind "upipe"; the core level reads U and overlap_comm, the layer level passes them
-    #: all to ``apply_upipe``)
+    #: UPipe's settings (kind "upipe"; the core level reads U and overlap_comm, the layer and mixer levels pass
+    #: them all to ``apply_upipe``)
     options: UPipeOptions | None = None
     #: core level: equal documents packed into each row (1: one sequence per row)
     documents: int = 1
