@@ -189,7 +189,7 @@ class BenchSpec:
             if u not in valid:
                 raise ValueError(
                     f"mixer level: U={u} is invalid for {self.heads} mixer heads on {self.world} ranks (a multiple of "
-                    f"the group size dividing the heads); valid: {valid or 'none'}"
+                    f"the group size dividing the heads); valid: {valid}"
                 )
 
     @property
@@ -328,6 +328,9 @@ def window_ratios(rows: list[Measurement]) -> list[dict[str, Any]]:
 
 
 # -- timing one forward+backward ----------------------------------------------------------------
+
+#: ``Measurement.clock`` -> the clock ``time_step`` reads: wall time, or the main thread's CPU time
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
 def time_step(
@@ -604,12 +607,12 @@ def measure_layer(
     spec: BenchSpec,
     device: torch.device,
     *,
-    clock: Callable[[], float] = time.perf_counter,
+    clock: str = "wall",
     **kwargs: Any,
 ) -> dict[str, Any]:
     """``layer_case``'s measurement of ``layer(x, **kwargs).backward(dy)`` (the layer and mixer levels):
-    peak, activation memory (peak minus weights and weight gradients), time by ``clock``, outputs and
-    gradients."""
+    peak, activation memory (peak minus weights and weight gradients), time by ``CLOCKS[clock]``, outputs
+    and gradients."""
     result: dict[str, torch.Tensor] = {}
 
     def step(x: torch.Tensor, keep: bool = False) -> None:
@@ -620,17 +623,18 @@ def measure_layer(
 
     layer.zero_grad(set_to_none=True)
     x = x0.clone().requires_grad_(True)
-    tracked = [t for v in kwargs.values() for t in (v if isinstance(v, tuple) else (v,))]
+    tracked = [t for v in kwargs.values() for t in (v if isinstance(v, tuple) else (v,)) if torch.is_tensor(t)]
     peak = measure_peak(lambda: step(x, keep=True), [layer, x, dy, *tracked], device)
     weights = tensor_bytes(*layer.parameters()) + tensor_bytes(*(p.grad for p in layer.parameters()))
     result.update({f"grad.{n}": p.grad for n, p in layer.named_parameters() if p.grad is not None})
     layer.zero_grad(set_to_none=True)
     seconds = math.nan
     if spec.repeats:
-        seconds = time_step(lambda: step(x0.clone().requires_grad_(True)), spec.repeats, spec.warmup, device, clock)
+        seconds = time_step(
+            lambda: step(x0.clone().requires_grad_(True)), spec.repeats, spec.warmup, device, CLOCKS[clock]
+        )
         layer.zero_grad(set_to_none=True)
-    clock_name = "cpu" if clock is time.thread_time else "wall"
-    return {"peak": peak, "intermediate": peak - weights, "time": seconds, "values": result, "clock": clock_name}
+    return {"peak": peak, "intermediate": peak - weights, "time": seconds, "values": result, "clock": clock}
 
 
 def run_layer_case(method: Method, spec: BenchSpec, seq: int, rank: int, device: torch.device) -> dict[str, Any]:
@@ -678,10 +682,10 @@ def mixer_config(spec: BenchSpec, kind: str) -> Any:
     raise ValueError(f"mixer {kind!r}: choose one of {list(MIXER_MODELS)}")
 
 
-def mixer_clock(device: torch.device) -> Callable[[], float]:
-    """The mixer level's clock: on CPU the main thread's CPU time (C ranks share a few cores there, so wall time
-    measures the scheduler; the gloo exchanges run on their own threads), on CUDA wall time."""
-    return time.thread_time if device.type == "cpu" else time.perf_counter
+def mixer_clock(device: torch.device) -> str:
+    """The mixer level's clock (``CLOCKS``): on CPU the main thread's CPU time (C ranks share a few cores there,
+    so wall time measures the scheduler; the gloo exchanges run on their own threads), on CUDA wall time."""
+    return "cpu" if device.type == "cpu" else "wall"
 
 
 def run_mixer_case(method: Method, spec: BenchSpec, seq: int, rank: int, device: torch.device) -> dict[str, Any]:
