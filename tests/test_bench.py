@@ -88,6 +88,37 @@ def test_bench_command_writes_sane_json_and_png(tmp_path):
     assert png.startswith(PNG_MAGIC) and len(png) > 20_000
 
 
+def test_bench_mixer_level_stages_cut_memory(tmp_path):
+    """``ds-upipe bench --levels mixer``: a Qwen3.5 gated delta layer and a Nemotron-H Mamba-2 layer at every U
+    (C=4 gloo ranks, 16 heads): the same outputs and summed gradients as U = H (all heads at once), and the
+    activation memory falls with U because each stage is checkpointed (without it every stage's intermediates
+    live until the backward: U = C keeps ~0.85 of U = H's, measured)."""
+    out = tmp_path / "mixer"
+    cmd = [
+        str(CONSOLE) if CONSOLE.exists() else sys.executable,
+        *([] if CONSOLE.exists() else ["-m", "ds_upipe.tools.cli"]),
+    ]
+    cmd += ["bench", "--levels", "mixer", "--world", "4", "--seq", "512", "--heads", "16", "--kv-heads", "8"]
+    cmd += ["--head-dim", "16", "--ssm-state", "16", "--ssm-chunk", "16", "--hidden", "128", "--repeats", "1"]
+    cmd += ["--warmup", "0", "--device", "cpu", "--out", str(out), "--no-progress"]
+    proc = _run(cmd, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[mixer level] ratios (x) vs U = H of each mixer" in proc.stdout and "fwd+bwd cpu s" in proc.stdout
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert [(r["mixer"], r["head_chunk_size"]) for r in rows] == [
+        (m, u) for m in ("gated_delta", "mamba2") for u in (16, 4, 8)
+    ]
+    for mixer in ("gated_delta", "mamba2"):
+        by = {r["head_chunk_size"]: r for r in rows if r["mixer"] == mixer}
+        assert by[16]["peak_ratio"] == by[16]["intermediate_ratio"] == by[16]["time_ratio"] == 1.0
+        for r in by.values():
+            assert r["max_abs_diff"] < 1e-4, r  # outputs, input and summed weight gradients equal U = H's (fp32)
+            assert r["peak_bytes"] > r["intermediate_bytes"] > 0 and r["time_s"] > 0 and r["clock"] == "cpu", r
+        # a stage of U heads: activation memory rising with U (measured 0.32-0.33 and 0.55-0.57 of U = H)
+        assert by[4]["intermediate_bytes"] < by[8]["intermediate_bytes"] < by[16]["intermediate_bytes"], mixer
+        assert by[4]["intermediate_ratio"] < 0.5 and by[4]["peak_ratio"] < 0.6, (mixer, by[4])
+
+
 def test_bench_spec_refuses_bad_settings():
     with pytest.raises(ValueError, match="multiple of the group size"):
         BenchSpec(world=4, seq_lens=[1001])
@@ -105,6 +136,14 @@ def test_bench_spec_refuses_bad_settings():
         BenchSpec(device="tpu")
     with pytest.raises(ValueError, match="documents=3 must be >= 1 and divide every sequence length"):
         BenchSpec(world=2, seq_lens=[512], documents=3)
+    with pytest.raises(ValueError, match=r"mixers=\['mamba'\]: choose from \['gated_delta', 'mamba2'\]"):
+        BenchSpec(levels=("mixer",), mixers=("mamba",))
+    with pytest.raises(ValueError, match="mixer level: U=6 is invalid for 16 mixer heads on 4 ranks"):
+        BenchSpec(levels=("mixer",), heads=16, kv_heads=8, head_chunk_sizes=[6])
+    with pytest.raises(ValueError, match="heads=16 must be a multiple of kv_heads=3"):
+        BenchSpec(levels=("mixer",), heads=16, kv_heads=3)
+    with pytest.raises(ValueError, match="ring_size=2: UPipe x Ring shards attention only"):
+        BenchSpec(levels=("mixer",), ring_size=2)
 
 
 def test_op_counter_counts_copies_syncs_and_ops():

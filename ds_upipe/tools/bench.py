@@ -9,7 +9,10 @@ method over identical inputs:
   transformers' "sdpa" attention, and UPipe at each valid U with ``TorchSDPAKernel`` (the same torch
   SDPA kernels with an explicit lse);
 - layer level (one HF Llama decoder layer): ALST (the baseline) and UPipe fused/unfused at each U,
-  through ``hf_patches``.
+  through ``hf_patches``;
+- mixer level (one hybrid decoder layer holding a sequence mixer of ``hf_patches.mixers``: a Qwen3.5
+  gated delta net, a Nemotron-H Mamba-2 mixer): ``apply_upipe(..., mixer_head_chunk_size=U)`` at each
+  valid U, the baseline being U = all heads (one stage: Ulysses' memory shape, all heads at once).
 
 Per rank it records the peak memory (MemTracker on CPU, the CUDA allocator's peak on GPU), the
 "intermediate" memory (at the core level ``memory.measure_attention``, the one definition shared with
@@ -36,7 +39,12 @@ import torch
 from ..options import UPipeOptions
 from .memory import measure_peak, tensor_bytes
 
-LEVELS = ("core", "layer")
+LEVELS = ("core", "layer", "mixer")
+#: what runs without ``levels`` (the mixer level is asked for by name)
+DEFAULT_LEVELS = ("core", "layer")
+#: the mixer level's kinds (``hf_patches.mixers.MIXER_KINDS`` names) -> the model whose decoder layer holds one
+#: (``mixer_config``; named in the report)
+MIXER_MODELS: dict[str, str] = {"gated_delta": "Qwen3.5 (Qwen3_5TextConfig)", "mamba2": "Nemotron-H (NemotronHConfig)"}
 #: ``--levels ops``: the op-count benchmark (``tools.opcount``) in place of the timed levels
 OPS_LEVEL = "ops"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64, "float16": torch.float16}
@@ -48,13 +56,15 @@ class Method:
 
     name: str
     kind: str  # "deepspeed" | "alst" | "upipe"
-    #: UPipe's settings (kind "upipe"; the core level reads U and overlap_comm, the layer level passes them
-    #: all to ``apply_upipe``)
+    #: UPipe's settings (kind "upipe"; the core level reads U and overlap_comm, the layer and mixer levels pass
+    #: them all to ``apply_upipe``)
     options: UPipeOptions | None = None
     #: core level: equal documents packed into each row (1: one sequence per row)
     documents: int = 1
     #: core level: sliding window of W tokens (None: full causal)
     window: int | None = None
+    #: mixer level: the mixer kind ("gated_delta" | "mamba2"); U is ``options.mixer_head_chunk_size``
+    mixer: str | None = None
 
     @classmethod
     def upipe(cls, name: str, head_chunk_size: int, overlap_comm: bool, **kwargs: Any) -> Method:
@@ -66,11 +76,14 @@ class Method:
 
 @dataclass
 class BenchSpec:
-    """What to run.  Head counts default to a Llama-like GQA layout (H=32, KV=8)."""
+    """What to run.  Head counts default to a Llama-like GQA layout (H=32, KV=8).  At the mixer level
+    ``heads`` are the mixer's heads (gated delta: value heads; Mamba-2: SSM heads), ``kv_heads`` the
+    heads or groups they read (key heads; B/C groups) and ``head_dim`` their size (key and value head
+    dims; the SSM head dim)."""
 
     world: int = 4
     seq_lens: list[int] = field(default_factory=lambda: [2048, 4096])
-    levels: tuple[str, ...] = LEVELS
+    levels: tuple[str, ...] = DEFAULT_LEVELS
     heads: int = 32
     kv_heads: int = 8
     head_dim: int = 64
@@ -97,6 +110,11 @@ class BenchSpec:
     arch: str = "llama"
     #: core level: also run DeepSpeed and UPipe with a sliding window of this many tokens (None: not)
     window: int | None = None
+    #: mixer level: the kinds measured (``MIXER_MODELS``), each against its own U = H
+    mixers: tuple[str, ...] = tuple(MIXER_MODELS)
+    #: mixer level, Mamba-2: the SSM state size N and the scan's chunk length
+    ssm_state: int = 64
+    ssm_chunk: int = 64
 
     def __post_init__(self) -> None:
         from ..schedule import valid_head_chunk_sizes
@@ -136,17 +154,43 @@ class BenchSpec:
             if seq < self.world or seq % multiple != 0:
                 what = f"the group size {self.world}" if self.ring_size == 1 else f"{multiple} (zigzag ring shards)"
                 raise ValueError(f"sequence length {seq} is not a positive multiple of {what}")
-        valid = valid_head_chunk_sizes(self.heads, self.kv_heads, self.ulysses_size)
-        for u in self.head_chunk_sizes or []:
-            if u not in valid:
-                raise ValueError(
-                    f"head_chunk_size {u} is invalid for heads={self.heads}, kv_heads={self.kv_heads}, "
-                    f"Ulysses degree {self.ulysses_size}; valid: {valid}"
-                )
+        if any(lvl != "mixer" for lvl in self.levels):
+            valid = valid_head_chunk_sizes(self.heads, self.kv_heads, self.ulysses_size)
+            for u in self.head_chunk_sizes or []:
+                if u not in valid:
+                    raise ValueError(
+                        f"head_chunk_size {u} is invalid for heads={self.heads}, kv_heads={self.kv_heads}, "
+                        f"Ulysses degree {self.ulysses_size}; valid: {valid}"
+                    )
+        if "mixer" in self.levels:
+            self._check_mixer_level()
         if self.repeats < 0 or self.warmup < 0:
             raise ValueError(
                 f"repeats and warmup must be >= 0 (0 repeats: memory only), got {self.repeats}, {self.warmup}"
             )
+
+    def _check_mixer_level(self) -> None:
+        """The mixer level's kinds and sizes, refused here rather than by ``apply_upipe`` on every rank."""
+        from hf_patches.mixers.common import valid_head_chunk_sizes as valid_mixer_chunks
+
+        unknown = [m for m in self.mixers if m not in MIXER_MODELS]
+        if unknown or not self.mixers:
+            raise ValueError(f"mixers={list(self.mixers)}: choose from {list(MIXER_MODELS)}")
+        if self.ring_size > 1:
+            raise ValueError(f"ring_size={self.ring_size}: UPipe x Ring shards attention only, not the mixer level")
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"mixer level: heads={self.heads} must be a multiple of kv_heads={self.kv_heads} (key heads / groups)"
+            )
+        valid = valid_mixer_chunks(self.heads, self.world)
+        if not valid:
+            raise ValueError(f"mixer level: the group size {self.world} does not divide heads={self.heads}: no valid U")
+        for u in self.head_chunk_sizes or []:
+            if u not in valid:
+                raise ValueError(
+                    f"mixer level: U={u} is invalid for {self.heads} mixer heads on {self.world} ranks (a multiple of "
+                    f"the group size dividing the heads); valid: {valid}"
+                )
 
     @property
     def hidden_size(self) -> int:
@@ -167,8 +211,22 @@ class BenchSpec:
 
         return self.head_chunk_sizes or valid_head_chunk_sizes(self.heads, self.kv_heads, self.ulysses_size)
 
+    @property
+    def mixer_chunk_sizes(self) -> list[int]:
+        """The mixer level's U values: U = H (all heads at once, the baseline) first, then the others rising."""
+        from hf_patches.mixers.common import valid_head_chunk_sizes as valid_mixer_chunks
+
+        us = self.head_chunk_sizes or valid_mixer_chunks(self.heads, self.world)
+        return [self.heads] + sorted(u for u in set(us) if u != self.heads)
+
     def methods(self, level: str) -> list[Method]:
-        """The baseline first, then the others in a fixed order."""
+        """The baseline first, then the others in a fixed order (at the mixer level: per kind)."""
+        if level == "mixer":
+            return [
+                Method(f"{kind}[U={u}]", "upipe", UPipeOptions(mixer_head_chunk_size=u), mixer=kind)
+                for kind in self.mixers
+                for u in self.mixer_chunk_sizes
+            ]
         us = self.chunk_sizes
 
         def upipe(name: str, u: int, **kwargs: Any) -> Method:
@@ -226,6 +284,8 @@ class Measurement:
     time_ratio: float = math.nan
     documents: int = 1  # core level: equal documents packed per row
     window: int | None = None  # core level: sliding window (None: full causal)
+    mixer: str | None = None  # mixer level: the kind (head_chunk_size is then the mixer's U)
+    clock: str = "wall"  # time_s: "wall" time, or "cpu": the main thread's CPU time (the mixer level on CPU)
 
 
 def packing_ratios(rows: list[Measurement]) -> list[dict[str, Any]]:
@@ -269,9 +329,18 @@ def window_ratios(rows: list[Measurement]) -> list[dict[str, Any]]:
 
 # -- timing one forward+backward ----------------------------------------------------------------
 
+#: ``Measurement.clock`` -> the clock ``time_step`` reads: wall time, or the main thread's CPU time
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
 
-def time_step(step: Callable[[], Any], repeats: int, warmup: int, device: torch.device) -> float:
-    """Median wall time of ``step()`` (all ranks start together)."""
+
+def time_step(
+    step: Callable[[], Any],
+    repeats: int,
+    warmup: int,
+    device: torch.device,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Median time of ``step()`` by ``clock`` (wall time by default; all ranks start together)."""
     import torch.distributed as dist
 
     times = []
@@ -279,12 +348,12 @@ def time_step(step: Callable[[], Any], repeats: int, warmup: int, device: torch.
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start = clock()
         step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
     return statistics.median(times)
 
 
@@ -429,7 +498,13 @@ def run_core_case(method: Method, spec: BenchSpec, seq: int, rank: int, device: 
         attention(*leaves, 0).backward(data["dout"])
 
     seconds = time_step(step, spec.repeats, spec.warmup, device) if spec.repeats else math.nan
-    return {"peak": mem.peak_bytes, "intermediate": mem.intermediate_bytes, "time": seconds, "values": values}
+    return {
+        "peak": mem.peak_bytes,
+        "intermediate": mem.intermediate_bytes,
+        "time": seconds,
+        "values": values,
+        "clock": "wall",
+    }
 
 
 # -- the decoder-layer level ---------------------------------------------------------------------
@@ -493,16 +568,22 @@ def build_layer(method: Method, spec: BenchSpec, device: torch.device) -> tuple[
     return layer.train(), model.model.rotary_emb
 
 
-def layer_inputs(
-    rotary: torch.nn.Module, spec: BenchSpec, seq: int, rank: int, device: torch.device
-) -> tuple[torch.Tensor, ...]:
-    """This rank's layer input x0, output gradient dy, position ids and RoPE cos/sin (seeded per
-    length and rank): what every layer-level measurement runs on."""
+def hidden_inputs(spec: BenchSpec, seq: int, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's layer input x0 and output gradient dy [b, S/C, hidden] (seeded per length and rank)."""
     dtype = DTYPES[spec.dtype]
     s = seq // spec.world
     gen = torch.Generator(device="cpu").manual_seed(spec.seed * 1_000_003 + seq * 31 + rank)
     x0 = torch.randn(spec.batch, s, spec.hidden_size, generator=gen).to(device=device, dtype=dtype)
     dy = torch.randn(spec.batch, s, spec.hidden_size, generator=gen).to(device=device, dtype=dtype)
+    return x0, dy
+
+
+def layer_inputs(
+    rotary: torch.nn.Module, spec: BenchSpec, seq: int, rank: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """This rank's layer input x0, output gradient dy, position ids and RoPE cos/sin (seeded per
+    length and rank): what every layer-level measurement runs on."""
+    x0, dy = hidden_inputs(spec, seq, rank, device)
     pos = shard_positions(spec, seq, rank, device)
     with torch.no_grad():
         cos, sin = rotary(x0, pos)
@@ -516,31 +597,121 @@ def layer_case(
     shard.  "intermediate" at this level is the activation memory: peak minus the layer's weights
     and their gradients."""
     x0, dy, pos, cos, sin = layer_inputs(rotary, spec, seq, rank, device)
+    return measure_layer(layer, x0, dy, spec, device, position_embeddings=(cos, sin), position_ids=pos)
+
+
+def measure_layer(
+    layer: torch.nn.Module,
+    x0: torch.Tensor,
+    dy: torch.Tensor,
+    spec: BenchSpec,
+    device: torch.device,
+    *,
+    clock: str = "wall",
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """``layer_case``'s measurement of ``layer(x, **kwargs).backward(dy)`` (the layer and mixer levels):
+    peak, activation memory (peak minus weights and weight gradients), time by ``CLOCKS[clock]``, outputs
+    and gradients."""
     result: dict[str, torch.Tensor] = {}
 
     def step(x: torch.Tensor, keep: bool = False) -> None:
-        y = layer(x, position_embeddings=(cos, sin), position_ids=pos)
+        y = layer(x, **kwargs)
         y.backward(dy)
         if keep:
             result.update(y=y.detach(), dx=x.grad)
 
     layer.zero_grad(set_to_none=True)
     x = x0.clone().requires_grad_(True)
-    peak = measure_peak(lambda: step(x, keep=True), [layer, x, dy, cos, sin, pos], device)
+    tracked = [t for v in kwargs.values() for t in (v if isinstance(v, tuple) else (v,)) if torch.is_tensor(t)]
+    peak = measure_peak(lambda: step(x, keep=True), [layer, x, dy, *tracked], device)
     weights = tensor_bytes(*layer.parameters()) + tensor_bytes(*(p.grad for p in layer.parameters()))
     result.update({f"grad.{n}": p.grad for n, p in layer.named_parameters() if p.grad is not None})
     layer.zero_grad(set_to_none=True)
     seconds = math.nan
     if spec.repeats:
-        seconds = time_step(lambda: step(x0.clone().requires_grad_(True)), spec.repeats, spec.warmup, device)
+        seconds = time_step(
+            lambda: step(x0.clone().requires_grad_(True)), spec.repeats, spec.warmup, device, CLOCKS[clock]
+        )
         layer.zero_grad(set_to_none=True)
-    return {"peak": peak, "intermediate": peak - weights, "time": seconds, "values": result}
+    return {"peak": peak, "intermediate": peak - weights, "time": seconds, "values": result, "clock": clock}
 
 
 def run_layer_case(method: Method, spec: BenchSpec, seq: int, rank: int, device: torch.device) -> dict[str, Any]:
     """One HF Llama decoder layer patched for ``method``, forward+backward, on this rank's shard."""
     layer, rotary = build_layer(method, spec, device)
     return layer_case(layer, rotary, spec, seq, rank, device)
+
+
+# -- the mixer level ---------------------------------------------------------------------------
+
+
+def mixer_config(spec: BenchSpec, kind: str) -> Any:
+    """A one-layer config of the model holding ``kind`` (``MIXER_MODELS``; no download): the mixer sized by
+    ``spec`` (heads, kv_heads, head_dim; Mamba-2: ssm_state, ssm_chunk), its layer type the config's only one."""
+    import transformers
+
+    from .models import TINY_DEFAULTS
+
+    common = {
+        **TINY_DEFAULTS,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": 1,
+        "use_cache": False,
+    }
+    if kind == "gated_delta":
+        return transformers.Qwen3_5TextConfig(
+            **common,
+            layer_types=["linear_attention"],
+            linear_num_value_heads=spec.heads,
+            linear_num_key_heads=spec.kv_heads,
+            linear_key_head_dim=spec.head_dim,
+            linear_value_head_dim=spec.head_dim,
+        )
+    if kind == "mamba2":
+        return transformers.NemotronHConfig(
+            **common,
+            layers_block_type=["mamba"],
+            mamba_num_heads=spec.heads,
+            n_groups=spec.kv_heads,
+            mamba_head_dim=spec.head_dim,
+            ssm_state_size=spec.ssm_state,
+            chunk_size=spec.ssm_chunk,
+        )
+    raise ValueError(f"mixer {kind!r}: choose one of {list(MIXER_MODELS)}")
+
+
+def mixer_clock(device: torch.device) -> str:
+    """The mixer level's clock (``CLOCKS``): on CPU the main thread's CPU time (C ranks share a few cores there,
+    so wall time measures the scheduler; the gloo exchanges run on their own threads), on CUDA wall time."""
+    return "cpu" if device.type == "cpu" else "wall"
+
+
+def run_mixer_case(method: Method, spec: BenchSpec, seq: int, rank: int, device: torch.device) -> dict[str, Any]:
+    """The decoder layer of a one-layer hybrid model holding ``method.mixer``, patched by ``apply_upipe`` with
+    ``method.options`` (its ``mixer_head_chunk_size``), forward+backward on this rank's shard (same weights and
+    inputs for every U: same seeds)."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from hf_patches import apply_upipe
+
+    torch.manual_seed(spec.seed)
+    config = mixer_config(spec, method.mixer)
+    model = AutoModelForCausalLM.from_config(config).to(device=device, dtype=DTYPES[spec.dtype])
+    apply_upipe(model, dist.group.WORLD, method.options)
+    layer = model.model.layers[0].train()
+    x0, dy = hidden_inputs(spec, seq, rank, device)
+    # Qwen3.5's decoder layer takes position embeddings positionally; its linear-attention layers do not read them
+    kwargs = {"position_embeddings": None} if method.mixer == "gated_delta" else {}
+    result = measure_layer(layer, x0, dy, spec, device, clock=mixer_clock(device), **kwargs)
+    # a head's parameters (A_log, dt_bias, its conv channels) get their gradient on the rank running the head,
+    # which depends on U: compare the sums over the group, the gradients the optimizer steps with
+    for name, value in result["values"].items():
+        if name.startswith("grad."):
+            dist.all_reduce(value)
+    return result
 
 
 # -- the rank program and the launcher -----------------------------------------------------------
@@ -558,15 +729,15 @@ def _rank_main(rank: int, world: int, spec: BenchSpec) -> list[tuple]:
     device = torch.device(spec.device, rank) if spec.device == "cuda" else torch.device("cpu")
     rows = []
     for level in spec.levels:
-        runner = run_core_case if level == "core" else run_layer_case
+        runner = {"core": run_core_case, "layer": run_layer_case, "mixer": run_mixer_case}[level]
         for seq in spec.seq_lens:
-            # per (documents per row, window): the first method's
-            references: dict[tuple[int, int | None], dict[str, torch.Tensor]] = {}
+            # per (documents per row, window, mixer kind): the first method's
+            references: dict[tuple[int, int | None, str | None], dict[str, torch.Tensor]] = {}
             for method in spec.methods(level):
                 res = runner(method, spec, seq, rank, device)
-                reference = references.setdefault((method.documents, method.window), res["values"])
+                reference = references.setdefault((method.documents, method.window, method.mixer), res["values"])
                 diff = _max_abs_diff(res["values"], reference)
-                rows.append((level, method, seq, res["peak"], res["intermediate"], res["time"], diff))
+                rows.append((level, method, seq, res["peak"], res["intermediate"], res["time"], diff, res["clock"]))
                 del res
                 report_progress()
     return rows
@@ -600,14 +771,15 @@ def combine_ranks(per_rank: list[list[tuple]]) -> list[Measurement]:
     rows: list[Measurement] = []
     for cases in zip(*per_rank):
         level, method, seq = cases[0][:3]
+        u = None if method.options is None else method.options.head_chunk_size
         rows.append(
             Measurement(
                 level=level,
                 method=method.name,
                 kind=method.kind,
-                head_chunk_size=None if method.options is None else method.options.head_chunk_size,
-                # the core level has no projections to fuse
-                fused=None if method.options is None or level == "core" else method.options.fused_projections,
+                head_chunk_size=method.options.mixer_head_chunk_size if level == "mixer" else u,
+                # the core level has no projections to fuse, the mixer level no attention
+                fused=None if method.options is None or level != "layer" else method.options.fused_projections,
                 seq_len=seq,
                 peak_bytes=max(c[3] for c in cases),
                 intermediate_bytes=max(c[4] for c in cases),
@@ -615,11 +787,13 @@ def combine_ranks(per_rank: list[list[tuple]]) -> list[Measurement]:
                 max_abs_diff=max(c[6] for c in cases),
                 documents=method.documents,
                 window=method.window,
+                mixer=method.mixer,
+                clock=cases[0][7],
             )
         )
-    baselines = {(m.level, m.seq_len): m for m in rows if _is_first(m, rows)}
+    baselines = {(m.level, m.seq_len, m.mixer): m for m in rows if _is_first(m, rows)}
     for m in rows:
-        base = baselines[(m.level, m.seq_len)]
+        base = baselines[(m.level, m.seq_len, m.mixer)]
         m.peak_ratio = m.peak_bytes / base.peak_bytes
         m.intermediate_ratio = m.intermediate_bytes / base.intermediate_bytes if base.intermediate_bytes else math.nan
         m.time_ratio = m.time_s / base.time_s
@@ -628,8 +802,8 @@ def combine_ranks(per_rank: list[list[tuple]]) -> list[Measurement]:
 
 def _is_first(m: Measurement, rows: list[Measurement]) -> bool:
     """The baseline of a level is its first method (DeepSpeed at the core, ALST at the layer; with a ring,
-    UPipe x Ring at U = H: Ulysses x Ring)."""
-    first = next(r for r in rows if r.level == m.level and r.seq_len == m.seq_len)
+    UPipe x Ring at U = H: Ulysses x Ring; at the mixer level, per kind, U = H: all heads at once)."""
+    first = next(r for r in rows if (r.level, r.seq_len, r.mixer) == (m.level, m.seq_len, m.mixer))
     return first is m
 
 
@@ -640,6 +814,7 @@ def _is_first(m: Measurement, rows: list[Measurement]) -> bool:
 INTERMEDIATE = {
     "core": "peak minus q, k, v, out, dout, dq, dk, dv (q, k, v require grad; dout materialized)",
     "layer": "activation memory: peak minus the layer's weights and weight gradients",
+    "mixer": "activation memory: peak minus the layer's weights and weight gradients",
 }
 
 
@@ -648,22 +823,26 @@ def format_table(rows: list[Measurement]) -> str:
     lines = []
     for level in dict.fromkeys(r.level for r in rows):
         base = next(r.method for r in rows if r.level == level)
+        if level == "mixer":
+            base = "U = H of each mixer (all heads at once: Ulysses' memory shape)"
         mid = "interm." if level == "core" else "activ."
+        seconds = "fwd+bwd cpu s" if any(r.clock == "cpu" for r in rows if r.level == level) else "fwd+bwd s"
         lines.append(
             f"[{level} level] ratios (x) vs {base}; per-rank memory of the worst rank in MiB; {mid} = "
             f"{INTERMEDIATE[level]}"
         )
         if level == "core":
             lines.append("local attention: " + "; ".join(f"{k}: {v}" for k, v in CORE_LOCAL_ATTENTION.items()))
-        header = (
-            f"{'method':<26}{'seq':>9}{'peak':>10}{'x':>6}{mid:>10}{'x':>6}{'fwd+bwd s':>11}{'x':>6}{'maxdiff':>10}"
-        )
+        if level == "mixer":
+            kinds = dict.fromkeys(r.mixer for r in rows if r.level == level)
+            lines.append("decoder layers: " + "; ".join(f"{k}: {MIXER_MODELS[k]}" for k in kinds))
+        header = f"{'method':<26}{'seq':>9}{'peak':>10}{'x':>6}{mid:>10}{'x':>6}{seconds:>15}{'x':>6}{'maxdiff':>10}"
         lines += [header, "-" * len(header)]
         for r in (r for r in rows if r.level == level):
             lines.append(
                 f"{r.method:<26}{r.seq_len:>9}{r.peak_bytes / 2**20:>10.1f}{r.peak_ratio:>6.2f}"
                 f"{r.intermediate_bytes / 2**20:>10.1f}{r.intermediate_ratio:>6.2f}"
-                f"{r.time_s:>11.3f}{r.time_ratio:>6.2f}{r.max_abs_diff:>10.1e}"
+                f"{r.time_s:>15.3f}{r.time_ratio:>6.2f}{r.max_abs_diff:>10.1e}"
             )
         lines.append("")
     packed = packing_ratios(rows)
@@ -699,6 +878,7 @@ def write_json(path: str | Path, spec: BenchSpec, rows: list[Measurement], extra
         },
         "intermediate_bytes": INTERMEDIATE,
         "core_local_attention": CORE_LOCAL_ATTENTION,
+        "mixer_models": MIXER_MODELS,
         "results": [asdict(r) for r in rows],
         "packing": packing_ratios(rows),
         "windows": window_ratios(rows),
@@ -741,9 +921,8 @@ def plot(path: str | Path, rows: list[Measurement], title: str = "") -> None:
             row_axes[0].plot(xs, [r.peak_bytes / 2**20 for r in pts], style, marker="o", label=method)
             row_axes[1].plot(xs, [r.intermediate_bytes / 2**20 for r in pts], style, marker="o", label=method)
             row_axes[2].plot(xs, [r.time_s for r in pts], style, marker="o", label=method)
-        for ax, ylabel in zip(
-            row_axes, ("peak memory per rank (MiB)", "intermediate memory (MiB)", "fwd+bwd time (s)")
-        ):
+        seconds = "fwd+bwd CPU time (s)" if level_rows[0].clock == "cpu" else "fwd+bwd time (s)"
+        for ax, ylabel in zip(row_axes, ("peak memory per rank (MiB)", "intermediate memory (MiB)", seconds)):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("sequence length (tokens)")
             ax.set_ylabel(ylabel)

@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Spawns --world ranks (gloo on CPU, nccl on GPU) and runs every method over the same inputs at "
         "the attention-core level and the decoder-layer level: per-rank peak memory, intermediate memory and "
         "forward+backward time, with ratios to the baseline (DeepSpeed's DistributedAttention at the core, ALST at "
-        "the layer).  Writes OUT.json and OUT.png.",
+        "the layer; at the mixer level, --levels mixer, each hybrid mixer at U = H: all heads at once).  Writes "
+        "OUT.json and OUT.png.",
     )
     bench.add_argument("--world", type=int, default=4, help="ranks = sequence-parallel degree C (default 4)")
     bench.add_argument(
@@ -160,13 +161,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--levels",
         default="core,layer",
-        help="comma-separated: core, layer (default both); or 'ops' alone: the op-count benchmark "
+        help="comma-separated: core, layer (default both), mixer (one hybrid decoder layer per --mixers kind, UPipe's "
+        "mixer stages at each U against U = H); or 'ops' alone: the op-count benchmark "
         "(collectives, copy bytes, aten ops and host syncs per step on rank 0, main-thread CPU time averaged "
         "over the ranks; CPU)",
     )
-    bench.add_argument("--heads", type=int, default=32)
-    bench.add_argument("--kv-heads", type=int, default=8)
-    bench.add_argument("--head-dim", type=int, default=64)
+    bench.add_argument("--heads", type=int, default=32, help="query heads (mixer level: value heads / SSM heads)")
+    bench.add_argument("--kv-heads", type=int, default=8, help="KV heads (mixer level: key heads / Mamba-2 B,C groups)")
+    bench.add_argument("--head-dim", type=int, default=64, help="(mixer level: key and value / SSM head dim)")
+    bench.add_argument(
+        "--mixers",
+        default="gated_delta,mamba2",
+        help="mixer level: comma-separated kinds, gated_delta (a Qwen3.5 layer), mamba2 (a Nemotron-H layer)",
+    )
+    bench.add_argument("--ssm-state", type=int, default=64, help="mixer level, mamba2: SSM state size (default 64)")
+    bench.add_argument("--ssm-chunk", type=int, default=64, help="mixer level, mamba2: scan chunk length (default 64)")
     bench.add_argument("--hidden", type=int, default=None, help="layer level (default heads * head-dim)")
     bench.add_argument("--intermediate", type=int, default=None, help="layer level (default 2 * hidden)")
     bench.add_argument("--tiled-mlp", action="store_true", help="layer level: DeepSpeed's TiledMLP")
@@ -330,6 +339,9 @@ def _bench(args: argparse.Namespace) -> int:
         batch=args.batch,
         documents=args.documents,
         window=args.window,
+        mixers=tuple(x.strip() for x in args.mixers.split(",") if x.strip()),
+        ssm_state=args.ssm_state,
+        ssm_chunk=args.ssm_chunk,
         dtype=dtype,
         head_chunk_sizes=args.head_chunk_sizes,
         repeats=args.repeats,
