@@ -33,7 +33,7 @@ CPU = not torch.cuda.is_available()
 if CPU:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator (gloo); before `import deepspeed`
 
-from ds_upipe.tools.models import ARCHS, tiny_causal_lm
+from ds_upipe.tools.models import ARCHS, tiny_causal_lm  # noqa: E402 - ds_upipe imports deepspeed: after DS_ACCELERATOR
 
 DATA = ("plain", "prompt_completion", "packing", "padding_free")
 

@@ -126,7 +126,9 @@ def _per_token_modules(base: nn.Module) -> tuple[list[tuple[str, nn.Module]], li
         if all(isinstance(getattr(layer, n, None), nn.Module) for n in (*_LAYER_NORMS, "mlp")):
             norms += [(f"{where}.{n}", getattr(layer, n)) for n in _LAYER_NORMS]
             mlps.append((f"{where}.mlp", layer.mlp))
-        elif isinstance(getattr(layer, "norm", None), nn.Module) and isinstance(getattr(layer, "mixer", None), nn.Module):
+        elif isinstance(getattr(layer, "norm", None), nn.Module) and isinstance(
+            getattr(layer, "mixer", None), nn.Module
+        ):
             norms.append((f"{where}.norm", layer.norm))
             if layer_type(base.config, index) in POSITIONWISE_LAYER_TYPES:
                 mlps.append((f"{where}.mixer", layer.mixer))

@@ -182,7 +182,9 @@ def test_hybrid_sft_under_upipe_equals_no_sp(hybrid_runs, name):
     run = hybrid_runs[name]
     assert run["arch"] == arch and hybrid_runs[f"no_sp:{arch}"]["arch"] == arch, run
     assert run["long_context"] == {"tiled_loss": True, "tiled_norm": True, "tiled_mlp": True}, run
-    assert [k for entry in run["logs"] for k in entry].count("eval_loss") == 3, run["logs"]  # steps 2, 3 (the last), evaluate()
+    assert [k for entry in run["logs"] for k in entry].count("eval_loss") == 3, run[
+        "logs"
+    ]  # steps 2, 3 (the last), evaluate()
 
 
 def _check_equals_no_sp(runs: dict[str, dict[str, Any]], name: str, reference_name: str) -> None:
@@ -239,3 +241,27 @@ def test_sequence_level_trl_trainers_are_refused_under_sp():
     sft = SFTTrainer.__new__(SFTTrainer)
     sft.accelerator = types.SimpleNamespace(parallelism_config=sp)
     trainer_sp.refuse_sequence_level_trl_losses(sft)  # SFTTrainer is supported
+
+
+def test_linear_attention_refusal_follows_the_ds_config(monkeypatch):
+    """accelerate refuses linear-attention layers under SP before the registration; enable()'s replacement lifts
+    that under UPipe (its mixers run head-sharded) and, under ALST, refuses every mixer kind, also Nemotron-H's,
+    which accelerate's ``layer_types`` test misses.  Real tiny models; the active ds_config is set by hand."""
+    from accelerate import accelerator
+
+    from ds_upipe.integration import hf_integration
+    from ds_upipe.tools.models import tiny_causal_lm
+
+    refuse = hf_integration._wrap_recurrent_refusal(accelerator._refuse_recurrent_layers_under_sequence_parallelism)
+    models = {arch: tiny_causal_lm(arch) for arch in ("llama", "qwen3_5", "nemotron_h")}
+    for upipe_block in (None, {"enabled": True}):  # UPipe: a block that does not say "enabled": false
+        monkeypatch.setattr(hf_integration, "_active_ds_config", lambda block=upipe_block: {"upipe": block})
+        for model in models.values():
+            refuse(model)
+    monkeypatch.setattr(hf_integration, "_active_ds_config", lambda: {"upipe": {"enabled": False}})
+    refuse(models["llama"])
+    for arch, mixer in (("qwen3_5", "Qwen3_5GatedDeltaNet"), ("nemotron_h", "NemotronHMamba2Mixer")):
+        with pytest.raises(ValueError) as refused:
+            refuse(models[arch])
+        for words in (mixer, "DeepSpeed ALST", '"upipe": {"enabled": true}'):
+            assert words in str(refused.value), (arch, str(refused.value))

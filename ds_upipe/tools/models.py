@@ -47,7 +47,11 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     # hybrids: a mixer layer, then softmax attention
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _GATED_DELTA),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**_GATED_DELTA, **_MOE, "output_router_logits": False}),
-    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", {**_GATED_DELTA, "pad_token_id": None, "eos_token_id": None}),
+    "olmo_hybrid": (
+        "OlmoHybridConfig",
+        "OlmoHybridForCausalLM",
+        {**_GATED_DELTA, "pad_token_id": None, "eos_token_id": None},
+    ),
     # Mamba-2, attention, then an MLP-only layer; 4 SSM heads in 2 B/C groups, chunks of 8 (a shard spans several)
     "nemotron_h": (
         "NemotronHConfig",
