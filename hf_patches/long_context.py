@@ -43,6 +43,8 @@ ForwardLoss = Literal["local", "sequence_parallel"]
 _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 #: the decoder's final norm: ``norm`` (transformers' usual name), ``norm_f`` (Nemotron-H)
 _FINAL_NORMS = ("norm", "norm_f")
+#: the two layouts ``_per_token_modules`` reads, for its errors
+_LAYOUTS = "layers[i].mlp with the layer norms, or layers[i].norm before layers[i].mixer (Nemotron-H), and a final norm"
 
 
 @dataclass
@@ -113,6 +115,14 @@ def _check_options(
             raise ValueError(f"tiled_loss does not apply final_logit_softcapping={softcap}; it must be None")
 
 
+def _layout_error(what: str) -> ValueError:
+    return ValueError(
+        f"apply_long_context_stack: {what} is not laid out as transformers' decoders are ({_LAYOUTS}), which the "
+        "stack's tiled norms and MLPs replace; the family registry's models are: "
+        + ", ".join(supported_model_classes())
+    )
+
+
 def _per_token_modules(base: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
     """(norms, MLPs) the stack tiles, as (qualified name, module), in one of the two layouts of transformers'
     decoders: a layer holding ``input_layernorm``, ``post_attention_layernorm`` and ``mlp`` (Llama, Qwen3.5,
@@ -126,18 +136,12 @@ def _per_token_modules(base: nn.Module) -> tuple[list[tuple[str, nn.Module]], li
         if all(isinstance(getattr(layer, n, None), nn.Module) for n in (*_LAYER_NORMS, "mlp")):
             norms += [(f"{where}.{n}", getattr(layer, n)) for n in _LAYER_NORMS]
             mlps.append((f"{where}.mlp", layer.mlp))
-        elif isinstance(getattr(layer, "norm", None), nn.Module) and isinstance(
-            getattr(layer, "mixer", None), nn.Module
-        ):
+        elif all(isinstance(getattr(layer, n, None), nn.Module) for n in ("norm", "mixer")):
             norms.append((f"{where}.norm", layer.norm))
             if layer_type(base.config, index) in POSITIONWISE_LAYER_TYPES:
                 mlps.append((f"{where}.mixer", layer.mixer))
         else:
-            raise ValueError(
-                f"apply_long_context_stack: decoder layer {index} ({type(layer).__name__}) holds neither "
-                f"{', '.join(_LAYER_NORMS)} and mlp nor a norm and a mixer, which the stack's tiled norms and MLPs "
-                f"replace; the family registry's models are: {', '.join(supported_model_classes())}"
-            )
+            raise _layout_error(f"decoder layer {index} ({type(layer).__name__})")
     final = next((n for n in _FINAL_NORMS if isinstance(getattr(base, n, None), nn.Module)), None)
     if final is None:
         raise ValueError(
@@ -152,11 +156,7 @@ def _decoder_of(hf_model: nn.Module) -> nn.Module:
     with its layers in an ``nn.ModuleList`` (their norms and MLPs: ``_per_token_modules``)."""
     base = decoder_stack(hf_model, "apply_long_context_stack")
     if not isinstance(getattr(base, "layers", None), nn.ModuleList):
-        raise ValueError(
-            f"apply_long_context_stack: {type(hf_model).__name__}'s decoder ({type(base).__name__}) has no "
-            "layers ModuleList, whose norms and MLPs the stack's tiled norms and MLPs replace; the family "
-            f"registry's models are: {', '.join(supported_model_classes())}"
-        )
+        raise _layout_error(f"{type(hf_model).__name__}'s decoder ({type(base).__name__})")
     return base
 
 
