@@ -14,7 +14,9 @@ sequence parallelism (``--sp_size 1``); see docs/trainer_accelerate.md, "TRL".
 ``--data``: ``plain`` (text of random lengths, padded per batch), ``prompt_completion`` (loss on the
 completion only), ``packing`` (TRL's best-fit-decreasing packing into rows of ``--seq_len``) or
 ``padding_free`` (a batch of ``--batch_size`` sequences flattened into one row).  The model is a tiny
-Llama built from a config, the tokenizer a word-level one built in code: nothing is downloaded.
+one built from a config (``--arch``: Llama, or a hybrid such as Qwen3.5 or Nemotron-H, whose linear-attention
+/ state-space layers UPipe runs head-sharded), the tokenizer a word-level one built in code: nothing is
+downloaded.
 ``--metrics_out`` writes the logged training metrics, the eval metrics and the UPipe stage counts.
 """
 
@@ -25,11 +27,13 @@ import os
 import random
 
 import torch
-from tiny_llama import report_metrics, sequence_parallelism, stage_runs_per_rank, tiny_llama_config
+from tiny_llama import report_metrics, sequence_parallelism, stage_runs_per_rank
 
 CPU = not torch.cuda.is_available()
 if CPU:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator (gloo); before `import deepspeed`
+
+from ds_upipe.tools.models import ARCHS, tiny_causal_lm  # noqa: E402 - ds_upipe imports deepspeed: after DS_ACCELERATOR
 
 DATA = ("plain", "prompt_completion", "packing", "padding_free")
 
@@ -37,6 +41,12 @@ DATA = ("plain", "prompt_completion", "packing", "padding_free")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepspeed", default="examples/ds_config_upipe.json", help="ds_config JSON with the upipe block")
+    p.add_argument(
+        "--arch",
+        choices=list(ARCHS),
+        default="llama",
+        help="the tiny model's architecture (ds_upipe.tools.models: llama; hybrids such as qwen3_5, nemotron_h)",
+    )
     p.add_argument("--sp_size", type=int, default=2, help="sequence-parallel size (1: no sequence parallelism)")
     p.add_argument("--data", choices=DATA, default="plain")
     p.add_argument("--seq_len", type=int, default=64, help="SFTConfig.max_length (and the packed row length)")
@@ -91,7 +101,7 @@ def dataset(kind: str, n: int, vocab_size: int, seq_len: int, seed: int):  # noq
 
 def main(argv: list[str] | None = None) -> None:
     opts = parse_args(argv)
-    from transformers import LlamaForCausalLM, TrainerCallback
+    from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
     from ds_upipe import hf_integration
@@ -129,10 +139,8 @@ def main(argv: list[str] | None = None) -> None:
         dataset_num_proc=None,
     )
     torch.manual_seed(opts.seed)
-    config = tiny_llama_config(opts.seq_len)
-    if opts.init_std is not None:
-        config.initializer_range = opts.init_std
-    model = LlamaForCausalLM(config)
+    init = {} if opts.init_std is None else {"initializer_range": opts.init_std}
+    model = tiny_causal_lm(opts.arch, max_position_embeddings=opts.seq_len, **init)
     vocab = model.config.vocab_size
     model.config.pad_token_id, model.config.eos_token_id = 0, 1
     tokenizer = word_tokenizer(vocab)
@@ -164,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "world_size": torch.distributed.get_world_size(),
         "sp_size": opts.sp_size,
+        "arch": opts.arch,
         "data": opts.data,
         "grad_accum": opts.grad_accum,
         "ds_config": opts.deepspeed,

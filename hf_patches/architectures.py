@@ -207,7 +207,7 @@ def find_decoder(hf_model: nn.Module, caller: str = "apply_upipe") -> DecoderMod
         mixers.extend((i, m) for m in layer_mixers)
         found = [m for m in layer.modules() if calls_attention_registry(m)]
         if not found:
-            if layer_mixers or _layer_type(config, i) in POSITIONWISE_LAYER_TYPES:
+            if layer_mixers or layer_type(config, i) in POSITIONWISE_LAYER_TYPES:
                 continue
             raise _refuse(
                 i, layer, "no attention module that calls transformers' attention registry (a non-attention layer)"
@@ -228,7 +228,7 @@ def find_decoder(hf_model: nn.Module, caller: str = "apply_upipe") -> DecoderMod
     return DecoderModel(getattr(config, "model_type", "") or type(base).__name__, base, attentions, mixers)
 
 
-def _layer_type(config: Any, layer: int) -> str | None:
+def layer_type(config: Any, layer: int) -> str | None:
     """The layer's type in ``config.layer_types`` or ``config.layers_block_type`` (None: not listed)."""
     for key in ("layer_types", "layers_block_type"):
         kinds = getattr(config, key, None) or ()

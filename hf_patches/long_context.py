@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 from torch import nn
 
-from .architectures import decoder_stack
+from .architectures import POSITIONWISE_LAYER_TYPES, decoder_stack, layer_type
 from .data import IGNORE_INDEX
 from .loss import tiled_causal_lm_loss, tiled_sequence_parallel_loss
 from .moe_tiling import find_router, mark_zero3_leaf, tiled_moe
@@ -41,6 +41,10 @@ from .tiling import _forward_function, tiled_mlp, tiled_norm
 
 ForwardLoss = Literal["local", "sequence_parallel"]
 _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+#: the decoder's final norm: ``norm`` (transformers' usual name), ``norm_f`` (Nemotron-H)
+_FINAL_NORMS = ("norm", "norm_f")
+#: the two layouts ``_per_token_modules`` reads, for its errors
+_LAYOUTS = "layers[i].mlp with the layer norms, or layers[i].norm before layers[i].mixer (Nemotron-H), and a final norm"
 
 
 @dataclass
@@ -111,29 +115,48 @@ def _check_options(
             raise ValueError(f"tiled_loss does not apply final_logit_softcapping={softcap}; it must be None")
 
 
-def _layer_modules(base: nn.Module, name: str) -> list[tuple[str, nn.Module]]:
-    """(qualified name, module) of attribute ``name`` of every decoder layer."""
-    found = []
+def _layout_error(what: str) -> ValueError:
+    return ValueError(
+        f"apply_long_context_stack: {what} is not laid out as transformers' decoders are ({_LAYOUTS}), which the "
+        "stack's tiled norms and MLPs replace; the family registry's models are: "
+        + ", ".join(supported_model_classes())
+    )
+
+
+def _per_token_modules(base: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
+    """(norms, MLPs) the stack tiles, as (qualified name, module), in one of the two layouts of transformers'
+    decoders: a layer holding ``input_layernorm``, ``post_attention_layernorm`` and ``mlp`` (Llama, Qwen3.5,
+    and most others), or a one-mixer block (Nemotron-H: ``norm`` before ``mixer``, the mixer an MLP or MoE
+    block where the config's layer type is position-wise, ``architectures.POSITIONWISE_LAYER_TYPES``); then
+    the final norm (``norm``, Nemotron-H's ``norm_f``).  ValueError naming a layer of neither layout."""
+    norms: list[tuple[str, nn.Module]] = []
+    mlps: list[tuple[str, nn.Module]] = []
     for index, layer in enumerate(base.layers):
-        module = getattr(layer, name, None)
-        if module is None:
-            raise ValueError(f"decoder layer {index} ({type(layer).__name__}) has no {name}")
-        found.append((f"layers.{index}.{name}", module))
-    return found
+        where = f"layers.{index}"
+        if all(isinstance(getattr(layer, n, None), nn.Module) for n in (*_LAYER_NORMS, "mlp")):
+            norms += [(f"{where}.{n}", getattr(layer, n)) for n in _LAYER_NORMS]
+            mlps.append((f"{where}.mlp", layer.mlp))
+        elif all(isinstance(getattr(layer, n, None), nn.Module) for n in ("norm", "mixer")):
+            norms.append((f"{where}.norm", layer.norm))
+            if layer_type(base.config, index) in POSITIONWISE_LAYER_TYPES:
+                mlps.append((f"{where}.mixer", layer.mixer))
+        else:
+            raise _layout_error(f"decoder layer {index} ({type(layer).__name__})")
+    final = next((n for n in _FINAL_NORMS if isinstance(getattr(base, n, None), nn.Module)), None)
+    if final is None:
+        raise ValueError(
+            f"apply_long_context_stack: {type(base).__name__} has no final norm ({' or '.join(_FINAL_NORMS)}), "
+            "which the stack's tiled norm replaces"
+        )
+    return norms + [(final, getattr(base, final))], mlps
 
 
 def _decoder_of(hf_model: nn.Module) -> nn.Module:
     """The decoder stack the stack tiles (``architectures.decoder_stack``: the rule ``apply_upipe`` uses),
-    laid out as transformers' decoders are: ``layers[i].mlp``, the layer norms, a final ``norm``."""
+    with its layers in an ``nn.ModuleList`` (their norms and MLPs: ``_per_token_modules``)."""
     base = decoder_stack(hf_model, "apply_long_context_stack")
-    if not isinstance(getattr(base, "layers", None), nn.ModuleList) or not isinstance(
-        getattr(base, "norm", None), nn.Module
-    ):
-        raise ValueError(
-            f"apply_long_context_stack: {type(hf_model).__name__}'s decoder ({type(base).__name__}) is not laid out "
-            "as transformers' decoders are (layers[i].mlp, the layer norms, a final norm), which the stack's tiled "
-            f"norms and MLPs replace; the family registry's models are: {', '.join(supported_model_classes())}"
-        )
+    if not isinstance(getattr(base, "layers", None), nn.ModuleList):
+        raise _layout_error(f"{type(hf_model).__name__}'s decoder ({type(base).__name__})")
     return base
 
 
@@ -291,11 +314,11 @@ def _plan(
         ignore_index=ignore_index,
     )
     targets: list[tuple[str, nn.Module, Any, int | None]] = []
+    norms, mlps = _per_token_modules(base)
     if tiled_norm:
-        norms = [m for name in _LAYER_NORMS for m in _layer_modules(base, name)] + [("norm", base.norm)]
         targets += [(name, m, _norm_forward, stack.norm_tile_tokens) for name, m in norms]
     if tiled_mlp:
-        for name, mlp in _layer_modules(base, "mlp"):
+        for name, mlp in mlps:
             found = find_router(base, name, mlp)  # a sparse MoE block's router (or a ValueError naming the layer)
             forward = _mlp_forward
             if found is not None:

@@ -110,3 +110,45 @@ def test_default_tiles_cut_every_shard():
     model(input_ids=ids, labels=ids).loss.backward()
     # 64 tokens: 8 tiles of 8 in the forward and 8 recomputed in the backward
     assert calls["lm_head"] == 16 and calls["mlp"] == 16, calls
+
+
+#: the modules the stack tiles in the hybrids' two layouts (tiny configs of ds_upipe.tools.models)
+HYBRID_PATCHED = {
+    "qwen3_5": [f"layers.{i}.{n}" for i in (0, 1) for n in ("input_layernorm", "post_attention_layernorm")]
+    + ["norm", "layers.0.mlp", "layers.1.mlp", "forward"],
+    # one-mixer blocks: every block's norm, the final norm_f, the mixer of the MLP-only layer 2 only
+    "nemotron_h": ["layers.0.norm", "layers.1.norm", "layers.2.norm", "norm_f", "layers.2.mixer", "forward"],
+}
+
+
+def test_hybrid_layouts_tiled_exactly():
+    """Qwen3.5 (layer norms and mlp around a gated delta layer) and Nemotron-H (Mamba-2, attention and MLP-only
+    blocks: a norm before each mixer, norm_f) through the whole stack in one process, float64 with transformers'
+    float32 casts kept float64 (tests/mixer_mamba2_cases.py ``float64_internals``): loss and every gradient equal
+    the untiled model's (tiles of 5 / 3 / 4 tokens over 2 x 12), and the layouts' modules are the ones tiled."""
+    import copy
+
+    import hf_patches
+    from ds_upipe.tools.models import tiny_causal_lm
+    from tests.hf_cases import make_batch, relative_error
+    from tests.mixer_mamba2_cases import float64_internals
+
+    for arch, patched in HYBRID_PATCHED.items():
+        torch.manual_seed(0)
+        plain = tiny_causal_lm(arch, vocab_size=101).to(torch.float64)
+        tiled = copy.deepcopy(plain)
+        hf_patches.apply_long_context_stack(
+            tiled, tiled_loss=True, tiled_norm=True, tiled_mlp=True, loss_tile_tokens=5, norm_tile_tokens=3,
+            mlp_tile_tokens=4,
+        )  # fmt: skip
+        assert hf_patches.long_context_stack(tiled).patched == patched, arch
+        batch = make_batch(0, 2, 12)
+        with float64_internals():
+            losses = [model(**batch).loss for model in (plain, tiled)]
+            for loss in losses:
+                loss.backward()
+        assert relative_error(losses[1], losses[0]) <= TOLERANCE[torch.float64], (arch, losses)
+        grads = dict(tiled.named_parameters())
+        for name, p in plain.named_parameters():
+            error = relative_error(grads[name].grad, p.grad)
+            assert error <= TOLERANCE[torch.float64], (arch, name, error)

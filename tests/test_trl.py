@@ -21,6 +21,8 @@ processes deep: tests/launches.py, ``run_pool``):
 - prompt-completion (loss on the completion only), gradient accumulation 2, ZeRO-2, rows padded to 64;
   eval batches of 2 rows on 7 samples: the last round repeats one row of a batch;
 - TRL's packing (bfd) with the long-context stack (tiled loss, norms and MLP) in the ds_config, ZeRO-3;
+- hybrid models (``HYBRID_CASES``, their own fixture): a tiny Qwen3.5 and a tiny Nemotron-H (``--arch``), plain text,
+  ZeRO-3, the long-context stack, TRL's activation checkpointing, eval every 2 steps;
 - padding-free, batch 2 (TRL's varlen keys cu_seq_lens_* / max_length_* / seq_idx), accumulation 4, on
   22 training samples (11 batches: the last round repeats a batch in training) and 7 eval samples (the
   last eval row holds a sample and a repeated one, end to end).  ``epoch`` is left out here: the
@@ -87,6 +89,12 @@ CASES: dict[str, tuple[str, str, tuple[str, ...]]] = {
         + ("--eval_steps", "2"),
     ),
 }
+#: hybrid models (``--arch``, ``ds_upipe.tools.models``): their mixers (Qwen3.5's gated delta net, Nemotron-H's
+#: Mamba-2) run head-sharded, with the long-context stack (Qwen3.5's MLPs, Nemotron-H's MLP-only layers and
+#: block norms); plain text, TRL's dynamic padding, ZeRO-3, TRL's activation checkpointing (SFTConfig's default)
+HYBRID_CASES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    f"{arch}_stack": (arch, "stack", ("--arch", arch, "--eval_steps", "2")) for arch in ("qwen3_5", "nemotron_h")
+}
 #: logged keys that are not the model's numbers: wall-clock times and rates, and the Trainer's FLOP
 #: estimate under ZeRO-3 (module docstring)
 NOT_COMPARED = ("_runtime", "_per_second", "total_flos")
@@ -125,16 +133,25 @@ def _ds_config(work: Path, change: str) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
-    work = tmp_path_factory.mktemp("trl")
+def _run_cases(work: Path, cases: dict[str, tuple[str, str, tuple[str, ...]]]) -> dict[str, dict[str, Any]]:
+    """Each case's UPipe launch (SP 2) and its non-SP reference (1 process, "no_sp:<reference>"), in one pool."""
     launches: dict[str, tuple[list[str], Path, int]] = {}
-    for name, (reference, change, flags) in CASES.items():
+    for name, (reference, change, flags) in cases.items():
         config = _ds_config(work, change)
         launches[name] = _torchrun(2, work / f"{name}.json", "--sp_size", "2", "--deepspeed", config, *flags)
         if f"no_sp:{reference}" not in launches:  # the non-SP reference (1 process), started beside the SP launch
             launches[f"no_sp:{reference}"] = _torchrun(1, work / f"no_sp_{reference}.json", "--sp_size", "1", *flags)
     return _pool(launches)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    return _run_cases(tmp_path_factory.mktemp("trl"), CASES)
+
+
+@pytest.fixture(scope="module")
+def hybrid_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    return _run_cases(tmp_path_factory.mktemp("trl_hybrid"), HYBRID_CASES)
 
 
 def _relative(got: float, want: float) -> float:
@@ -150,7 +167,28 @@ def _compared(name: str, entry: dict[str, float]) -> dict[str, float]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_sft_under_upipe_equals_no_sp(runs, name):
     """Every entry TRL and the Trainer log, every key of it, equal to the run without SP."""
-    reference = runs[f"no_sp:{CASES[name][0]}"]
+    _check_equals_no_sp(runs, name, CASES[name][0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(HYBRID_CASES))
+def test_hybrid_sft_under_upipe_equals_no_sp(hybrid_runs, name):
+    """A hybrid model (Qwen3.5, Nemotron-H) through TRL's SFTTrainer under UPipe, ZeRO-3, the long-context stack
+    and activation checkpointing: every logged entry (training losses, grad norms, eval losses, ...) equal to
+    the run without SP at the float32 tolerance of the other cases (Nemotron-H's float32 internals are float32
+    in both runs), with the stack on the model TRL trained."""
+    arch = HYBRID_CASES[name][0]
+    _check_equals_no_sp(hybrid_runs, name, arch)
+    run = hybrid_runs[name]
+    assert run["arch"] == arch and hybrid_runs[f"no_sp:{arch}"]["arch"] == arch, run
+    assert run["long_context"] == {"tiled_loss": True, "tiled_norm": True, "tiled_mlp": True}, run
+    assert [k for entry in run["logs"] for k in entry].count("eval_loss") == 3, run[
+        "logs"
+    ]  # steps 2, 3 (the last), evaluate()
+
+
+def _check_equals_no_sp(runs: dict[str, dict[str, Any]], name: str, reference_name: str) -> None:
+    reference = runs[f"no_sp:{reference_name}"]
     run = runs[name]
     assert len(reference["train_losses"]) == 3, reference
     assert len(run["logs"]) == len(reference["logs"]), (run["logs"], reference["logs"])
@@ -203,3 +241,27 @@ def test_sequence_level_trl_trainers_are_refused_under_sp():
     sft = SFTTrainer.__new__(SFTTrainer)
     sft.accelerator = types.SimpleNamespace(parallelism_config=sp)
     trainer_sp.refuse_sequence_level_trl_losses(sft)  # SFTTrainer is supported
+
+
+def test_linear_attention_refusal_follows_the_ds_config(monkeypatch):
+    """accelerate refuses linear-attention layers under SP before the registration; enable()'s replacement lifts
+    that under UPipe (its mixers run head-sharded) and, under ALST, refuses every mixer kind, also Nemotron-H's,
+    which accelerate's ``layer_types`` test misses.  Real tiny models; the active ds_config is set by hand."""
+    from accelerate import accelerator
+
+    from ds_upipe.integration import hf_integration
+    from ds_upipe.tools.models import tiny_causal_lm
+
+    refuse = hf_integration._wrap_recurrent_refusal(accelerator._refuse_recurrent_layers_under_sequence_parallelism)
+    models = {arch: tiny_causal_lm(arch) for arch in ("llama", "qwen3_5", "nemotron_h")}
+    for upipe_block in (None, {"enabled": True}):  # UPipe: a block that does not say "enabled": false
+        monkeypatch.setattr(hf_integration, "_active_ds_config", lambda block=upipe_block: {"upipe": block})
+        for model in models.values():
+            refuse(model)
+    monkeypatch.setattr(hf_integration, "_active_ds_config", lambda: {"upipe": {"enabled": False}})
+    refuse(models["llama"])
+    for arch, mixer in (("qwen3_5", "Qwen3_5GatedDeltaNet"), ("nemotron_h", "NemotronHMamba2Mixer")):
+        with pytest.raises(ValueError) as refused:
+            refuse(models[arch])
+        for words in (mixer, "DeepSpeed ALST", '"upipe": {"enabled": true}'):
+            assert words in str(refused.value), (arch, str(refused.value))

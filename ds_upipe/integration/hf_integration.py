@@ -7,7 +7,7 @@ time*, calls its ``register_with_transformers`` (which builds the sequence-paral
 returns the mpu) and wraps the data loaders in ``UlyssesSPDataLoaderAdapter``; the Trainer then
 computes the loss across the sequence ranks (``deepspeed_sp_compute_loss``).
 
-``enable()`` keeps all of that and changes five things, process-wide, until ``disable()`` (ten
+``enable()`` keeps all of that and changes six things, process-wide, until ``disable()`` (eleven
 attributes of deepspeed, transformers and their classes, each named in ``enable``; why process-wide:
 ``_ORIGINALS``):
 
@@ -41,6 +41,11 @@ attributes of deepspeed, transformers and their classes, each named in ``enable`
 5. accelerate's ``DeepSpeedPlugin.deepspeed_config_process`` leaves the ``"upipe"`` block alone: it
    takes every ``"auto"`` in a ds_config for one of its own placeholders, and ``head_chunk_size:
    "auto"`` is measured at registration (``_wrap_deepspeed_config_process``).
+6. accelerate's refusal of linear-attention layers under sequence parallelism (which runs before the
+   registration) follows the ds_config: under UPipe those layers' mixers run head-sharded
+   (``hf_patches.mixers``; the registration refuses the kinds it cannot run), so hybrid models train;
+   under ALST every registered mixer kind is refused (``refuse_unexchanged_mixers``), also where
+   accelerate's ``layer_types`` test misses it (Nemotron-H's ``layers_block_type``, LFM2's convs).
 
 Call ``enable()`` once before ``Trainer(...)`` / ``accelerator.prepare(...)``.  Docs:
 docs/trainer_accelerate.md.
@@ -103,8 +108,11 @@ def enable() -> None:
         _wrap_trainer_config_process(HfTrainerDeepSpeedConfig.trainer_config_process),
     )
     _patch(deepspeed, "initialize", _wrap_initialize(deepspeed.initialize))
+    from accelerate import accelerator
     from accelerate.utils import DeepSpeedPlugin
 
+    # accelerate calls it by its module-level name in accelerator.py, before the registration (point 6)
+    _patch(accelerator, _ACCELERATE_REFUSAL, _wrap_recurrent_refusal(getattr(accelerator, _ACCELERATE_REFUSAL)))
     _patch(
         DeepSpeedPlugin,
         "deepspeed_config_process",
@@ -655,6 +663,42 @@ def _fused_forward_in_training_only(self: torch.nn.Module, *args: Any, **kwargs:
     if self.training:
         return self._upipe_fused_forward(*args, **kwargs)
     return type(self).forward(self, *args, **kwargs)
+
+
+_ACCELERATE_REFUSAL = "_refuse_recurrent_layers_under_sequence_parallelism"
+
+
+def refuse_unexchanged_mixers(model: torch.nn.Module, upipe: bool) -> None:
+    """Under ALST (``upipe`` False) refuse a model holding a sequence mixer of a kind ``hf_patches.mixers``
+    runs (linear attention, state space, short conv): ALST shards only softmax attention, so each rank would
+    run its mixers on its own shard from a zero state (wrong outputs and gradients, no error).  Under UPipe
+    the registration patches them (``hf_patches.apply_upipe``) and refuses the kinds it cannot run."""
+    from hf_patches.mixers import mixer_kind_of
+
+    if upipe:
+        return
+    found = sorted({type(m).__name__ for m in model.modules() if mixer_kind_of(type(m).__name__) is not None})
+    if found:
+        raise ValueError(
+            f"ds_upipe: {type(model).__name__} holds sequence mixers ({', '.join(found)}) that DeepSpeed ALST "
+            'does not exchange across the sequence ranks ("upipe": {"enabled": false}); each rank would start '
+            'their state from zero. Set "upipe": {"enabled": true} in the ds_config: UPipe runs them head-sharded'
+        )
+
+
+def _wrap_recurrent_refusal(original: Callable[..., Any]) -> Callable[..., Any]:
+    """accelerate's refusal of linear-attention layers under SP, decided by the ds_config (point 6): lifted
+    under UPipe (anything but ``"upipe": {"enabled": false}``, as the registration reads it; the block is
+    validated there, alike on every rank), kept and extended to every mixer kind under ALST."""
+
+    @functools.wraps(original)
+    def refuse(model: torch.nn.Module) -> None:
+        upipe = ((_active_ds_config() or {}).get("upipe") or {}).get("enabled", True) is not False
+        refuse_unexchanged_mixers(model, upipe)
+        if not upipe:
+            original(model)
+
+    return refuse
 
 
 def _init_deepspeed_comm() -> None:
