@@ -152,6 +152,16 @@ def fused_fallback(model: nn.Module) -> str | None:
     return fused_blocker_of(found.attentions)
 
 
+def check_mixer_head_chunk_size(model: nn.Module, group_size: int, mixer_head_chunk_size: int | None) -> None:
+    """``apply_upipe``'s check of its ``mixer_head_chunk_size`` against the model's sequence mixers, before
+    any group exists (a model ``apply_upipe`` refuses is left to it: it names the layer there)."""
+    try:
+        found = find_decoder(_unwrap(model))
+    except ValueError:
+        return
+    check_mixers(found.mixers, group_size, mixer_head_chunk_size)
+
+
 def _refuse_generate(self: nn.Module, *args: Any, **kwargs: Any) -> None:
     """``generate`` of a patched model: refused at once, before any collective, so every rank that
     calls it raises the same error and no rank waits for another."""

@@ -151,6 +151,9 @@ ERROR_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # name -> (co
     "ring_head_chunk_size": ({"upipe": {"ring_size": 2, "head_chunk_size": 3}}, {}),
     "tiled_loss_without_lm_head": ({"upipe": {"enabled": False, "tiled_loss": True}}, {"_base": True}),
     "tiled_mlp_bad_tile": ({"upipe": {"tiled_mlp": {"tile_tokens": 0}}}, {}),
+    # hybrids: ALST would run the mixers on each rank's shard from a zero state; a U the mixers cannot take
+    "hybrid_with_alst": ({"upipe": {"enabled": False}}, {"_arch": "nemotron_h"}),
+    "hybrid_mixer_head_chunk_size": ({"upipe": {"mixer_head_chunk_size": 3}}, {"_arch": "qwen3_5"}),
 }
 
 
@@ -162,6 +165,12 @@ def tiny_llama(**changes: Any) -> Any:
 
     if changes.pop("_linear", False):
         return torch.nn.Linear(4, 4)
+    arch = changes.pop("_arch", None)
+    if arch is not None:  # a hybrid (tiny_config's layer pattern)
+        from ds_upipe.tools.models import tiny_causal_lm
+
+        torch.manual_seed(0)
+        return tiny_causal_lm(arch, **changes)
     base = changes.pop("_base", False)
     fields = dict(
         vocab_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=8, max_position_embeddings=2048

@@ -152,8 +152,8 @@ def test_refusals():
         parse_config({"upipe": {"checkpoint_pairs": 1}, "activation_checkpointing": {"partition_activations": True}})
     settings = parse_config({"upipe": {"checkpoint_pairs": 2}, "activation_checkpointing": {}})
     with pytest.raises(ValueError, match=r"got 2 for a model with 3 checkpointable decoder layers; allowed: 0 to 1"):
-        check_model_settings(build(3), settings.upipe)
-    check_model_settings(build(4), settings.upipe)
+        check_model_settings(build(3), settings)
+    check_model_settings(build(4), settings)
 
     model = checkpointed(build(2), 1, False)
     layers = model.model.layers

@@ -36,6 +36,12 @@ EXPECTED = {  # case -> pieces every rank's message must contain
         "LlamaModel",
     ],
     "tiled_mlp_bad_tile": ["upipe.tiled_mlp: got {'tile_tokens': 0}; allowed: true, false, or"],
+    "hybrid_with_alst": ["upipe.enabled: got false", "NemotronHMamba2Mixer", '"upipe": {"enabled": true}'],
+    "hybrid_mixer_head_chunk_size": [
+        "upipe.mixer_head_chunk_size: apply_upipe: decoder layer 0 (Qwen3_5GatedDeltaNet)",
+        "mixer_head_chunk_size=3",
+        "Valid values: 2, 4",
+    ],
 }
 RANKS_EXPECTED = {  # rank 1's config differs from rank 0's: the same error on both, naming per-rank values
     "sequence_parallel_size": ["ds_config settings differ across ranks: sequence_parallel_size per rank [2, 1]"],

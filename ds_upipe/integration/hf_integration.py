@@ -78,6 +78,7 @@ from .sp_setup import (
     configure_activation_checkpointing,
     packed_rows_per_document,
     prepare_for_run,
+    refuse_unexchanged_mixers,
     runs_fused,
 )
 
@@ -199,7 +200,7 @@ class Registration:
         Trainer / accelerate / ALST's recipe combine the ranks' losses) and activation checkpointing.
         Raises (the same on every rank) before any collective if the model cannot take them."""
         assert self.settings is not None and self.ds_config is not None
-        check_model_settings(model, self.settings.upipe)
+        check_model_settings(model, self.settings)
         prepare_for_run(
             model,
             self.settings,
@@ -389,7 +390,7 @@ def _register_for_accelerate(args: dict[str, Any]) -> Any:
     # disable_in_eval=True because without enable() the Trainer's eval batches are not sharded)
     args = {**args, "disable_in_eval": False}
     model = args["model_name_or_path"]  # accelerate passes the model object
-    check_model_settings(model, settings.upipe)  # before the registration's collectives (group creation)
+    check_model_settings(model, settings)  # before the registration's collectives (group creation)
     if settings.upipe.enabled:
         mpu, head_chunk_size = _register_upipe(args, settings)
     else:  # ALST from the ds_config: exact on packed rows with sdpa too
@@ -415,7 +416,7 @@ def _register_direct(args: dict[str, Any]) -> Any:
     model = args["model_name_or_path"]
     is_module = isinstance(model, torch.nn.Module)
     if settings is not None and is_module:
-        check_model_settings(model, settings.upipe)  # before the registration's collectives
+        check_model_settings(model, settings)  # before the registration's collectives
     if settings is not None and settings.upipe.enabled:
         _init_deepspeed_comm()
         mpu, head_chunk_size = _register_upipe(args, settings)
@@ -668,24 +669,6 @@ def _fused_forward_in_training_only(self: torch.nn.Module, *args: Any, **kwargs:
 _ACCELERATE_REFUSAL = "_refuse_recurrent_layers_under_sequence_parallelism"
 
 
-def refuse_unexchanged_mixers(model: torch.nn.Module, upipe: bool) -> None:
-    """Under ALST (``upipe`` False) refuse a model holding a sequence mixer of a kind ``hf_patches.mixers``
-    runs (linear attention, state space, short conv): ALST shards only softmax attention, so each rank would
-    run its mixers on its own shard from a zero state (wrong outputs and gradients, no error).  Under UPipe
-    the registration patches them (``hf_patches.apply_upipe``) and refuses the kinds it cannot run."""
-    from hf_patches.mixers import mixer_kind_of
-
-    if upipe:
-        return
-    found = sorted({type(m).__name__ for m in model.modules() if mixer_kind_of(type(m).__name__) is not None})
-    if found:
-        raise ValueError(
-            f"ds_upipe: {type(model).__name__} holds sequence mixers ({', '.join(found)}) that DeepSpeed ALST "
-            'does not exchange across the sequence ranks ("upipe": {"enabled": false}); each rank would start '
-            'their state from zero. Set "upipe": {"enabled": true} in the ds_config: UPipe runs them head-sharded'
-        )
-
-
 def _wrap_recurrent_refusal(original: Callable[..., Any]) -> Callable[..., Any]:
     """accelerate's refusal of linear-attention layers under SP, decided by the ds_config (point 6): lifted
     under UPipe (anything but ``"upipe": {"enabled": false}``, as the registration reads it; the block is
@@ -798,5 +781,5 @@ def _long_context_without_sp(kwargs: dict[str, Any]) -> None:
     if long_context_stack(model) is not None:
         return
     settings = parse_config({**ds_config, "sequence_parallel_size": 1})
-    check_model_settings(model, settings.upipe)
+    check_model_settings(model, settings)
     prepare_for_run(model, settings, sequence_group=None, head_chunk_size=None, forward_loss="local", loss_group=None)

@@ -188,13 +188,37 @@ def long_context_options(upipe: UPipeConfig) -> dict[str, Any]:
     return options
 
 
-def check_model_settings(model: torch.nn.Module, upipe: UPipeConfig) -> None:
+def refuse_unexchanged_mixers(model: torch.nn.Module, upipe: bool) -> None:
+    """Under ALST (``upipe`` False) refuse a model holding a sequence mixer of a kind ``hf_patches.mixers``
+    runs (linear attention, state space, short conv): ALST shards only softmax attention, so each rank would
+    run its mixers on its own shard from a zero state (wrong outputs and gradients, no error).  Under UPipe
+    the mixers run head-sharded (``hf_patches.apply_upipe``, which refuses the kinds it cannot run)."""
+    from hf_patches.mixers import mixer_kind_of
+
+    if upipe:
+        return
+    found = sorted({type(m).__name__ for m in model.modules() if mixer_kind_of(type(m).__name__) is not None})
+    if found:
+        raise ValueError(
+            f"invalid ds_config: upipe.enabled: got false for {type(model).__name__}, which holds sequence mixers "
+            f"({', '.join(found)}) that DeepSpeed ALST does not exchange across the sequence ranks: each rank would "
+            'start their state from zero. Allowed: "upipe": {"enabled": true} (UPipe runs them head-sharded)'
+        )
+
+
+def check_model_settings(model: torch.nn.Module, settings: SPSettings) -> None:
     """Refuse settings the model cannot take: a stack part it lacks (e.g. ``tiled_loss`` on a model
-    without an lm_head), more checkpoint pairs than it has layers for.
+    without an lm_head), more checkpoint pairs than it has layers for; with sequence parallelism, a hybrid
+    model under ALST (``refuse_unexchanged_mixers``) or a ``mixer_head_chunk_size`` its mixers cannot take.
 
     Reads only the model's structure and the config, so every rank raises the same ValueError; the
     callers run it before their first collective."""
+    upipe = settings.upipe
     check_pairs_fit(model, upipe.checkpoint_pairs)
+    if settings.sequence_parallel_size > 1 and isinstance(model, torch.nn.Module):
+        refuse_unexchanged_mixers(model, upipe.enabled)
+        if upipe.enabled:
+            _check_mixer_head_chunk_size(model, settings)
     if not upipe.long_context:
         return
     from hf_patches import check_long_context_stack
@@ -203,6 +227,16 @@ def check_model_settings(model: torch.nn.Module, upipe: UPipeConfig) -> None:
         check_long_context_stack(model, **long_context_options(upipe))
     except ValueError as err:
         raise ValueError(f"invalid ds_config: upipe.tiled_loss/tiled_norm/tiled_mlp: {err}") from None
+
+
+def _check_mixer_head_chunk_size(model: torch.nn.Module, settings: SPSettings) -> None:
+    """``upipe.mixer_head_chunk_size`` against the model's mixers over the Ulysses degree (their own check)."""
+    from hf_patches.patch import check_mixer_head_chunk_size
+
+    try:
+        check_mixer_head_chunk_size(model, settings.ulysses_size, settings.upipe.mixer_head_chunk_size)
+    except ValueError as err:
+        raise ValueError(f"invalid ds_config: upipe.mixer_head_chunk_size: {err}") from None
 
 
 def configure_activation_checkpointing(
