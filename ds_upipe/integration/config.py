@@ -41,6 +41,10 @@ ALLOWED: dict[str, str] = {
         'null (= sequence_parallel_size, least memory), "auto", or an int that is a multiple of '
         "sequence_parallel_size and divides the model's num_attention_heads"
     ),
+    "mixer_head_chunk_size": (
+        "null (= sequence_parallel_size) or an int that is a multiple of sequence_parallel_size and divides the "
+        "heads of each sequence mixer (gated delta net value heads, Mamba-2 heads)"
+    ),
     "fused_projections": "true or false",
     "kernel": '"sdpa", "math" or "flash_attn"',
     "memory_budget_gib": "null or a number > 0 (GiB per rank for the intermediate peak of one layer's attention)",
@@ -84,6 +88,8 @@ class UPipeConfig(BaseModel):
 
     enabled: StrictBool = True
     head_chunk_size: StrictInt | Literal["auto"] | None = None
+    #: U of the model's sequence mixers (gated delta net, Mamba-2), in their heads (None: C)
+    mixer_head_chunk_size: StrictInt | None = None
     fused_projections: StrictBool = True
     kernel: Literal[KERNEL_NAMES] = "sdpa"
     memory_budget_gib: StrictFloat | StrictInt | None = None
@@ -106,6 +112,7 @@ class UPipeConfig(BaseModel):
         resolved for the model, ``auto_chunk.choose_head_chunk_size``; "auto" is not a U)."""
         return UPipeOptions(
             head_chunk_size=head_chunk_size,
+            mixer_head_chunk_size=self.mixer_head_chunk_size,
             kernel=self.kernel,
             fused_projections=self.fused_projections,
             overlap_comm=self.overlap_comm,
@@ -123,6 +130,8 @@ class UPipeConfig(BaseModel):
         problems = []
         if isinstance(self.head_chunk_size, int) and self.head_chunk_size < 1:
             problems.append("head_chunk_size")
+        if self.mixer_head_chunk_size is not None and self.mixer_head_chunk_size < 1:
+            problems.append("mixer_head_chunk_size")
         if self.memory_budget_gib is not None and not self.memory_budget_gib > 0:
             problems.append("memory_budget_gib")
         if self.seq_length is not None and self.seq_length < 1:

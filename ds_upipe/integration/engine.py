@@ -96,7 +96,7 @@ def initialize(
                 f"sequence_parallel_size={settings.sequence_parallel_size}: ds_upipe builds the sequence-parallel "
                 "groups itself; pass mpu=None and mesh_param=None"
             )
-        check_model_settings(model, settings.upipe)
+        check_model_settings(model, settings.upipe, settings.sequence_parallel_size)
     except ValueError as err:
         error = str(err)
 

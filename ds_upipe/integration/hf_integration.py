@@ -192,7 +192,7 @@ class Registration:
         Trainer / accelerate / ALST's recipe combine the ranks' losses) and activation checkpointing.
         Raises (the same on every rank) before any collective if the model cannot take them."""
         assert self.settings is not None and self.ds_config is not None
-        check_model_settings(model, self.settings.upipe)
+        check_model_settings(model, self.settings.upipe, self.settings.sequence_parallel_size)
         if self.upipe:
             apply_upipe_settings(model, self.mpu.get_sequence_parallel_group(), self.head_chunk_size, self.settings)
             if self.disable_in_eval:
@@ -377,7 +377,9 @@ def _register_for_accelerate(args: dict[str, Any]) -> Any:
     # disable_in_eval=True because without enable() the Trainer's eval batches are not sharded)
     args = {**args, "disable_in_eval": False}
     model = args["model_name_or_path"]  # accelerate passes the model object
-    check_model_settings(model, settings.upipe)  # before the registration's collectives (group creation)
+    check_model_settings(
+        model, settings.upipe, settings.sequence_parallel_size
+    )  # before the registration's collectives (group creation)
     if settings.upipe.enabled:
         mpu, head_chunk_size = _register_upipe(args, settings)
     else:  # ALST from the ds_config: exact on packed rows with sdpa too
@@ -403,7 +405,9 @@ def _register_direct(args: dict[str, Any]) -> Any:
     model = args["model_name_or_path"]
     is_module = isinstance(model, torch.nn.Module)
     if settings is not None and is_module:
-        check_model_settings(model, settings.upipe)  # before the registration's collectives
+        check_model_settings(
+            model, settings.upipe, settings.sequence_parallel_size
+        )  # before the registration's collectives
     if settings is not None and settings.upipe.enabled:
         _init_deepspeed_comm()
         mpu, head_chunk_size = _register_upipe(args, settings)

@@ -172,13 +172,17 @@ def long_context_options(upipe: UPipeConfig) -> dict[str, Any]:
     return options
 
 
-def check_model_settings(model: torch.nn.Module, upipe: UPipeConfig) -> None:
+def check_model_settings(model: torch.nn.Module, upipe: UPipeConfig, sequence_parallel_size: int = 1) -> None:
     """Refuse settings the model cannot take: a stack part it lacks (e.g. ``tiled_loss`` on a model
-    without an lm_head), more checkpoint pairs than it has layers for.
+    without an lm_head), more checkpoint pairs than it has layers for, and, with UPipe on over
+    ``sequence_parallel_size`` > 1 ranks, what its sequence mixers cannot run (a ring, a
+    ``mixer_head_chunk_size``: ``hf_patches.check_mixer_settings``).
 
     Reads only the model's structure and the config, so every rank raises the same ValueError; the
     callers run it before their first collective."""
     check_pairs_fit(model, upipe.checkpoint_pairs)
+    if upipe.enabled and sequence_parallel_size > 1 and hasattr(model, "config"):
+        check_mixers_fit(model, upipe, sequence_parallel_size)
     if not upipe.long_context:
         return
     from hf_patches import check_long_context_stack
@@ -187,6 +191,20 @@ def check_model_settings(model: torch.nn.Module, upipe: UPipeConfig) -> None:
         check_long_context_stack(model, **long_context_options(upipe))
     except ValueError as err:
         raise ValueError(f"invalid ds_config: upipe.tiled_loss/tiled_norm/tiled_mlp: {err}") from None
+
+
+def check_mixers_fit(model: torch.nn.Module, upipe: UPipeConfig, sequence_parallel_size: int) -> None:
+    """apply_upipe's mixer refusals, named by the ds_config key that causes them."""
+    from hf_patches import check_mixer_settings
+
+    key = "ring_size" if upipe.ring_size > 1 else "mixer_head_chunk_size"
+    value = getattr(upipe, key)
+    try:
+        check_mixer_settings(
+            model, sequence_parallel_size // upipe.ring_size, upipe.mixer_head_chunk_size, upipe.ring_size > 1
+        )
+    except ValueError as err:
+        raise ValueError(f"invalid ds_config: upipe.{key}={value}: {err}") from None
 
 
 def apply_long_context(model: torch.nn.Module, upipe: UPipeConfig, forward_loss: str, loss_group: Any) -> None:
