@@ -14,7 +14,7 @@ from the same layer computed in float64 from the same bf16 weights and data).  T
 second yardstick: splitting rows cannot move it (each row's is computed alone), while the sharded forward
 projects a stage's q/k/v/b/a (x/B/C/dt) rows in one matmul, so their input gradients are summed in float32
 inside it and rounded once, where the module's separate projections round each to bf16 and autograd adds
-them in bf16: one bf16 ulp apart (docs/benchmarks.md, "bf16 exactness of the sequence mixers")."""
+them in bf16: one bf16 ulp apart (docs/config.md, "Hybrid models (sequence mixers): ZeRO-3 and bf16")."""
 
 from __future__ import annotations
 
