@@ -48,7 +48,7 @@ def test_unknown_key_names_key_and_allowed_keys():
         parse_upipe_block({"enabled": True, "head_chunk_sz": 4})
     msg = str(err.value)
     assert "upipe.head_chunk_sz: unknown key" in msg
-    assert "allowed keys: enabled, head_chunk_size, fused_projections, kernel" in msg
+    assert "allowed keys: enabled, head_chunk_size, mixer_head_chunk_size, fused_projections, kernel" in msg
 
 
 @pytest.mark.parametrize(
@@ -61,6 +61,9 @@ def test_unknown_key_names_key_and_allowed_keys():
         ("head_chunk_size", True),
         ("head_chunk_size", 0),
         ("head_chunk_size", -4),
+        ("mixer_head_chunk_size", 0),
+        ("mixer_head_chunk_size", "auto"),
+        ("mixer_head_chunk_size", 2.0),
         ("fused_projections", "true"),
         ("kernel", "flash"),
         ("memory_budget_gib", 0),
