@@ -377,9 +377,8 @@ def _register_for_accelerate(args: dict[str, Any]) -> Any:
     # disable_in_eval=True because without enable() the Trainer's eval batches are not sharded)
     args = {**args, "disable_in_eval": False}
     model = args["model_name_or_path"]  # accelerate passes the model object
-    check_model_settings(
-        model, settings.upipe, settings.sequence_parallel_size
-    )  # before the registration's collectives (group creation)
+    # before the registration's collectives (group creation)
+    check_model_settings(model, settings.upipe, settings.sequence_parallel_size)
     if settings.upipe.enabled:
         mpu, head_chunk_size = _register_upipe(args, settings)
     else:  # ALST from the ds_config: exact on packed rows with sdpa too
@@ -405,9 +404,8 @@ def _register_direct(args: dict[str, Any]) -> Any:
     model = args["model_name_or_path"]
     is_module = isinstance(model, torch.nn.Module)
     if settings is not None and is_module:
-        check_model_settings(
-            model, settings.upipe, settings.sequence_parallel_size
-        )  # before the registration's collectives
+        # before the registration's collectives
+        check_model_settings(model, settings.upipe, settings.sequence_parallel_size)
     if settings is not None and settings.upipe.enabled:
         _init_deepspeed_comm()
         mpu, head_chunk_size = _register_upipe(args, settings)
