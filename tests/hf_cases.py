@@ -859,7 +859,8 @@ def _patched_per_rank(rank, **settings):
 
 ZERO3_CONFIG = {
     "train_micro_batch_size_per_gpu": 1,
-    "zero_optimization": {"stage": 3},
+    # every parameter partitioned: DeepSpeed keeps parameters under 1e5 elements (all of a tiny model's) whole
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
 }
 
