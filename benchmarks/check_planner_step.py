@@ -50,7 +50,7 @@ def measure(model_name: str, config_path: str, layers: int, seq_len: int) -> dic
 
     import hf_patches
     from ds_upipe.integration.config import parse_config
-    from ds_upipe.integration.sp_setup import configure_activation_checkpointing
+    from ds_upipe.integration.sp_setup import configure_activation_checkpointing, prepare_for_run
     from ds_upipe.tools import planner
     from ds_upipe.tools.memory import measure_peak, tensor_bytes
 
@@ -77,24 +77,19 @@ def measure(model_name: str, config_path: str, layers: int, seq_len: int) -> dic
                 model = AutoModelForCausalLM.from_config(config)
             finally:
                 torch.set_default_dtype(previous)
-            if scheme.kind == "upipe":
-                hf_patches.apply_upipe(model, group, scheme.options)
-            else:
+            if scheme.kind != "upipe":
                 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
                 UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", group_size, setup.batch)
-            if setup.tiled_loss or setup.tiled_norm or setup.tiled_mlp:
-                hf_patches.apply_long_context_stack(
-                    model,
-                    tiled_loss=setup.tiled_loss,
-                    tiled_norm=setup.tiled_norm,
-                    tiled_mlp=setup.tiled_mlp,
-                    loss_tile_tokens=setup.loss_tile_tokens,
-                    norm_tile_tokens=setup.norm_tile_tokens,
-                    mlp_tile_tokens=setup.mlp_tile_tokens,
-                    forward_loss="sequence_parallel",
-                    loss_group=group,
-                )
+            # as ds_upipe.initialize prepares it (the engine route), at the U the plan is for
+            prepare_for_run(
+                model,
+                settings,
+                sequence_group=group if scheme.kind == "upipe" else None,
+                head_chunk_size=scheme.options.head_chunk_size,
+                forward_loss="sequence_parallel",
+                loss_group=group,
+            )
             model.train()
             configure_activation_checkpointing(model, ds_config, settings, mpu=None)
             for p in model.parameters():  # ZeRO takes each gradient into its bucket once accumulated

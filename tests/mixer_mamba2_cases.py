@@ -151,7 +151,7 @@ def _per_segment(fn, seq_idx_of_call, calls):
 
 
 def kernel_path(world: int) -> dict[str, float]:
-    """The kernel route on a packed row (Bamba, float32, as the kernels take): ``_kernel_runs`` answers yes, each
+    """The kernel route on a packed row (Bamba, float32, as the kernels take): ``kernel_runs`` answers yes, each
     kernel call's arguments pass the kernel's contract (checked by the sharded forward) and carry ``seq_idx``, and
     stand-ins honouring seq_idx as the kernels do give every document alone through the unpatched model."""
     import sys
@@ -166,13 +166,16 @@ def kernel_path(world: int) -> dict[str, float]:
     calls: list = []
     namespace["causal_conv1d_fn"] = _per_segment(originals["causal_conv1d_fn"], lambda a: (2, {0}), calls)
     namespace["mamba2_chunk_scan"] = _per_segment(originals["mamba2_chunk_scan"], lambda a: (1, {0, 1, 3, 4}), calls)
-    kernel_runs = hf_patches.mixers.mamba2._kernel_runs
-    hf_patches.mixers.mamba2._kernel_runs = lambda package, device: True
+    users = (hf_patches.mixers.common, hf_patches.mixers.mamba2)  # the modules that ask whether a kernel runs
+    kernel_runs = hf_patches.mixers.common.kernel_runs
+    for user in users:
+        user.kernel_runs = lambda package, device: True
     try:
         errors = compare(ref, sharded_step(model, batch, group), 24)
     finally:
         namespace.update(originals)
-        hf_patches.mixers.mamba2._kernel_runs = kernel_runs
+        for user in users:
+            user.kernel_runs = kernel_runs
     # each mixer's conv and scan in each of its H / C stages (U = C), in forward and the checkpointed recompute
     expected = len(mixers(model)) * 2 * (num_heads("bamba") // world) * 2
     errors["seq_idx_calls"] = float(len(calls) != expected or set(calls) != {(1, 24)})

@@ -58,7 +58,7 @@ def test_mixer_refusals_before_any_collective(four_deepspeed_ranks):
     expected = {
         "gated_delta_u": (
             "invalid ds_config: upipe.mixer_head_chunk_size=3: apply_upipe: decoder layer 0 (Qwen3_5GatedDeltaNet)",
-            "valid values: [2, 4, 8]",
+            "Valid values: 2, 4, 8",
         ),
         "mamba2_u": (
             "invalid ds_config: upipe.mixer_head_chunk_size=6: apply_upipe: decoder layer 0 (NemotronHMamba2Mixer)",

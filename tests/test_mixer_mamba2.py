@@ -11,6 +11,7 @@ import torch
 
 from ds_upipe.tools.ranks import run_ranks
 from hf_patches.mixers import mamba2
+from hf_patches.mixers.common import check_causal_conv1d_arguments
 from tests import mixer_mamba2_cases as cases
 from tests.test_mixer_gated_delta import check_bf16
 
@@ -62,19 +63,19 @@ def _scan_args(heads=4, groups=2, seq=6):
 
 
 def test_kernel_argument_contracts():
-    mamba2.check_causal_conv1d_arguments(*_conv_args())
-    mamba2.check_causal_conv1d_arguments(*_conv_args(dim=12, channel_last=False, seq_idx=False))
+    check_causal_conv1d_arguments(*_conv_args())
+    check_causal_conv1d_arguments(*_conv_args(dim=12, channel_last=False, seq_idx=False))
     bad_conv = {
         "seq_idx without channel-last": _conv_args(channel_last=False),
         "channel-last D % 8": _conv_args(dim=12, seq_idx=False),
-        "float64": _conv_args(dtype=torch.float64),
+        "float64 where the kernel runs": (*_conv_args(dtype=torch.float64), True),
         "width 5": _conv_args(width=5),
         "seq_idx int64": (*_conv_args()[:3], torch.zeros(2, 6, dtype=torch.int64)),
         "seq_idx shape": (*_conv_args()[:3], torch.zeros(2, 5, dtype=torch.int32)),
     }
     for name, args in bad_conv.items():
-        with pytest.raises(AssertionError):
-            mamba2.check_causal_conv1d_arguments(*args)
+        with pytest.raises(ValueError):
+            check_causal_conv1d_arguments(*args)
             pytest.fail(name)
     x, dt, A, B, C, D, dt_bias = _scan_args()
     mamba2.check_mamba_ssm_arguments(x, dt, A, B, C, D, dt_bias, torch.zeros(2, 6, dtype=torch.int32))
@@ -87,6 +88,6 @@ def test_kernel_argument_contracts():
         "seq_idx int64": (x, dt, A, B, C, D, dt_bias, torch.zeros(2, 6, dtype=torch.int64)),
     }
     for name, args in bad_scan.items():
-        with pytest.raises(AssertionError):
+        with pytest.raises(ValueError):
             mamba2.check_mamba_ssm_arguments(*args)
             pytest.fail(name)

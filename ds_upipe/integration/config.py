@@ -43,7 +43,7 @@ ALLOWED: dict[str, str] = {
     ),
     "mixer_head_chunk_size": (
         "null (= sequence_parallel_size) or an int that is a multiple of sequence_parallel_size and divides the "
-        "heads of each sequence mixer (gated delta net value heads, Mamba-2 heads)"
+        "heads of the model's linear-attention / state-space mixers"
     ),
     "fused_projections": "true or false",
     "kernel": '"sdpa", "math" or "flash_attn"',
@@ -88,7 +88,7 @@ class UPipeConfig(BaseModel):
 
     enabled: StrictBool = True
     head_chunk_size: StrictInt | Literal["auto"] | None = None
-    #: U of the model's sequence mixers (gated delta net, Mamba-2), in their heads (None: C)
+    #: U of the model's other sequence mixers (hf_patches.mixers), in their heads
     mixer_head_chunk_size: StrictInt | None = None
     fused_projections: StrictBool = True
     kernel: Literal[KERNEL_NAMES] = "sdpa"

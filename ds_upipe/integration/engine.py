@@ -51,11 +51,11 @@ from .agreement import agreed_settings, check_ranks_agree
 from .config import check_heads, check_world, load_config, micro_batch_size, parse_config
 from .process_exit import release_shm_at_exit
 from .sp_setup import (
-    apply_long_context,
     average_gradients_over_all_ranks,
     check_model_settings,
     configure_activation_checkpointing,
     model_head_layout,
+    prepare_for_run,
     register_alst,
     restore_attention_functions,
     setup_upipe,
@@ -132,8 +132,15 @@ def initialize(
         head_chunk_size = None
 
     # the forward's loss from shift_labels is the whole sequence's (sequence_parallel_loss's semantics)
-    loss_group = mpu.get_sequence_parallel_group() if sp > 1 else None
-    apply_long_context(model, settings.upipe, "sequence_parallel" if sp > 1 else "local", loss_group)
+    sequence_group = mpu.get_sequence_parallel_group() if sp > 1 else None
+    prepare_for_run(
+        model,
+        settings,
+        sequence_group=sequence_group if settings.upipe.enabled else None,  # ALST: registered above
+        head_chunk_size=head_chunk_size,
+        forward_loss="sequence_parallel" if sp > 1 else "local",
+        loss_group=sequence_group,
+    )
     checkpointing = configure_activation_checkpointing(model, ds_config, settings, mpu if sp > 1 else None)
 
     sp_loader = None

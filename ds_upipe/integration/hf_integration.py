@@ -68,12 +68,11 @@ from .agreement import agreed_settings, check_ranks_agree
 from .auto_chunk import run_head_chunk_size
 from .config import SPSettings, check_heads, parse_config, tiled
 from .sp_setup import (
-    apply_long_context,
-    apply_upipe_settings,
     average_gradients_over_all_ranks,
     check_model_settings,
     configure_activation_checkpointing,
     packed_rows_per_document,
+    prepare_for_run,
     runs_fused,
 )
 
@@ -193,11 +192,16 @@ class Registration:
         Raises (the same on every rank) before any collective if the model cannot take them."""
         assert self.settings is not None and self.ds_config is not None
         check_model_settings(model, self.settings.upipe, self.settings.sequence_parallel_size)
-        if self.upipe:
-            apply_upipe_settings(model, self.mpu.get_sequence_parallel_group(), self.head_chunk_size, self.settings)
-            if self.disable_in_eval:
-                _sequence_parallel_in_training_only(model, self.core)
-        apply_long_context(model, self.settings.upipe, "local", None)
+        prepare_for_run(
+            model,
+            self.settings,
+            sequence_group=self.mpu.get_sequence_parallel_group() if self.upipe else None,
+            head_chunk_size=self.head_chunk_size,
+            forward_loss="local",
+            loss_group=None,
+        )
+        if self.upipe and self.disable_in_eval:
+            _sequence_parallel_in_training_only(model, self.core)
         configure_activation_checkpointing(model, self.ds_config, self.settings, self.mpu)
         for module in model.modules():  # per model: its attention calls check this (_check_applied)
             module.__dict__[_APPLIED] = True
@@ -751,6 +755,6 @@ def _long_context_without_sp(kwargs: dict[str, Any]) -> None:
 
     if long_context_stack(model) is not None:
         return
-    upipe = parse_config({**ds_config, "sequence_parallel_size": 1}).upipe
-    check_model_settings(model, upipe)
-    apply_long_context(model, upipe, "local", None)
+    settings = parse_config({**ds_config, "sequence_parallel_size": 1})
+    check_model_settings(model, settings.upipe)
+    prepare_for_run(model, settings, sequence_group=None, head_chunk_size=None, forward_loss="local", loss_group=None)

@@ -24,6 +24,7 @@ from .auto_chunk import run_head_chunk_size
 from .checkpoint_pairs import check_pairs_fit, install_checkpoint_pairs
 from .checkpointing import install_exact_pinned_pool, releasing
 from .config import SPSettings, UPipeConfig, tiled
+from .prepare import prepare_model
 
 #: attention functions ALST replaced in transformers' registry, to restore them.  Process-level because
 #: what it undoes is: transformers' ``ALL_ATTENTION_FUNCTIONS`` is one registry per process by design,
@@ -45,18 +46,17 @@ def model_head_layout(model: torch.nn.Module) -> HeadLayout:
 
 
 def setup_upipe(model: torch.nn.Module, settings: SPSettings, micro_batch_size: int) -> tuple[Any, int]:
-    """UPipe on ``model`` over new (or reused) sequence-parallel groups; returns (mpu, head chunk size).
-    The model's heads were checked against the group (``config.check_heads``) by the caller, before its
-    first collective (``engine.initialize``)."""
+    """The sequence-parallel groups for UPipe on ``model`` (new or reused) and its U: returns (mpu, head
+    chunk size); ``prepare_for_run`` then patches the model.  The model's heads were checked against the
+    group (``config.check_heads``) by the caller, before its first collective (``engine.initialize``)."""
     mpu = sequence_parallel_mpu(settings.sequence_parallel_size)
-    # "auto" measures this model's attention as apply_upipe_settings patches it
+    # "auto" measures this model's attention as prepare_for_run patches it
     head_chunk_size = run_head_chunk_size(settings, model.config, micro_batch_size, runs_fused(model, settings.upipe))
-    apply_upipe_settings(model, mpu.get_sequence_parallel_group(), head_chunk_size, settings)
     return mpu, head_chunk_size
 
 
 def runs_fused(model: torch.nn.Module, upipe: UPipeConfig) -> bool:
-    """Whether ``apply_upipe_settings`` will run ``model``'s attention with fused projections:
+    """Whether ``prepare_for_run`` will run ``model``'s attention with fused projections:
     ``upipe.fused_projections`` and no fallback for this model (``hf_patches.fused_fallback``: PEFT
     LoRA or quantized projections, attention classes fused mode does not know)."""
     if not upipe.fused_projections or upipe.head_chunk_size != "auto":
@@ -149,17 +149,33 @@ def packed_rows_per_document(impl: str) -> None:
         ALL_ATTENTION_FUNCTIONS[impl] = per_document_attention(core)
 
 
-def apply_upipe_settings(model: torch.nn.Module, group: Any, head_chunk_size: int, settings: SPSettings) -> None:
-    """``hf_patches.apply_upipe`` with the "upipe" block's settings; ``group``: the whole sequence-parallel group."""
-    try:
-        from hf_patches import apply_upipe
-    except ImportError as err:
-        raise ValueError(
-            "upipe.enabled=true needs hf_patches.apply_upipe (part of ds-upipe); it could not be imported: "
-            f"{err}. Set upipe.enabled=false to run DeepSpeed ALST's Ulysses instead"
-        ) from err
-    ulysses_group, ring_group = upipe_groups(group, settings)
-    apply_upipe(model, ulysses_group, settings.upipe.options(head_chunk_size), ring_group=ring_group)
+def prepare_for_run(
+    model: torch.nn.Module,
+    settings: SPSettings,
+    *,
+    sequence_group: Any,
+    head_chunk_size: int | None,
+    forward_loss: str,
+    loss_group: Any,
+    long_context: bool = True,
+) -> None:
+    """``prepare.prepare_model`` with a ds_config's settings: UPipe with the block's options at U =
+    ``head_chunk_size`` over ``sequence_group`` (the whole sequence-parallel group, split here into its
+    Ulysses and ring groups; None: no UPipe patching, i.e. no sequence parallelism or ALST's registration),
+    then the block's long-context stack (``long_context``; ``forward_loss``: ``prepare_model``'s)."""
+    upipe = settings.upipe
+    ulysses_group, ring_group = (None, None)
+    if sequence_group is not None:
+        ulysses_group, ring_group = upipe_groups(sequence_group, settings)
+    prepare_model(
+        model,
+        upipe=upipe.options(head_chunk_size) if sequence_group is not None else None,
+        group=ulysses_group,
+        ring_group=ring_group,
+        stack=long_context_options(upipe) if long_context and upipe.long_context else None,
+        forward_loss=forward_loss,
+        loss_group=loss_group,
+    )
 
 
 def long_context_options(upipe: UPipeConfig) -> dict[str, Any]:
@@ -205,24 +221,6 @@ def check_mixers_fit(model: torch.nn.Module, upipe: UPipeConfig, sequence_parall
         )
     except ValueError as err:
         raise ValueError(f"invalid ds_config: upipe.{key}={value}: {err}") from None
-
-
-def apply_long_context(model: torch.nn.Module, upipe: UPipeConfig, forward_loss: str, loss_group: Any) -> None:
-    """The block's long-context stack on ``model`` (nothing when every ``tiled_*`` key is off).
-
-    ``forward_loss`` is the stack's mode for the model's loss from labels / shift_labels: "local" where
-    the caller combines the ranks' losses (the HF Trainer and accelerate's ``deepspeed_sp_compute_loss``,
-    and any run without sequence parallelism), "sequence_parallel" (the global token-weighted mean over
-    ``loss_group``, ``grad_reduction="mean"`` as the corrected ZeRO average expects) for loops on
-    ``ds_upipe.initialize``, as ``sequence_parallel_loss`` is."""
-    if not upipe.long_context:
-        return
-    from hf_patches import apply_long_context_stack
-
-    options = long_context_options(upipe)
-    if not options["tiled_loss"]:
-        forward_loss = "local"  # a setting of the tiled loss only
-    apply_long_context_stack(model, **options, forward_loss=forward_loss, loss_group=loss_group)
 
 
 def configure_activation_checkpointing(

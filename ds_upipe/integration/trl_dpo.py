@@ -95,13 +95,21 @@ class SequenceParallelDPOTrainer(DPOTrainer):
         from hf_patches import upipe_state
 
         from .hf_integration import ds_config_from_accelerate, upipe_settings
-        from .sp_setup import apply_upipe_settings
+        from .sp_setup import prepare_for_run
 
         policy = upipe_state(self.model)
         if policy is None or upipe_state(self.ref_model) is not None:
             return  # ALST, or patched already
         settings = upipe_settings(ds_config_from_accelerate(), sp_size)
-        apply_upipe_settings(self.ref_model, _sp_group(), policy.head_chunk_size, settings)
+        prepare_for_run(
+            self.ref_model,
+            settings,
+            sequence_group=_sp_group(),
+            head_chunk_size=policy.head_chunk_size,
+            forward_loss="local",
+            loss_group=None,
+            long_context=False,  # the reference model's log-probs only: UPipe as the policy's, no stack needed
+        )
 
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool) -> Any:
         if deepspeed_sp(self) is None or "shift_labels" not in inputs:

@@ -14,7 +14,6 @@ The families differ only in where each head's rows lie in their input projection
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,12 +25,11 @@ from torch.utils.checkpoint import checkpoint
 
 from ds_upipe.packing import DocumentBoundaries
 
+from .common import causal_conv, check_head_chunk_size, model_function, per_document, refusal
 from .exchange import heads_to_sequence, sequence_to_heads
 
 #: the module-level recurrence each family's modeling file defines (dispatching to FLA when installed)
 _RECURRENCE_NAMES = ("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule")
-#: the module-level causal depthwise conv (dispatching to causal-conv1d when installed)
-_CONV_NAMES = ("causal_conv1d_fn",)
 
 #: (first row, row count) of one head in a projection's weight
 RowsOf = Callable[[int], tuple[int, int]]
@@ -107,23 +105,12 @@ def _z_is_whole(layout: _Layout, module: nn.Module) -> bool:
 # ---- what this layer can run ----------------------------------------------------------------------
 
 
-def _valid_chunks(heads: int, group_size: int) -> list[int]:
-    return [u for u in range(group_size, heads + 1, group_size) if heads % u == 0]
-
-
 def check(layer: int, module: nn.Module, group_size: int, head_chunk_size: int | None) -> None:
     """U must be a multiple of C dividing the value heads; the value heads a multiple of the key heads."""
-    name = f"apply_upipe: decoder layer {layer} ({type(module).__name__})"
     hv, hk = module.num_v_heads, module.num_k_heads
     if hv % hk:
-        raise ValueError(f"{name}: {hv} value heads are not a multiple of its {hk} key heads")
-    u = group_size if head_chunk_size is None else head_chunk_size
-    valid = _valid_chunks(hv, group_size)
-    if u <= 0 or u % group_size or hv % u:
-        raise ValueError(
-            f"{name}: mixer_head_chunk_size={u} must be a multiple of the group size {group_size} dividing the "
-            f"{hv} value heads; valid values: {valid or 'none (fewer value heads than ranks)'}"
-        )
+        raise refusal(layer, module, f"{hv} value heads are not a multiple of its {hk} key heads")
+    check_head_chunk_size(layer, module, "linear_num_value_heads", hv, group_size, head_chunk_size)
 
 
 def zero3_params(module: nn.Module) -> list[nn.Parameter]:
@@ -177,16 +164,6 @@ def check_fla_arguments(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
 # ---- the sharded forward ---------------------------------------------------------------------------
 
 
-def _module_function(module: nn.Module, names: tuple[str, ...]) -> Callable:
-    """The module-level function the modeling file calls (with its kernel dispatch), by its first known name."""
-    source = sys.modules[type(module).__module__]
-    for name in names:
-        fn = getattr(source, name, None)
-        if fn is not None:
-            return fn
-    raise ValueError(f"{type(module).__module__} defines none of {', '.join(names)}")
-
-
 @dataclass(frozen=True)
 class _StageHeads:
     """A stage's heads per rank: value heads, and the key heads they read (replicated where needed)."""
@@ -210,28 +187,6 @@ def _stage_heads(module: nn.Module, stage: int, u_rank: int, group_size: int) ->
         values.append(heads)
         keys.append(key)
     return _StageHeads(values, keys)
-
-
-def _segments(documents: DocumentBoundaries | None, batch: int) -> list[list[tuple[int, int]]] | None:
-    """Per batch row, the document spans the conv and recurrence restart at (None: one span, all rows)."""
-    if documents is None or documents.is_trivial:
-        return None
-    return [list(zip(row, row[1:])) for row in documents.for_batch(batch)]
-
-
-def _per_document(
-    fn: Callable[..., Tensor], spans: list[list[tuple[int, int]]] | None, dim: int, *xs: Tensor
-) -> Tensor:
-    """``fn`` on each document of each row alone, outputs joined along ``dim`` (the tokens of every x).
-    The torch fallbacks ignore cu_seqlens, so running each document by itself is how their state restarts
-    (a correct, if slower, call of the FLA / causal-conv1d kernels too)."""
-    if spans is None:
-        return fn(*xs)
-    rows = []
-    for r, row in enumerate(spans):
-        parts = [fn(*(x[r : r + 1].narrow(dim, s, e - s) for x in xs)) for s, e in row]
-        rows.append(torch.cat(parts, dim=dim))
-    return torch.cat(rows, dim=0)
 
 
 def _stage_projection(layout: _Layout, heads: _StageHeads, device: torch.device) -> tuple[Tensor, Tensor | None]:
@@ -262,7 +217,7 @@ def _stage(
     heads: _StageHeads,
     rank: int,
     group: dist.ProcessGroup | None,
-    spans: list[list[tuple[int, int]]] | None,
+    documents: DocumentBoundaries | None,
     hidden_states: Tensor,
 ) -> Tensor:
     """One stage on this rank: [B, s, D] local tokens -> [B, s, U, dv] this stage's heads of these tokens."""
@@ -278,10 +233,7 @@ def _stage(
     conv = module.conv1d
     weight = conv.weight[channels].squeeze(1)
     conv_bias = None if conv.bias is None else conv.bias[channels]
-    conv_fn = _module_function(module, _CONV_NAMES)
-    qkv = _per_document(
-        lambda x: conv_fn(x, weight, conv_bias, activation=module.activation), spans, 2, qkv.transpose(1, 2)
-    ).transpose(1, 2)
+    qkv = causal_conv(module, qkv, weight, conv_bias, module.activation, documents)
     query, key, value = qkv.split([kl * dk, kl * dk, u * dv], dim=-1)
     batch, seq = query.shape[:2]
     query, key = (x.reshape(batch, seq, kl, dk).contiguous() for x in (query, key))
@@ -293,7 +245,7 @@ def _stage(
         beta = beta * layout.beta_scale
     index = torch.tensor(mine_v, device=device)
     g = -module.A_log[index].float().exp() * F.softplus(a.float() + module.dt_bias[index])
-    recurrence = _module_function(module, _RECURRENCE_NAMES)
+    recurrence = model_function(module, *_RECURRENCE_NAMES)
 
     def run(q: Tensor, k: Tensor, v: Tensor, g_: Tensor, beta_: Tensor) -> Tensor:
         q, k, v, g_, beta_ = (x.contiguous() for x in (q, k, v, g_, beta_))
@@ -303,7 +255,7 @@ def _stage(
         )
         return out
 
-    out = _per_document(run, spans, 1, query, key, value, g, beta)  # [B, S, u, dv]
+    out = per_document(run, documents, query, key, value, g, beta)  # [B, S, u, dv]
     local = heads_to_sequence(out, group, c)  # [B, s, C, u, dv]
     return local.flatten(2, 3)
 
@@ -322,12 +274,13 @@ def sharded_forward(
     u = c if head_chunk_size is None else head_chunk_size
     layout = _layout(module)
     batch, local = hidden_states.shape[:2]
-    spans = _segments(documents, batch)
     outs = []
     for stage in range(module.num_v_heads // u):
         heads = _stage_heads(module, stage, u // c, c)
         # checkpointed: between forward and backward a stage keeps its input and output only
-        outs.append(checkpoint(_stage, module, layout, heads, rank, group, spans, hidden_states, use_reentrant=False))
+        outs.append(
+            checkpoint(_stage, module, layout, heads, rank, group, documents, hidden_states, use_reentrant=False)
+        )
     core = torch.cat(outs, dim=2)  # [B, s, H_v, dv]
     if _z_is_whole(layout, module):
         z = layout.parts["z"].proj(hidden_states)

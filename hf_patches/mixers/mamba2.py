@@ -18,9 +18,6 @@ type, refused by ``find_decoder``) and it scales the projections by muP multipli
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -32,6 +29,15 @@ from torch.utils.checkpoint import checkpoint
 
 from ds_upipe.packing import DocumentBoundaries
 
+from .common import (
+    causal_conv,
+    check_head_chunk_size,
+    kernel_runs,
+    model_function,
+    per_document,
+    refusal,
+    seq_idx_of,
+)
 from .exchange import heads_to_sequence, sequence_to_heads
 
 #: the SSM attributes the sharded forward reads from the module (all three classes define them)
@@ -55,47 +61,25 @@ _ATTRIBUTES = (
 )
 
 
-def _refuse(layer: int, module: nn.Module, why: str) -> ValueError:
-    return ValueError(f"apply_upipe: decoder layer {layer} ({type(module).__name__}): {why}")
-
-
-def valid_head_chunk_sizes(num_heads: int, group_size: int) -> list[int]:
-    """U values a Mamba-2 mixer of ``num_heads`` heads runs with over ``group_size`` ranks."""
-    return [u for u in range(group_size, num_heads + 1, group_size) if num_heads % u == 0]
-
-
 def check(layer: int, module: nn.Module, group_size: int, head_chunk_size: int | None) -> None:
     """The mixer has the Mamba-2 layout the sharded forward slices, and U is a multiple of C dividing the heads."""
     missing = [a for a in _ATTRIBUTES if not hasattr(module, a)]
     if missing:
-        raise _refuse(layer, module, f"a Mamba-2 mixer without {', '.join(missing)}: not the computation UPipe shards")
+        raise refusal(layer, module, f"a Mamba-2 mixer without {', '.join(missing)}: not the computation UPipe shards")
     heads, width = module.num_heads, module.in_proj.out_features
     if (
         module.intermediate_size != heads * module.head_dim
         or width != 2 * module.intermediate_size + 2 * (module.n_groups * module.ssm_state_size) + heads
     ):
-        raise _refuse(
+        raise refusal(
             layer,
             module,
             f"in_proj gives {width} channels, not [z | x | B | C | dt] of {heads} heads x {module.head_dim}, "
             f"{module.n_groups} groups x {module.ssm_state_size}: not the Mamba-2 layout UPipe shards",
         )
     if heads % module.n_groups:
-        raise _refuse(layer, module, f"n_groups={module.n_groups} does not divide num_heads={heads}")
-    valid = valid_head_chunk_sizes(heads, group_size)
-    u = group_size if head_chunk_size is None else head_chunk_size
-    if u not in valid:
-        rule = (
-            f"Valid values: {', '.join(map(str, valid))}"
-            if valid
-            else f"no valid value: the group size {group_size} does not divide num_heads={heads}"
-        )
-        raise _refuse(
-            layer,
-            module,
-            f"mixer_head_chunk_size={head_chunk_size} (U={u}): U must be a multiple of the group size {group_size} "
-            f"dividing num_heads={heads}. {rule}",
-        )
+        raise refusal(layer, module, f"n_groups={module.n_groups} does not divide num_heads={heads}")
+    check_head_chunk_size(layer, module, "num_heads", heads, group_size, head_chunk_size)
 
 
 def zero3_params(module: nn.Module) -> list[nn.Parameter]:
@@ -150,42 +134,9 @@ def _plan(
     return _StagePlan(torch.cat(blocks), channels, rank_heads, per_rank, num_groups)
 
 
-def _kernel_runs(package: str, device: torch.device) -> bool:
-    """Whether transformers' kernel-with-fallback wrapper runs the package's kernel (which honours ``seq_idx``)
-    rather than its torch code (which refuses ``seq_idx``): the package is installed and the inputs are on CUDA."""
-    return device.type == "cuda" and importlib.util.find_spec(package) is not None
-
-
-def _seq_idx(documents: DocumentBoundaries, batch: int, seq: int, device: torch.device) -> Tensor:
-    """[B, T] int32 document index of every token (mamba_ssm / causal-conv1d restart where it changes)."""
-    idx = torch.zeros(batch, seq, dtype=torch.int32)
-    for b, row in enumerate(documents.for_batch(batch)):
-        for start in row[1:-1]:
-            idx[b, start:] += 1
-    return idx.to(device)
-
-
-def check_causal_conv1d_arguments(x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor | None) -> None:
-    """What causal-conv1d's ``causal_conv1d_fn`` (csrc/causal_conv1d.cpp ``causal_conv1d_fwd``/``_bwd``) requires:
-    x [B, D, T] float32/half/bf16 with stride(2) == 1 or channel-last stride(1) == 1; channel-last needs D % 8 == 0
-    and x.stride(0), x.stride(2) multiples of 8; weight [D, W], 2 <= W <= 4, bias [D] of the weight's dtype with
-    stride 1; seq_idx (channel-last only) int32 [B, T] contiguous."""
-    kernel_dtypes = (torch.float32, torch.float16, torch.bfloat16)
-    assert x.dim() == 3, f"causal_conv1d: x must be [B, D, T], got {tuple(x.shape)}"
-    batch, dim, seq = x.shape
-    assert x.dtype in kernel_dtypes and weight.dtype in kernel_dtypes, (x.dtype, weight.dtype)
-    assert tuple(weight.shape) == (dim, weight.shape[-1]) and 2 <= weight.shape[-1] <= 4, tuple(weight.shape)
-    if bias is not None:
-        assert bias.dtype == weight.dtype and tuple(bias.shape) == (dim,) and bias.stride(-1) == 1
-    assert x.stride(2) == 1 or x.stride(1) == 1, f"causal_conv1d: x strides {x.stride()}"
-    channel_last = x.stride(1) == 1 and x.stride(2) > 1
-    if channel_last:
-        assert dim % 8 == 0, f"causal_conv1d channel-last: D={dim} must be a multiple of 8"
-        assert x.stride(2) % 8 == 0 and x.stride(0) % 8 == 0, f"causal_conv1d channel-last: x strides {x.stride()}"
-    if seq_idx is not None:
-        assert channel_last, "causal_conv1d: seq_idx needs the channel-last layout (x.stride(1) == 1)"
-        assert seq_idx.dtype == torch.int32 and seq_idx.is_contiguous(), (seq_idx.dtype, seq_idx.stride())
-        assert tuple(seq_idx.shape) == (batch, seq), f"causal_conv1d: seq_idx {tuple(seq_idx.shape)} != {(batch, seq)}"
+def _require(ok: bool, message: object) -> None:
+    if not ok:
+        raise ValueError(f"mamba_chunk_scan_combined: {message}")
 
 
 def check_mamba_ssm_arguments(
@@ -201,62 +152,28 @@ def check_mamba_ssm_arguments(
     """What mamba_ssm's ``mamba_chunk_scan_combined`` (ops/triton/ssd_combined.py) requires: x [B, T, H, P] with
     stride(-1) == 1 or stride(1) == 1, dt [B, T, H], A [H], B and C [B, T, G, N] with G dividing H, D [H] or
     [H, P], dt_bias [H], seq_idx int32 [B, T] contiguous (int32 as causal-conv1d and mamba_ssm's Mamba2 pass it)."""
-    assert x.dim() == 4, f"mamba_chunk_scan_combined: x must be [B, T, H, P], got {tuple(x.shape)}"
+    _require(x.dim() == 4, f"x must be [B, T, H, P], got {tuple(x.shape)}")
     batch, seq, heads, head_dim = x.shape
-    assert x.stride(-1) == 1 or x.stride(1) == 1, f"mamba_chunk_scan_combined: x strides {x.stride()}"
-    assert tuple(dt.shape) == (batch, seq, heads), f"dt {tuple(dt.shape)} != {(batch, seq, heads)}"
-    assert tuple(A.shape) == (heads,), f"A {tuple(A.shape)} != {(heads,)}"
-    assert B.dim() == 4 and tuple(B.shape[:2]) == (batch, seq), f"B {tuple(B.shape)} is not [B, T, G, N]"
-    assert tuple(C.shape) == tuple(B.shape), f"C {tuple(C.shape)} != B {tuple(B.shape)}"
-    assert heads % B.shape[2] == 0, f"{B.shape[2]} groups do not divide {heads} heads"
+    _require(x.stride(-1) == 1 or x.stride(1) == 1, f"x strides {x.stride()}")
+    _require(tuple(dt.shape) == (batch, seq, heads), f"dt {tuple(dt.shape)} != {(batch, seq, heads)}")
+    _require(tuple(A.shape) == (heads,), f"A {tuple(A.shape)} != {(heads,)}")
+    _require(B.dim() == 4 and tuple(B.shape[:2]) == (batch, seq), f"B {tuple(B.shape)} is not [B, T, G, N]")
+    _require(tuple(C.shape) == tuple(B.shape), f"C {tuple(C.shape)} != B {tuple(B.shape)}")
+    _require(heads % B.shape[2] == 0, f"{B.shape[2]} groups do not divide {heads} heads")
     if D is not None:
-        assert tuple(D.shape) in ((heads,), (heads, head_dim)), f"D {tuple(D.shape)}"
+        _require(tuple(D.shape) in ((heads,), (heads, head_dim)), f"D {tuple(D.shape)}")
     if dt_bias is not None:
-        assert tuple(dt_bias.shape) == (heads,), f"dt_bias {tuple(dt_bias.shape)}"
+        _require(tuple(dt_bias.shape) == (heads,), f"dt_bias {tuple(dt_bias.shape)}")
     if seq_idx is not None:
-        assert seq_idx.dtype == torch.int32 and seq_idx.is_contiguous(), (seq_idx.dtype, seq_idx.stride())
-        assert tuple(seq_idx.shape) == (batch, seq), f"seq_idx {tuple(seq_idx.shape)} != {(batch, seq)}"
-
-
-def _per_document(run: Callable[..., Tensor], documents: DocumentBoundaries, *inputs: Tensor) -> Tensor:
-    """``run`` on each document segment of each row alone, concatenated (dim 1: tokens): the torch fallbacks
-    ignore document boundaries (and transformers' wrapper refuses ``seq_idx`` on them)."""
-    rows = []
-    for b, row in enumerate(documents.for_batch(inputs[0].shape[0])):
-        parts = [run(*(t[b : b + 1, s:e] for t in inputs)) for s, e in zip(row, row[1:])]
-        rows.append(torch.cat(parts, dim=1))
-    return torch.cat(rows)
-
-
-def _conv(module: nn.Module, fns: dict, xbc: Tensor, channels: Tensor, documents: DocumentBoundaries | None) -> Tensor:
-    """The depthwise causal conv and activation over this rank's channels of the whole sequence ([B, T, D'] in
-    and out), restarting at each document start."""
-    weight = module.conv1d.weight[channels, 0]
-    bias = module.conv1d.bias[channels] if module.conv1d.bias is not None else None
-    kernel = _kernel_runs("causal_conv1d", xbc.device)
-    # channel-last (x [B, D', T] the transpose of a contiguous [B, T, D']), as the module passes it: the only
-    # layout the kernel takes seq_idx in, and only for D' a multiple of 8; otherwise [B, D', T] contiguous
-    channel_last = kernel and xbc.shape[-1] % 8 == 0
-
-    def run(x: Tensor, seq_idx: Tensor | None = None) -> Tensor:
-        if kernel:
-            x = x.contiguous().transpose(1, 2) if channel_last else x.transpose(1, 2).contiguous()
-            check_causal_conv1d_arguments(x, weight, bias, seq_idx)
-        else:
-            x = x.transpose(1, 2)
-        extra = {} if seq_idx is None else {"seq_idx": seq_idx}
-        return fns["causal_conv1d_fn"](x, weight, bias, activation=module.activation, **extra).transpose(1, 2)
-
-    if documents is None or documents.is_trivial:
-        return run(xbc)
-    if channel_last:
-        return run(xbc, _seq_idx(documents, xbc.shape[0], xbc.shape[1], xbc.device))
-    return _per_document(run, documents, xbc)
+        _require(
+            seq_idx.dtype == torch.int32 and seq_idx.is_contiguous(),
+            f"seq_idx {seq_idx.dtype}, strides {seq_idx.stride()}: must be contiguous int32",
+        )
+        _require(tuple(seq_idx.shape) == (batch, seq), f"seq_idx {tuple(seq_idx.shape)} != {(batch, seq)}")
 
 
 def _scan(
     module: nn.Module,
-    fns: dict,
     plan: _StagePlan,
     x: Tensor,
     dt: Tensor,
@@ -268,13 +185,12 @@ def _scan(
     heads = plan.heads.to(x.device)
     A = -torch.exp(module.A_log[heads].float())
     D, dt_bias = module.D[heads], module.dt_bias[heads]
-    kernel = _kernel_runs("mamba_ssm", x.device)
+    kernel = kernel_runs("mamba_ssm", x.device)
 
     def run(x: Tensor, dt: Tensor, b: Tensor, c: Tensor, seq_idx: Tensor | None = None) -> Tensor:
-        if kernel:
-            check_mamba_ssm_arguments(x, dt, A, b, c, D, dt_bias, seq_idx)
+        check_mamba_ssm_arguments(x, dt, A, b, c, D, dt_bias, seq_idx)  # on every device: CPU runs pin the contract
         extra = {} if seq_idx is None else {"seq_idx": seq_idx}
-        return fns["mamba2_chunk_scan"](
+        return model_function(module, "mamba2_chunk_scan")(
             x,
             dt,
             A,
@@ -289,16 +205,13 @@ def _scan(
             **extra,
         )
 
-    if documents is None or documents.is_trivial:
-        return run(x, dt, *bc)
-    if kernel:
-        return run(x, dt, *bc, _seq_idx(documents, x.shape[0], x.shape[1], x.device))
-    return _per_document(run, documents, x, dt, *bc)
+    if kernel and documents is not None and not documents.is_trivial:
+        return run(x, dt, *bc, seq_idx_of(documents, x.shape[0], x.shape[1], x.device))
+    return per_document(run, documents, x, dt, *bc)
 
 
 def _stage(
     module: nn.Module,
-    fns: dict,
     plan: _StagePlan,
     hidden_states: Tensor,
     group: dist.ProcessGroup | None,
@@ -314,12 +227,15 @@ def _stage(
     full = sequence_to_heads(projected, group)  # [B, S, width]: the whole sequence of this rank's heads
     x_dim, bc_dim = plan.num_heads * module.head_dim, plan.num_groups * module.ssm_state_size
     xbc, dt = full.split([x_dim + 2 * bc_dim, plan.num_heads], dim=-1)
-    xbc = _conv(module, fns, xbc, plan.channels.to(xbc.device), documents)
+    channels = plan.channels.to(xbc.device)
+    weight = module.conv1d.weight[channels, 0]
+    bias = module.conv1d.bias[channels] if module.conv1d.bias is not None else None
+    xbc = causal_conv(module, xbc, weight, bias, module.activation, documents)
     x, b, c = xbc.split([x_dim, bc_dim, bc_dim], dim=-1)
     seq = x.shape[1]
     x = x.reshape(batch, seq, plan.num_heads, module.head_dim)
     bc = (b.reshape(batch, seq, plan.num_groups, -1), c.reshape(batch, seq, plan.num_groups, -1))
-    y = _scan(module, fns, plan, x, dt, bc, documents)
+    y = _scan(module, plan, x, dt, bc, documents)
     back = heads_to_sequence(y.reshape(batch, seq, x_dim), group, size)  # [B, s, C, heads x P]
     return back.reshape(batch, local, -1)
 
@@ -334,17 +250,12 @@ def sharded_forward(
 ) -> Tensor:
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     u = size if head_chunk_size is None else head_chunk_size
-    # the functions the module's own forward calls (kernel or torch fallback, looked up as it does at call time)
-    namespace = vars(sys.modules[type(module).__module__])
-    fns = {name: namespace[name] for name in ("causal_conv1d_fn", "mamba2_chunk_scan")}
     sizes = (module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size, module.intermediate_size)
     outputs = []
     for stage in range(module.num_heads // u):
         plan = _plan(*sizes, u, size, rank, stage)
         # checkpointed: between forward and backward a stage keeps only its input (shared) and its local output
-        outputs.append(
-            checkpoint(_stage, module, fns, plan, hidden_states, group, size, documents, use_reentrant=False)
-        )
+        outputs.append(checkpoint(_stage, module, plan, hidden_states, group, size, documents, use_reentrant=False))
     scan_output = torch.cat(outputs, dim=-1)  # [B, s, d_inner], heads in order
     proj = module.in_proj
     d_inner = module.intermediate_size

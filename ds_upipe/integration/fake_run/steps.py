@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ...options import UPipeOptions
 from ..checkpointing import releasing, without_recomputed_outputs
+from ..prepare import prepare_model
 from .models import HFModelConfig, ModelShape
 from .tracker import KERNELS, Peak, track
 from .world import _backend_retention, _deepspeed_comm_on_fake_world, _release_deepspeed_sp_groups, fake_world
@@ -77,6 +78,18 @@ class StepSpec:
             raise ValueError(f"kernel={self.kernel!r}: choose one of {list(KERNELS)}")
 
     @property
+    def stack(self) -> dict[str, Any]:
+        """The long-context stack's keywords (``prepare.prepare_model``)."""
+        return dict(
+            tiled_loss=self.tiled_loss,
+            tiled_norm=self.tiled_norm,
+            tiled_mlp=self.tiled_mlp,
+            loss_tile_tokens=self.loss_tile_tokens,
+            norm_tile_tokens=self.norm_tile_tokens,
+            mlp_tile_tokens=self.mlp_tile_tokens,
+        )
+
+    @property
     def local_tokens(self) -> int:
         return self.seq_len // self.sp_size
 
@@ -114,12 +127,11 @@ def _patched_model(spec: StepSpec, group: dist.ProcessGroup, layers: int = 1) ->
     from transformers import AutoModelForCausalLM
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    import hf_patches
-
     with _default_dtype(DTYPES[spec.dtype]):
         model = AutoModelForCausalLM.from_config(spec.model.config(layers))
     original = ALL_ATTENTION_FUNCTIONS["sdpa"]
     try:
+        ulysses, ring = None, None
         if spec.attention == "alst":
             from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
@@ -127,19 +139,16 @@ def _patched_model(spec: StepSpec, group: dist.ProcessGroup, layers: int = 1) ->
             UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", spec.sp_size, spec.batch)
         else:
             ulysses, ring = _sequence_groups(spec, group)
-            hf_patches.apply_upipe(model, ulysses, spec.options, ring_group=ring)
-        if spec.tiled_norm or spec.tiled_mlp or spec.tiled_loss:
-            hf_patches.apply_long_context_stack(
-                model,
-                tiled_loss=spec.tiled_loss,
-                tiled_norm=spec.tiled_norm,
-                tiled_mlp=spec.tiled_mlp,
-                loss_tile_tokens=spec.loss_tile_tokens,
-                norm_tile_tokens=spec.norm_tile_tokens,
-                mlp_tile_tokens=spec.mlp_tile_tokens,
-                forward_loss="sequence_parallel" if spec.tiled_loss else "local",
-                loss_group=group,
-            )
+        # as the run prepares it (the engine route's mode of the tiled loss: the whole sequence's loss)
+        prepare_model(
+            model,
+            upipe=spec.options if spec.attention == "upipe" else None,
+            group=ulysses,
+            ring_group=ring,
+            stack=spec.stack,
+            forward_loss="sequence_parallel",
+            loss_group=group,
+        )
         yield model.train()
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = original
