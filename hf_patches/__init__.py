@@ -15,7 +15,7 @@ from .data import IGNORE_INDEX, gather_sequence, pad_batch, sequence_parallel_da
 from .logprobs import model_token_logprobs, sequence_logprobs
 from .long_context import LongContextStack, apply_long_context_stack, check_long_context_stack, long_context_stack
 from .loss import sequence_parallel_loss, tiled_causal_lm_loss, tiled_sequence_parallel_loss
-from .patch import apply_upipe, fused_fallback, supported_model_classes, upipe_state
+from .patch import apply_upipe, check_mixer_settings, fused_fallback, supported_model_classes, upipe_state
 from .rl_loss import (
     completion_logps,
     completion_rows,
@@ -33,6 +33,7 @@ __all__ = [
     "apply_long_context_stack",
     "apply_upipe",
     "check_long_context_stack",
+    "check_mixer_settings",
     "fused_fallback",
     "completion_logps",
     "completion_rows",

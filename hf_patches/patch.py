@@ -18,7 +18,7 @@ from .attention import ATTN_IMPLEMENTATION, fused_attention_forward, register_at
 from .families import FAMILIES
 from .fused import FusedProjections
 from .inputs import GENERATION_UNSUPPORTED, check_and_prepare
-from .mixers import check_mixers, patch_mixers
+from .mixers import check_mixers, mixer_kind_of, patch_mixers, refuse_ring
 from .rope import rotary_embedding, use_global_positions
 from .state import UPipeState
 
@@ -100,11 +100,8 @@ def apply_upipe(
             fallback,
             " (recompute_attention_output has no effect unfused)" if options.recompute_attention_output else "",
         )
-    if found.mixers and ring_group is not None:
-        raise ValueError(
-            f"apply_upipe: decoder layer {found.mixers[0][0]} ({type(found.mixers[0][1]).__name__}) is a sequence "
-            "mixer: UPipe x Ring shards attention only; pass ring_group=None for models with such layers"
-        )
+    if ring_group is not None:
+        refuse_ring(found.mixers)
     check_mixers(found.mixers, dist.get_world_size(process_group), options.mixer_head_chunk_size)
     heads = HeadLayout.from_config(config)
     # the one runtime builder of every route (ds_upipe.runtime); validates U, H, Hkv against C_u
@@ -152,14 +149,18 @@ def fused_fallback(model: nn.Module) -> str | None:
     return fused_blocker_of(found.attentions)
 
 
-def check_mixer_head_chunk_size(model: nn.Module, group_size: int, mixer_head_chunk_size: int | None) -> None:
-    """``apply_upipe``'s check of its ``mixer_head_chunk_size`` against the model's sequence mixers, before
-    any group exists (a model ``apply_upipe`` refuses is left to it: it names the layer there)."""
-    try:
-        found = find_decoder(_unwrap(model))
-    except ValueError:
+def check_mixer_settings(model: nn.Module, group_size: int, mixer_head_chunk_size: int | None, ring: bool) -> None:
+    """``apply_upipe``'s refusals of the model's sequence mixers (``hf_patches.mixers``: a ring, a
+    ``mixer_head_chunk_size`` a kind cannot run over ``group_size`` ranks), without patching anything: it reads
+    the model's modules only, so the ds_config routes run it on every rank before their first collective.  A
+    model without a registered mixer is left to ``apply_upipe``'s own checks."""
+    hf_model = _unwrap(model)
+    if not any(mixer_kind_of(type(m).__name__) is not None for m in hf_model.modules()):
         return
-    check_mixers(found.mixers, group_size, mixer_head_chunk_size)
+    mixers = find_decoder(hf_model).mixers
+    if ring:
+        refuse_ring(mixers)
+    check_mixers(mixers, group_size, mixer_head_chunk_size)
 
 
 def _refuse_generate(self: nn.Module, *args: Any, **kwargs: Any) -> None:

@@ -6,6 +6,7 @@ whole sequence in one process (each rank runs that reference itself; the models 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import shutil
@@ -858,7 +859,8 @@ def _patched_per_rank(rank, **settings):
 
 ZERO3_CONFIG = {
     "train_micro_batch_size_per_gpu": 1,
-    "zero_optimization": {"stage": 3},
+    # every parameter partitioned: DeepSpeed keeps parameters under 1e5 elements (all of a tiny model's) whole
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
 }
 
@@ -1177,3 +1179,26 @@ def ring_dataloader_case(layout):
         errors[f"loss_{src}"] = relative_error(loss.detach(), reference_loss(ref_logits, labels))
     errors["batches"] = float(len([k for k in errors if k.startswith("logits_")]) != size)
     return errors
+
+
+@contextlib.contextmanager
+def float64_internals():
+    """``Tensor.float()`` and ``Tensor.to(torch.float32)`` keep float64 tensors float64 while the cases run
+    (reference and patched alike).  transformers' torch SSD scan casts x, B, C and dt to float32 (as the CUDA
+    kernels compute) and Nemotron-H's RMSNorm and logits are float32; their float32 sums split over ranks (a group's
+    B/C gradient summed over its heads, a norm weight's over the tokens) differ from the whole sum by ~1e-7, so
+    float64 parity at 1e-10 needs them kept in float64.  No hook sets these internal dtypes."""
+    original_float, original_to = torch.Tensor.float, torch.Tensor.to
+
+    def keep_float(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self if self.dtype == torch.float64 else original_float(self, *args, **kwargs)
+
+    def keep_to(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        only_float32 = (args == (torch.float32,) and not kwargs) or (not args and kwargs == {"dtype": torch.float32})
+        return self if self.dtype == torch.float64 and only_float32 else original_to(self, *args, **kwargs)
+
+    torch.Tensor.float, torch.Tensor.to = keep_float, keep_to
+    try:
+        yield
+    finally:
+        torch.Tensor.float, torch.Tensor.to = original_float, original_to

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 
 import hf_patches
+from hf_patches.mixers import gated_delta
+from tests import mixer_bf16
 from tests.hf_cases import (
     make_batch,
     packed_batch,
@@ -147,10 +149,19 @@ def cases(world: int) -> dict[str, tuple]:
     return found
 
 
+def bf16_case() -> dict[str, dict[str, float]]:
+    """Qwen3.5's gated delta net layer in bf16 under SP (U=C and U=all value heads) against the unpatched layer
+    and its own spread (tests/mixer_bf16.py)."""
+    layer = build_model("qwen3_5").to(torch.bfloat16).model.layers[0].linear_attn
+    us = {"u=C": None, "u=H": _COMMON["linear_num_value_heads"]}
+    return mixer_bf16.bf16_spread(layer, gated_delta.sharded_forward, us, seq=32)
+
+
 def spawn_body(rank: int, world: int) -> dict:
-    """Every parity case, the packed rows (Qwen3.5 U=C, Qwen3-Next U=H) and the refusals of one spawn."""
+    """Every parity case, the packed rows (Qwen3.5 U=C, Qwen3-Next U=H) and the refusals of one spawn; at C=2
+    the bf16 layer case."""
     results = {name: parity_case(family, u, **kw) for name, (family, u, kw) in cases(world).items()}
     h = _COMMON["linear_num_value_heads"]
     results["packed_qwen3_5_u=C"] = packed_case("qwen3_5", None, world)
     results["packed_qwen3_next_u=H"] = packed_case("qwen3_next", h, world, seed=1)
-    return {"parity": results, "refusals": refusals(world)}
+    return {"parity": results, "refusals": refusals(world), "bf16": bf16_case() if world == 2 else None}

@@ -4,14 +4,23 @@ parameter gradient summed over the ranks), packed rows == every document alone, 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import torch
 import torch.distributed as dist
 
 import hf_patches
-from tests.hf_cases import compare, make_batch, packed_batch, per_document_reference, reference_step, sharded_step
+from hf_patches.mixers import mamba2
+from tests import mixer_bf16
+from tests.hf_cases import (
+    compare,
+    float64_internals,
+    make_batch,
+    packed_batch,
+    per_document_reference,
+    reference_step,
+    sharded_step,
+)
 
 COMMON = dict(vocab_size=101, initializer_range=0.1, use_cache=False, num_attention_heads=4, num_key_value_heads=2)
 
@@ -67,29 +76,6 @@ FAMILIES = {
         "BambaForCausalLM",
     ),
 }
-
-
-@contextlib.contextmanager
-def float64_internals():
-    """``Tensor.float()`` and ``Tensor.to(torch.float32)`` keep float64 tensors float64 while the cases run
-    (reference and patched alike).  transformers' torch SSD scan casts x, B, C and dt to float32 (as the CUDA
-    kernels compute) and Nemotron-H's RMSNorm and logits are float32; their float32 sums split over ranks (a group's
-    B/C gradient summed over its heads, a norm weight's over the tokens) differ from the whole sum by ~1e-7, so
-    float64 parity at 1e-10 needs them kept in float64.  No hook sets these internal dtypes."""
-    original_float, original_to = torch.Tensor.float, torch.Tensor.to
-
-    def keep_float(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return self if self.dtype == torch.float64 else original_float(self, *args, **kwargs)
-
-    def keep_to(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        only_float32 = (args == (torch.float32,) and not kwargs) or (not args and kwargs == {"dtype": torch.float32})
-        return self if self.dtype == torch.float64 and only_float32 else original_to(self, *args, **kwargs)
-
-    torch.Tensor.float, torch.Tensor.to = keep_float, keep_to
-    try:
-        yield
-    finally:
-        torch.Tensor.float, torch.Tensor.to = original_float, original_to
 
 
 def build(family: str, seed: int = 0) -> torch.nn.Module:
@@ -205,6 +191,13 @@ def refusal(world: int) -> str:
     return "not refused"
 
 
+def bf16_case() -> dict[str, dict[str, float]]:
+    """Nemotron-H's first Mamba-2 mixer in bf16 under SP (U=C and U=all heads) against the unpatched layer and
+    its own spread (tests/mixer_bf16.py)."""
+    layer = mixers(build("nemotron_h").to(torch.bfloat16))[0]
+    return mixer_bf16.bf16_spread(layer, mamba2.sharded_forward, {"u=C": None, "u=H": num_heads("nemotron_h")}, seq=32)
+
+
 def matrix(rank: int, world: int) -> dict:
     """Every family at U = C and U = all heads and on a packed row, HF gradient checkpointing, Granite's
     group-per-head stage (C=2, U=4), all in float64 internals (``float64_internals``: tolerance 1e-10); Nemotron-H
@@ -220,6 +213,7 @@ def matrix(rank: int, world: int) -> dict:
         if world == 2:
             cases["granitemoehybrid_u=4"] = parity("granitemoehybrid", 4, world)
     return {
+        "bf16": bf16_case() if world == 2 else None,
         "float64": cases,
         "float32_internals": parity("nemotron_h", None, world),
         "kernel_path": kernel_path(world),

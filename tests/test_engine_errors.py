@@ -38,7 +38,7 @@ EXPECTED = {  # case -> pieces every rank's message must contain
     "tiled_mlp_bad_tile": ["upipe.tiled_mlp: got {'tile_tokens': 0}; allowed: true, false, or"],
     "hybrid_with_alst": ["upipe.enabled: got false", "NemotronHMamba2Mixer", '"upipe": {"enabled": true}'],
     "hybrid_mixer_head_chunk_size": [
-        "upipe.mixer_head_chunk_size: apply_upipe: decoder layer 0 (Qwen3_5GatedDeltaNet)",
+        "upipe.mixer_head_chunk_size=3: apply_upipe: decoder layer 0 (Qwen3_5GatedDeltaNet)",
         "mixer_head_chunk_size=3",
         "Valid values: 2, 4",
     ],

@@ -1,7 +1,8 @@
 """Gated delta net layers under apply_upipe (hf_patches/mixers/gated_delta.py): whole-model parity of
 Qwen3.5 (dense, MoE), Qwen3-Next and OLMo hybrid with the unpatched model, float64, over 2 and 4 gloo
-ranks (one spawn each; the cases are in tests/mixer_gated_delta_cases.py), the refusals of bad U, and
-FLA's argument contract checked on CPU."""
+ranks (one spawn each; the cases are in tests/mixer_gated_delta_cases.py), the refusals of bad U, the bf16
+layer under SP (C=2) bit for bit in its output and within its own variation in its gradients
+(tests/mixer_bf16.py), and FLA's argument contract checked on CPU."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from ds_upipe.tools.ranks import run_ranks
 from hf_patches.mixers.gated_delta import check_fla_arguments
+from tests import mixer_bf16
 from tests import mixer_gated_delta_cases as cases
 
 
@@ -29,6 +31,16 @@ def test_parity_and_refusals(world):
         assert f"Valid values: {', '.join(map(str, valid))}" in refusals["not_multiple"], refusals
         assert f"mixer_head_chunk_size={3 * world}" in refusals["not_dividing"], refusals
         assert "linear_num_value_heads=8" in refusals["not_dividing"], refusals
+        if world == 2:
+            check_bf16(result["bf16"], f"rank {rank}")
+
+
+def check_bf16(result: dict, where: str) -> None:
+    """The bf16 layer under SP at U=C and U=all: output bit for bit, gradients within the unpatched layer's own
+    variation (tests/mixer_bf16.py), and the SP runs really differ somewhere (the bounds are not vacuous)."""
+    assert {k for k in result if k.startswith("sp_")} == {"sp_u=C", "sp_u=H"}, result
+    assert not any(mixer_bf16.beyond_bounds(result).values()), f"{where}: {mixer_bf16.beyond_bounds(result)}"
+    assert any(d > 0 for d in result["sp_u=C"].values()), result
 
 
 def _fla_inputs(b=2, t=5, h=2, hv=4, k=3, v=4):

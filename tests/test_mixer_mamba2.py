@@ -1,7 +1,8 @@
 """hf_patches.mixers.mamba2: Nemotron-H, Granite 4 hybrid and Bamba patched by apply_upipe on sequence shards == the
 unpatched model on the whole sequence (logits, loss, every parameter gradient summed over the ranks, float64), on
-packed rows == every document alone, over 2 and 4 gloo ranks in one spawn each; the refusals of a bad U; the
-argument contracts of mamba_ssm's and causal-conv1d's kernels."""
+packed rows == every document alone, over 2 and 4 gloo ranks in one spawn each; the bf16 layer under SP (C=2) bit
+for bit in its output, within its own variation in its gradients; the refusals of a bad U; the argument contracts
+of mamba_ssm's and causal-conv1d's kernels."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ds_upipe.tools.ranks import run_ranks
 from hf_patches.mixers import mamba2
 from hf_patches.mixers.common import check_causal_conv1d_arguments
 from tests import mixer_mamba2_cases as cases
+from tests.test_mixer_gated_delta import check_bf16
 
 F64, F32 = 1e-10, 1e-5
 
@@ -27,6 +29,8 @@ def test_mamba2_hybrids_match_the_unpatched_model(world):
             assert max(errors.values()) <= F32, f"C={world} rank {rank} {case}: {errors}"
         for words in ("decoder layer 0 (BambaMixer)", f"mixer_head_chunk_size={world + 1}", "Valid values: "):
             assert words in result["refusal"], result["refusal"]
+        if world == 2:  # Nemotron-H's Mamba-2 layer in bf16 (tests/mixer_bf16.py)
+            check_bf16(result["bf16"], f"rank {rank}")
 
 
 @pytest.mark.parametrize(

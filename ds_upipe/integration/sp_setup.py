@@ -209,7 +209,8 @@ def refuse_unexchanged_mixers(model: torch.nn.Module, upipe: bool) -> None:
 def check_model_settings(model: torch.nn.Module, settings: SPSettings) -> None:
     """Refuse settings the model cannot take: a stack part it lacks (e.g. ``tiled_loss`` on a model
     without an lm_head), more checkpoint pairs than it has layers for; with sequence parallelism, a hybrid
-    model under ALST (``refuse_unexchanged_mixers``) or a ``mixer_head_chunk_size`` its mixers cannot take.
+    model under ALST (``refuse_unexchanged_mixers``), and what its mixers cannot run under UPipe (a ring, a
+    ``mixer_head_chunk_size``: ``hf_patches.check_mixer_settings``).
 
     Reads only the model's structure and the config, so every rank raises the same ValueError; the
     callers run it before their first collective."""
@@ -218,7 +219,7 @@ def check_model_settings(model: torch.nn.Module, settings: SPSettings) -> None:
     if settings.sequence_parallel_size > 1 and isinstance(model, torch.nn.Module):
         refuse_unexchanged_mixers(model, upipe.enabled)
         if upipe.enabled:
-            _check_mixer_head_chunk_size(model, settings)
+            _check_mixer_settings(model, settings)
     if not upipe.long_context:
         return
     from hf_patches import check_long_context_stack
@@ -229,14 +230,17 @@ def check_model_settings(model: torch.nn.Module, settings: SPSettings) -> None:
         raise ValueError(f"invalid ds_config: upipe.tiled_loss/tiled_norm/tiled_mlp: {err}") from None
 
 
-def _check_mixer_head_chunk_size(model: torch.nn.Module, settings: SPSettings) -> None:
-    """``upipe.mixer_head_chunk_size`` against the model's mixers over the Ulysses degree (their own check)."""
-    from hf_patches.patch import check_mixer_head_chunk_size
+def _check_mixer_settings(model: torch.nn.Module, settings: SPSettings) -> None:
+    """apply_upipe's mixer refusals (a ring, a ``mixer_head_chunk_size`` a kind cannot run), named by the
+    ds_config key that causes them."""
+    from hf_patches import check_mixer_settings
 
+    upipe = settings.upipe
+    key = "ring_size" if upipe.ring_size > 1 else "mixer_head_chunk_size"
     try:
-        check_mixer_head_chunk_size(model, settings.ulysses_size, settings.upipe.mixer_head_chunk_size)
+        check_mixer_settings(model, settings.ulysses_size, upipe.mixer_head_chunk_size, upipe.ring_size > 1)
     except ValueError as err:
-        raise ValueError(f"invalid ds_config: upipe.mixer_head_chunk_size: {err}") from None
+        raise ValueError(f"invalid ds_config: upipe.{key}={getattr(upipe, key)}: {err}") from None
 
 
 def configure_activation_checkpointing(

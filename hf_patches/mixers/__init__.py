@@ -99,6 +99,17 @@ def check_mixers(mixers: list[tuple[int, nn.Module]], group_size: int, head_chun
         kind.implementation().check(layer, module, group_size, head_chunk_size)
 
 
+def refuse_ring(mixers: list[tuple[int, nn.Module]]) -> None:
+    """UPipe x Ring shards softmax attention only: a model with sequence mixers runs without a ring (a mixer's heads
+    would need the whole sequence of the ring's other ranks too)."""
+    if mixers:
+        layer, module = mixers[0]
+        raise ValueError(
+            f"apply_upipe: decoder layer {layer} ({type(module).__name__}) is a sequence mixer: UPipe x Ring shards "
+            "attention only; pass ring_group=None for models with such layers"
+        )
+
+
 def patch_mixers(mixers: list[tuple[int, nn.Module]], state: UPipeState) -> list[tuple[nn.Module, list[nn.Parameter]]]:
     """Run each mixer head-sharded in stages under ``state`` (its group, ``options.mixer_head_chunk_size``);
     returns, per module, the parameters ZeRO-3 must gather with it (``zero3_params``)."""
