@@ -270,6 +270,9 @@ def rank_checks(rank: int, world: int, device_name: str, smoke: bool) -> dict[st
             results[name] = _guard(_stage_loop_case, rank, c, group, device, dtype_name, tol)
         name = f"ranks fused HF Llama C={c} float32 (U=C) vs the single-process model"
         results[name] = _guard(_fused_hf_case, group, device, c)
+        for family, kernels in HYBRID_FAMILIES.items():
+            name = f"ranks hybrid {family} C={c} float32 (mixer U=C) vs the single-process model ({kernels})"
+            results[name] = _guard(_hybrid_case, group, device, c, family)
     return results
 
 
@@ -316,6 +319,34 @@ def _fused_hf_case(group, device, world: int) -> str | None:
     hf_cases.patch_model(model, group, None, True, False, False)
     got = hf_cases.sharded_step(model, data, group)
     errors = hf_cases.compare(ref, got, seq)
+    bad = {n: e for n, e in errors.items() if not e <= 1e-4}
+    return None if not bad else f"relative errors above 1e-4 (float32 vs float64): {bad}"
+
+
+#: hybrid model -> the CUDA kernels its sequence mixers call where installed (FLA, causal-conv1d, mamba_ssm;
+#: transformers' torch fallbacks otherwise): each row runs the mixer head-sharded in stages on the device
+HYBRID_FAMILIES = {
+    "qwen3_5": "gated delta net: FLA chunk_gated_delta_rule, causal_conv1d_fn",
+    "nemotron_h": "Mamba-2: mamba_ssm mamba_chunk_scan_combined, causal_conv1d_fn",
+}
+
+
+def _hybrid_case(group, device, world: int, family: str) -> str | None:
+    import torch
+
+    import hf_patches
+    from tests import hf_cases, mixer_gated_delta_cases, mixer_mamba2_cases
+
+    build = mixer_gated_delta_cases.build_model if family == "qwen3_5" else mixer_mamba2_cases.build
+    seq = 16 * world
+    data = {n: t.to(device) for n, t in hf_cases.make_batch(0, 2, seq).items()}
+    model = build(family).to(device=device, dtype=torch.float64)
+    ref = hf_cases.reference_step(model, data)  # float64 torch fallbacks, one process, the whole sequence
+    model = model.float()  # the CUDA kernels take float32 / half
+    hf_patches.apply_upipe(model, group)
+    got = hf_cases.sharded_step(model, data, group)
+    errors = hf_cases.compare(ref, got, seq)
+    # transformers computes some of these models' internals in float32 anyway (norms, A_log's exp)
     bad = {n: e for n, e in errors.items() if not e <= 1e-4}
     return None if not bad else f"relative errors above 1e-4 (float32 vs float64): {bad}"
 

@@ -130,16 +130,20 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         "PASS pipeline sdpa float32 gqa (H=8, KV=2, U=2: 4 stages) S=40 causal",
         "PASS ranks stage loop C=4 sdpa bfloat16 gqa (H=8, KV=2, U=C: 2 stages)",
         "PASS ranks fused HF Llama C=2 float32 (U=C) vs the single-process model",
+        "PASS ranks hybrid qwen3_5 C=4 float32 (mixer U=C) vs the single-process model (gated delta net: FLA "
+        "chunk_gated_delta_rule, causal_conv1d_fn)",
+        "PASS ranks hybrid nemotron_h C=2 float32 (mixer U=C) vs the single-process model (Mamba-2: mamba_ssm "
+        "mamba_chunk_scan_combined, causal_conv1d_fn)",
         "SKIP kernel sdpa cuda bfloat16/float16/float32: needs a CUDA device",
         "SKIP layer [expandable_segments:True]: needs a CUDA device",
     ):
         assert want in lines, (want, lines)
     assert any(line.startswith("PASS layer upipe-recompute-8 1K [default allocator]") for line in lines), lines
     summary = next(line for line in lines if line.endswith("skipped"))
-    assert summary == "29 passed, 0 failed, 2 skipped", summary
+    assert summary == "33 passed, 0 failed, 2 skipped", summary
     assert lines[-1].startswith("upipe-recompute-8")  # the table comes last
     result = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert len(result["checks"]) == 31 and [r["method"] for r in result["layer"]] == [
+    assert len(result["checks"]) == 35 and [r["method"] for r in result["layer"]] == [
         "alst", "upipe-fused-8", "upipe-recompute-8",
     ]  # fmt: skip
 
