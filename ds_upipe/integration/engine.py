@@ -46,6 +46,8 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from hf_patches import sequence_parallel_dataloader
+
 from ..cuda_env import avoid_record_streams
 from .agreement import agreed_settings, check_ranks_agree
 from .config import check_heads, check_world, load_config, micro_batch_size, parse_config
@@ -274,7 +276,6 @@ def _sequence_parallel_loader(
     """A loader of this rank's batches (SequenceParallelSampler) wrapped by hf_patches'
     sequence_parallel_dataloader: padding to a multiple of sp, then UlyssesSPDataLoaderAdapter
     (with a ring, zigzag shards over the whole sequence-parallel group)."""
-    from hf_patches import sequence_parallel_dataloader
 
     sampler = SequenceParallelSampler(
         dataset,

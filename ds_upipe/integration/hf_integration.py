@@ -65,7 +65,11 @@ import torch
 from deepspeed.runtime.sequence_parallel import ulysses_sp
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
 
+from hf_patches import ATTN_IMPLEMENTATION, UPipeState, long_context_stack, upipe_state
+from hf_patches.attention import upipe_attention_function
 from hf_patches.data import ShardedBatch, checked_loader, use_zigzag_shift_labels
+from hf_patches.inputs import check_and_prepare, global_sequence
+from hf_patches.state import DOCUMENTS_KWARG
 
 from ..heads import HeadLayout
 from . import trainer_sp
@@ -550,7 +554,6 @@ def _alst_checks_and_groups(args: dict[str, Any]) -> tuple[Any, Callable[..., An
 def _unfused_state(text_config: Any, group: Any, head_chunk_size: int, settings: SPSettings) -> Any:
     """The runtime of the registered core attention function (the unfused path), built as
     ``apply_upipe`` builds a patched model's (``UPipeState.build``) from the block's settings."""
-    from hf_patches import UPipeState
 
     from .sp_setup import upipe_groups
 
@@ -573,8 +576,6 @@ def _upipe_core_attention(
     """The function registered under ``core``: what ALST's ``uattn_wrapper`` is to ALST, with UPipe.
     ``group``: the registration's sequence-parallel group (its ``Registration``, looked up per call:
     recorded once the registration is complete)."""
-    from hf_patches.attention import upipe_attention_function
-    from hf_patches.state import DOCUMENTS_KWARG
 
     def attention(
         module: torch.nn.Module,
@@ -622,7 +623,6 @@ def _check_global_positions(module: torch.nn.Module, position_ids: torch.Tensor 
             f"{type(module).__name__}: position_ids are required under sequence parallelism: pass the global "
             "positions of each rank's shard (UlyssesSPDataLoaderAdapter adds them)"
         )
-    from hf_patches.inputs import global_sequence
 
     from ..packing import documents_from_positions
 
@@ -639,8 +639,6 @@ def _sequence_parallel_in_training_only(model: torch.nn.Module, core: str) -> No
     """``disable_in_eval=True`` for a model patched in place: in eval mode it runs with attention
     implementation ``core`` (the registered function, which bypasses SP in eval) and skips UPipe's
     sequence-shard input check; in training it is UPipe as patched."""
-    from hf_patches import ATTN_IMPLEMENTATION, upipe_state
-    from hf_patches.inputs import check_and_prepare
 
     state = upipe_state(model)
     for module in model.modules():
@@ -762,7 +760,6 @@ def _wrap_initialize(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _unapplied(model: Any) -> bool:
     """A model no registration (nor ``ds_upipe.initialize``) has applied a ds_config's keys to yet."""
-    from hf_patches import long_context_stack, upipe_state
 
     if not isinstance(model, torch.nn.Module) or model.__dict__.get(_APPLIED):
         return False
@@ -776,7 +773,6 @@ def _long_context_without_sp(kwargs: dict[str, Any]) -> None:
     model, ds_config = kwargs.get("model"), kwargs.get("config_params", kwargs.get("config"))
     if not isinstance(model, torch.nn.Module) or not isinstance(ds_config, dict) or not ds_config.get("upipe"):
         return
-    from hf_patches import long_context_stack
 
     if long_context_stack(model) is not None:
         return

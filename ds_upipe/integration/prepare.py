@@ -16,6 +16,8 @@ from typing import Any, Literal
 import torch.distributed as dist
 from torch import nn
 
+import hf_patches
+
 from ..options import UPipeOptions
 
 #: ``apply_long_context_stack``'s switches
@@ -42,13 +44,6 @@ def prepare_model(
         forward_loss, loss_group: the tiled loss's mode for the model's loss from labels ("local" where the
             caller combines the ranks' losses; ``apply_long_context_stack``); "local" without a tiled loss.
     """
-    try:
-        import hf_patches
-    except ImportError as err:  # part of ds-upipe; a broken install names the way back to plain ALST
-        raise ValueError(
-            f"preparing {type(model).__name__} needs hf_patches (part of ds-upipe); it could not be imported: {err}. "
-            "Set upipe.enabled=false to run DeepSpeed ALST's Ulysses instead"
-        ) from err
     if upipe is not None:
         hf_patches.apply_upipe(model, group, upipe, ring_group=ring_group)
     if stack and any(stack.get(part) for part in TILED_PARTS):

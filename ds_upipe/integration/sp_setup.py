@@ -19,6 +19,10 @@ from typing import Any
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from hf_patches import check_long_context_stack, check_mixer_settings, fused_fallback
+from hf_patches.mixers import mixer_kind_of
+from hf_patches.packing import per_document_attention
+
 from ..heads import HeadLayout
 from .auto_chunk import run_head_chunk_size
 from .checkpoint_pairs import check_pairs_fit, install_checkpoint_pairs
@@ -61,7 +65,6 @@ def runs_fused(model: torch.nn.Module, upipe: UPipeConfig) -> bool:
     LoRA or quantized projections, attention classes fused mode does not know)."""
     if not upipe.fused_projections or upipe.head_chunk_size != "auto":
         return upipe.fused_projections  # only "auto" reads it: no model inspection otherwise
-    from hf_patches import fused_fallback
 
     return fused_fallback(model) is None
 
@@ -142,8 +145,6 @@ def packed_rows_per_document(impl: str) -> None:
     flash-attention functions already read the gathered positions (varlen); others are left as they are."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from hf_patches.packing import per_document_attention
-
     core = ALL_ATTENTION_FUNCTIONS.get(impl)
     if impl == "sdpa" and core is not None and not getattr(core, "upipe_per_document", False):
         ALL_ATTENTION_FUNCTIONS[impl] = per_document_attention(core)
@@ -193,7 +194,6 @@ def refuse_unexchanged_mixers(model: torch.nn.Module, upipe: bool) -> None:
     runs (linear attention, state space, short conv): ALST shards only softmax attention, so each rank would
     run its mixers on its own shard from a zero state (wrong outputs and gradients, no error).  Under UPipe
     the mixers run head-sharded (``hf_patches.apply_upipe``, which refuses the kinds it cannot run)."""
-    from hf_patches.mixers import mixer_kind_of
 
     if upipe:
         return
@@ -222,7 +222,6 @@ def check_model_settings(model: torch.nn.Module, settings: SPSettings) -> None:
             _check_mixer_settings(model, settings)
     if not upipe.long_context:
         return
-    from hf_patches import check_long_context_stack
 
     try:
         check_long_context_stack(model, **long_context_options(upipe))
@@ -233,7 +232,6 @@ def check_model_settings(model: torch.nn.Module, settings: SPSettings) -> None:
 def _check_mixer_settings(model: torch.nn.Module, settings: SPSettings) -> None:
     """apply_upipe's mixer refusals (a ring, a ``mixer_head_chunk_size`` a kind cannot run), named by the
     ds_config key that causes them."""
-    from hf_patches import check_mixer_settings
 
     upipe = settings.upipe
     key = "ring_size" if upipe.ring_size > 1 else "mixer_head_chunk_size"

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from trl import DPOTrainer
 
+from hf_patches import upipe_state
 from hf_patches.data import IGNORE_INDEX
 from hf_patches.rl_loss import DPO_LOSS_TYPES, sequence_parallel_dpo_loss
 
@@ -92,7 +93,6 @@ class SequenceParallelDPOTrainer(DPOTrainer):
         the Trainer has prepared the policy).  Unpatched, it would run UPipe's unfused stage loop through
         the registered attention function: the same values, but another float32 rounding than the
         policy's fused path, which shows in DPO's rewards (policy minus reference) at the first step."""
-        from hf_patches import upipe_state
 
         from .hf_integration import ds_config_from_accelerate, upipe_settings
         from .sp_setup import prepare_for_run
