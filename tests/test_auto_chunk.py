@@ -155,12 +155,12 @@ def test_packed_rows_are_measured_and_the_larger_counts():
 
 def test_fused_as_apply_upipe_decides_for_the_model():
     """A model apply_upipe runs unfused although fused projections are asked (PEFT LoRA on q_proj:
-    not a plain nn.Linear) is measured unfused.  Mutation: ``sp_setup.runs_fused`` returning
+    not a plain nn.Linear) is measured unfused.  Mutation: ``auto_chunk.runs_fused`` returning
     ``upipe.fused_projections`` fails."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
-    from ds_upipe.integration.sp_setup import runs_fused
+    from ds_upipe.integration.auto_chunk import runs_fused
 
     auto = UPipeConfig(head_chunk_size="auto", memory_budget_gib=1.0, seq_length=SEQ)
     model = LlamaForCausalLM(tiny_config("llama"))

@@ -9,6 +9,8 @@ import logging
 from dataclasses import asdict
 from typing import Any
 
+from hf_patches import fused_fallback
+
 from ..heads import HeadLayout
 from ..layout import SequenceLayout
 from ..options import UPipeOptions
@@ -132,16 +134,29 @@ def choose_head_chunk_size(
     return max(fits) if fits else group_size
 
 
-def run_head_chunk_size(settings: SPSettings, model_config: Any, micro_batch_size: int, fused: bool) -> int:
+def run_head_chunk_size(settings: SPSettings, model: Any, micro_batch_size: int) -> int:
     """The U a run uses for a model: ``choose_head_chunk_size`` with the run's settings and the model's
-    heads (the one call of the engine route and of the Trainer / accelerate registration).
-    ``fused``: whether the model will run fused projections (apply_upipe's fallback applied)."""
+    heads (the one call of the engine route and of the Trainer / accelerate registration).  ``model``: the
+    model object (its fused projections as ``prepare_model`` will run them: ``runs_fused``) or, where a
+    registration has only a name or path, its config."""
+    config = model.config if hasattr(model, "config") else model
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    fused = runs_fused(model, settings.upipe) if hasattr(model, "config") else settings.upipe.fused_projections
     return choose_head_chunk_size(
         settings.upipe,
-        **asdict(HeadLayout.from_config(model_config)),
+        **asdict(HeadLayout.from_config(text)),
         group_size=settings.ulysses_size,
         micro_batch_size=micro_batch_size,
         dtype_bytes=settings.dtype_bytes,
-        model_config=model_config,
+        model_config=text,
         options=settings.upipe.options(None).as_run(fused),
     )
+
+
+def runs_fused(model: Any, upipe: UPipeConfig) -> bool:
+    """Whether ``prepare_model`` will run ``model``'s attention with fused projections:
+    ``upipe.fused_projections`` and no fallback for this model (``hf_patches.fused_fallback``: PEFT
+    LoRA or quantized projections, attention classes fused mode does not know)."""
+    if not upipe.fused_projections or upipe.head_chunk_size != "auto":
+        return upipe.fused_projections  # only "auto" reads it: no model inspection otherwise
+    return fused_fallback(model) is None

@@ -50,6 +50,7 @@ from hf_patches import sequence_parallel_dataloader
 
 from ..cuda_env import avoid_record_streams
 from .agreement import agreed_settings, check_ranks_agree
+from .auto_chunk import run_head_chunk_size
 from .config import check_heads, check_world, load_config, micro_batch_size, parse_config
 from .process_exit import release_shm_at_exit
 from .sp_setup import (
@@ -60,7 +61,7 @@ from .sp_setup import (
     prepare_for_run,
     register_alst,
     restore_attention_functions,
-    setup_upipe,
+    sequence_parallel_mpu,
 )
 
 
@@ -126,7 +127,9 @@ def initialize(
         ds_config.pop("data_parallel_size", None)
         mb = micro_batch_size(ds_config, dp)
         if settings.upipe.enabled:
-            mpu, head_chunk_size = setup_upipe(model, settings, mb)
+            mpu = sequence_parallel_mpu(sp)
+            # "auto" measures this model's attention as prepare_for_run will patch it
+            head_chunk_size = run_head_chunk_size(settings, model, mb)
         else:
             head_chunk_size = layout.num_heads  # plain Ulysses: all heads in one stage
             mpu = register_alst(model, sp, mb)

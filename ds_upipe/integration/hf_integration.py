@@ -83,7 +83,6 @@ from .sp_setup import (
     packed_rows_per_document,
     prepare_for_run,
     refuse_unexchanged_mixers,
-    runs_fused,
 )
 
 #: what enable() replaced, to restore in disable(): (owner, attribute) -> original.  enable() is a
@@ -513,8 +512,9 @@ def _register_upipe(args: dict[str, Any], settings: SPSettings) -> tuple[Any, in
     # "auto" measures this model's attention as it will run: fused projections where a model object is
     # patched (Registration.apply_to_model, now or at deepspeed.initialize; by name or path a model-level
     # key such as fused_projections needs that too), unless apply_upipe falls back for this model
-    fused = runs_fused(model, settings.upipe) if hasattr(model, "config") else settings.upipe.fused_projections
-    head_chunk_size = run_head_chunk_size(settings, text, args["micro_batch_size"] or 1, fused)
+    head_chunk_size = run_head_chunk_size(
+        settings, model if hasattr(model, "config") else config, args["micro_batch_size"] or 1
+    )
     group = mpu.get_sequence_parallel_group()
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

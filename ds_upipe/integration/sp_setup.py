@@ -2,8 +2,9 @@
 accelerate path (hf_integration.py).
 
 - the mpu: DeepSpeed's ``parallel_state_sp`` groups (contiguous ranks), as ALST builds them;
-- UPipe on a HuggingFace model (``setup_upipe``: head layout check, head chunk size from the
-  ``"upipe"`` block, ``hf_patches.apply_upipe``) or DeepSpeed ALST's Ulysses (``register_alst``);
+- a HuggingFace model prepared for the run (``prepare_for_run``: ``prepare.prepare_model`` with the
+  ``"upipe"`` block's options at the U ``auto_chunk.run_head_chunk_size`` chose) or DeepSpeed ALST's
+  Ulysses (``register_alst``);
 - the long-context stack of the ``"upipe"`` block (``tiled_loss``, ``tiled_norm``, ``tiled_mlp``:
   ``hf_patches.apply_long_context_stack``), with UPipe, ALST or no sequence parallelism;
 - the ds_config's ``activation_checkpointing`` section applied to the model's layers;
@@ -19,12 +20,11 @@ from typing import Any
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from hf_patches import check_long_context_stack, check_mixer_settings, fused_fallback
+from hf_patches import check_long_context_stack, check_mixer_settings
 from hf_patches.mixers import mixer_kind_of
 from hf_patches.packing import per_document_attention
 
 from ..heads import HeadLayout
-from .auto_chunk import run_head_chunk_size
 from .checkpoint_pairs import check_pairs_fit, install_checkpoint_pairs
 from .checkpointing import install_exact_pinned_pool, releasing
 from .config import SPSettings, UPipeConfig, tiled
@@ -47,26 +47,6 @@ def model_head_layout(model: torch.nn.Module) -> HeadLayout:
             f"got {type(model).__name__}. For other models use ds_upipe.UPipeDistributedAttention directly."
         )
     return HeadLayout.from_config(config)
-
-
-def setup_upipe(model: torch.nn.Module, settings: SPSettings, micro_batch_size: int) -> tuple[Any, int]:
-    """The sequence-parallel groups for UPipe on ``model`` (new or reused) and its U: returns (mpu, head
-    chunk size); ``prepare_for_run`` then patches the model.  The model's heads were checked against the
-    group (``config.check_heads``) by the caller, before its first collective (``engine.initialize``)."""
-    mpu = sequence_parallel_mpu(settings.sequence_parallel_size)
-    # "auto" measures this model's attention as prepare_for_run patches it
-    head_chunk_size = run_head_chunk_size(settings, model.config, micro_batch_size, runs_fused(model, settings.upipe))
-    return mpu, head_chunk_size
-
-
-def runs_fused(model: torch.nn.Module, upipe: UPipeConfig) -> bool:
-    """Whether ``prepare_for_run`` will run ``model``'s attention with fused projections:
-    ``upipe.fused_projections`` and no fallback for this model (``hf_patches.fused_fallback``: PEFT
-    LoRA or quantized projections, attention classes fused mode does not know)."""
-    if not upipe.fused_projections or upipe.head_chunk_size != "auto":
-        return upipe.fused_projections  # only "auto" reads it: no model inspection otherwise
-
-    return fused_fallback(model) is None
 
 
 #: the sequence-parallel group -> its (ring_size -> this rank's (Ulysses group, ring group)): the
