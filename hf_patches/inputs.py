@@ -107,11 +107,9 @@ def check_and_prepare(model: nn.Module, args: tuple, kwargs: dict, state: UPipeS
         mask_kind = _MASK_2D
     else:
         mask_kind = _MASK_OTHER
-    pos_batch = -1
+    pos_batch, text_positions = -1, position_ids
     if position_ids is not None:
-        if position_ids.dim() == 1:
-            position_ids = position_ids.unsqueeze(0)
-        pos_batch = int(position_ids.shape[0]) if position_ids.shape[-1] == seq else -2
+        text_positions, pos_batch = _text_positions(position_ids, seq)
     # the runtime's one record of what every rank must agree on (ds_upipe.validation.check_settings)
     settings = state.settings().encode()
     meta = torch.tensor(
@@ -123,7 +121,7 @@ def check_and_prepare(model: nn.Module, args: tuple, kwargs: dict, state: UPipeS
     check_settings([RuntimeSettings.decode(row[-len(settings) :]) for row in rows])
     _check_meta(rows)
 
-    pos = position_ids.to(device=device, dtype=torch.long).expand(batch, seq)
+    pos = text_positions.to(device=device, dtype=torch.long).expand(batch, seq)
     keep = torch.ones((batch, seq), dtype=torch.long, device=device) if mask is None else (mask != 0).long()
     full = global_sequence(torch.stack([pos, keep.to(device)]), state)  # [2, b, S] in sequence order
     _check_positions_and_mask(full[0], full[1], state.ring_size)
@@ -138,6 +136,31 @@ def check_and_prepare(model: nn.Module, args: tuple, kwargs: dict, state: UPipeS
     call["use_cache"] = False
     call[DOCUMENTS_KWARG] = documents  # this forward's, to its attention modules (and their replays)
     return (), call
+
+
+#: ``_text_positions``' codes for position_ids UPipe cannot read (exchanged, so every rank raises alike)
+_POS_MISSING, _POS_LENGTH, _POS_VISION, _POS_SHAPE = -1, -2, -3, -4
+
+
+def _text_positions(position_ids: Tensor, seq: int) -> tuple[Tensor, int]:
+    """(the text positions [b, s] of a forward's position_ids, their batch size or a ``_POS_*`` code).
+
+    Multimodal RoPE (Qwen3.5, Qwen3-VL: ``mrope_section``) takes [3, b, s] (temporal, height, width) or
+    [4, b, s] (transformers' text positions first, then the three): the text positions decide the global
+    sequence and the packed documents, as transformers' own mask does.  A [3, b, s] whose rows differ holds
+    vision positions without the text ones, which UPipe cannot recover."""
+    if position_ids.dim() == 1:
+        position_ids = position_ids.unsqueeze(0)
+    if position_ids.dim() == 3:
+        if position_ids.shape[0] == 4:
+            position_ids = position_ids[0]
+        elif position_ids.shape[0] == 3 and bool((position_ids == position_ids[:1]).all()):
+            position_ids = position_ids[0]  # text only: the three sections are the text positions
+        else:
+            return position_ids, _POS_VISION if position_ids.shape[0] == 3 else _POS_SHAPE
+    if position_ids.dim() != 2:
+        return position_ids, _POS_SHAPE
+    return position_ids, int(position_ids.shape[0]) if position_ids.shape[-1] == seq else _POS_LENGTH
 
 
 def _check_meta(rows: list[list[int]]) -> None:
@@ -155,8 +178,8 @@ def _check_meta(rows: list[list[int]]) -> None:
             "causal over the whole sequence and can only honour None or a 2-D right-padding mask (for packed "
             "documents pass no mask and position_ids that restart at each document)"
         )
-    if any(p == -1 for p in per_rank(2)):
-        missing = [r for r, p in enumerate(per_rank(2)) if p == -1]
+    if any(p == _POS_MISSING for p in per_rank(2)):
+        missing = [r for r, p in enumerate(per_rank(2)) if p == _POS_MISSING]
         raise ValueError(
             f"position_ids are required on every sequence-parallel rank (missing on ranks {missing}): pass the global "
             "positions of each rank's shard, e.g. from hf_patches.shard_batch"
@@ -168,10 +191,17 @@ def _check_meta(rows: list[list[int]]) -> None:
         )
     if len(set(per_rank(0))) != 1:
         raise ValueError(f"batch sizes differ across ranks: {per_rank(0)}")
-    if any(p == -2 for p in per_rank(2)) or any(p not in (1, per_rank(0)[0]) for p in per_rank(2)):
+    if any(p in (_POS_VISION, _POS_SHAPE) for p in per_rank(2)):
         raise ValueError(
-            f"position_ids batch sizes per rank {per_rank(2)} (-2: length differs from the input's) must be 1 or the "
-            "batch size, with one position per local token"
+            f"position_ids per rank {per_rank(2)} ({_POS_VISION}: [3, batch, local_seq] multimodal RoPE positions "
+            f"whose rows differ, {_POS_SHAPE}: another shape): UPipe reads [batch, local_seq] text positions, or "
+            "multimodal RoPE's [4, batch, local_seq] with the text positions first (transformers' convention) or "
+            "[3, batch, local_seq] of text tokens (equal rows)"
+        )
+    if any(p == _POS_LENGTH for p in per_rank(2)) or any(p not in (1, per_rank(0)[0]) for p in per_rank(2)):
+        raise ValueError(
+            f"position_ids batch sizes per rank {per_rank(2)} ({_POS_LENGTH}: length differs from the input's) must be "
+            "1 or the batch size, with one position per local token"
         )
 
 

@@ -122,6 +122,44 @@ def packed_case(family: str, u: int | None, world: int, seed: int = 0, rows: int
     return compare(ref_model, reference, sharded_step(model, batch, dist.group.WORLD), seq, a_log_f32=True)
 
 
+def mrope_case(world: int, rows: int) -> dict[str, float]:
+    """Qwen3.5's multimodal RoPE positions of a text batch, [3, b, s] (equal rows) or [4, b, s] (text positions
+    first), on a packed row: the documents come from the text positions, and every document alone in one
+    process is the reference (as with [b, s])."""
+    from hf_patches import gather_sequence, sequence_parallel_loss, shard_batch
+    from tests.hf_cases import summed_grads
+
+    group = dist.group.WORLD
+    seq = 8 * world
+    batch, cus = packed_batch(0, seq, world, 1)
+    model = build_model("qwen3_5")
+    ref_model = copy.deepcopy(model)
+    reference = per_document_reference(ref_model, batch, cus)
+    hf_patches.apply_upipe(model, None)
+    shard = shard_batch(batch, group)
+    positions = shard["position_ids"][None].expand(rows, *shard["position_ids"].shape)
+    out = model(input_ids=shard["input_ids"], position_ids=positions)
+    loss = sequence_parallel_loss(out.logits, shard["shift_labels"], group, grad_reduction="sum")
+    loss.backward()
+    got = (gather_sequence(out.logits.detach(), group), loss.detach(), summed_grads(model, group))
+    return compare(ref_model, reference, got, seq, a_log_f32=True)
+
+
+def vision_positions_refused(world: int) -> str:
+    """[3, b, s] positions whose rows differ (vision tokens without the text positions): refused on every rank."""
+    group = dist.group.WORLD
+    model = build_model("qwen3_5")
+    hf_patches.apply_upipe(model, None)
+    shard = hf_patches.shard_batch(make_batch(0, 1, 8 * world), group)
+    positions = shard["position_ids"][None].repeat(3, 1, 1)
+    positions[1] += 1
+    try:
+        model(input_ids=shard["input_ids"], position_ids=positions)
+    except ValueError as err:
+        return str(err)
+    return "not refused"
+
+
 def refusals(world: int) -> dict[str, str]:
     """apply_upipe's messages for U not a multiple of C and U not dividing H_v (before any collective)."""
     messages = {}
@@ -164,4 +202,7 @@ def spawn_body(rank: int, world: int) -> dict:
     h = _COMMON["linear_num_value_heads"]
     results["packed_qwen3_5_u=C"] = packed_case("qwen3_5", None, world)
     results["packed_qwen3_next_u=H"] = packed_case("qwen3_next", h, world, seed=1)
-    return {"parity": results, "refusals": refusals(world), "bf16": bf16_case() if world == 2 else None}
+    for rows in (3, 4):
+        results[f"packed_qwen3_5_mrope_{rows}_rows"] = mrope_case(world, rows)
+    messages = {**refusals(world), "vision_positions": vision_positions_refused(world)}
+    return {"parity": results, "refusals": messages, "bf16": bf16_case() if world == 2 else None}

@@ -19,6 +19,7 @@ from tests import mixer_gated_delta_cases as cases
 def test_parity_and_refusals(world):
     results = run_ranks(cases.spawn_body, world)
     names = set(cases.cases(world)) | {"packed_qwen3_5_u=C", "packed_qwen3_next_u=H"}
+    names |= {"packed_qwen3_5_mrope_3_rows", "packed_qwen3_5_mrope_4_rows"}
     for rank, result in enumerate(results):
         assert set(result["parity"]) == names
         for name, errors in result["parity"].items():
@@ -31,6 +32,8 @@ def test_parity_and_refusals(world):
         assert f"Valid values: {', '.join(map(str, valid))}" in refusals["not_multiple"], refusals
         assert f"mixer_head_chunk_size={3 * world}" in refusals["not_dividing"], refusals
         assert "linear_num_value_heads=8" in refusals["not_dividing"], refusals
+        for words in (f"position_ids per rank {[-3] * world}", "[4, batch, local_seq] with the text positions first"):
+            assert words in refusals["vision_positions"], refusals
         if world == 2:
             check_bf16(result["bf16"], f"rank {rank}")
 
