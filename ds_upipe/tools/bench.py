@@ -647,21 +647,17 @@ def run_layer_case(method: Method, spec: BenchSpec, seq: int, rank: int, device:
 
 
 def mixer_config(spec: BenchSpec, kind: str) -> Any:
-    """A one-layer config of the model holding ``kind`` (``MIXER_MODELS``; no download): the mixer sized by
-    ``spec`` (heads, kv_heads, head_dim; Mamba-2: ssm_state, ssm_chunk), its layer type the config's only one."""
-    import transformers
+    """A one-layer config of the model holding ``kind`` (``MIXER_MODELS``; the tiny configs' one builder,
+    ``tools.models.tiny_config``): the mixer sized by ``spec`` (heads, kv_heads, head_dim; Mamba-2:
+    ssm_state, ssm_chunk), its layer type the config's only one."""
+    from .models import tiny_config
 
-    from .models import TINY_DEFAULTS
-
-    common = {
-        **TINY_DEFAULTS,
-        "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": 1,
-        "use_cache": False,
-    }
+    common = dict(
+        hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, num_hidden_layers=1, use_cache=False
+    )
     if kind == "gated_delta":
-        return transformers.Qwen3_5TextConfig(
+        return tiny_config(
+            "qwen3_5",
             **common,
             layer_types=["linear_attention"],
             linear_num_value_heads=spec.heads,
@@ -670,7 +666,8 @@ def mixer_config(spec: BenchSpec, kind: str) -> Any:
             linear_value_head_dim=spec.head_dim,
         )
     if kind == "mamba2":
-        return transformers.NemotronHConfig(
+        return tiny_config(
+            "nemotron_h",
             **common,
             layers_block_type=["mamba"],
             mamba_num_heads=spec.heads,
