@@ -150,6 +150,12 @@ def _check_config(config: Any) -> None:
             "apply_upipe: multi-head latent attention (config.kv_lora_rank) is not supported: its query/key and "
             "value head dims differ"
         )
+    v_head_dim, head_dim = getattr(config, "v_head_dim", None), getattr(config, "head_dim", None)
+    if v_head_dim is not None and head_dim is not None and v_head_dim != head_dim:
+        raise ValueError(
+            f"apply_upipe: config.v_head_dim={v_head_dim} differs from config.head_dim={head_dim}: UPipe's stages "
+            "carry queries, keys and values of one head dim"
+        )
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap is not None:
         raise ValueError(
