@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 import ds_upipe
 import hf_patches
+from hf_patches.architectures import calls_attention_registry
 
 from . import parity
 from .models import ARCHS
@@ -83,7 +84,19 @@ SMALL: dict[str, Any] = dict(
 #: overrides); the hybrids of ``models.ARCHS`` take their layer patterns and mixer heads from there
 OVERRIDES: dict[str, dict[str, Any]] = {
     **{t: dict(ARCHS[t][2]) for t in ("qwen3_5", "qwen3_next", "olmo_hybrid", "nemotron_h", "lfm2")},
+    **{t: dict(ARCHS["qwen3_5"][2]) for t in ("qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")},
     "lfm2_moe": dict(ARCHS["lfm2"][2]),
+    # Mamba-2 hybrids: an attention layer beside the Mamba layer, small SSM heads (the default scan is slow on CPU)
+    "bamba": dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=4, mamba_chunk_size=4),
+    "granitemoehybrid": dict(
+        layer_types=["linear_attention", "full_attention"],
+        num_local_experts=0,
+        mamba_n_heads=8,
+        mamba_n_groups=2,
+        mamba_d_state=4,
+        mamba_d_head=16,
+        mamba_chunk_size=4,
+    ),
     "dots3_note": dict(num_key_value_heads=8),  # its validator: no GQA
     "dots3_note_text": dict(num_key_value_heads=8),
     "gemma3n": dict(num_kv_shared_layers=0),
@@ -224,6 +237,8 @@ def _patched_errors(model, ref, batch, group, fused: bool) -> tuple[dict[str, fl
     hf_patches.apply_upipe(model, group, fused_projections=fused)
     state = hf_patches.upipe_state(model)
     errors = parity.compare(ref, parity.sharded_step(model, batch, group), batch["input_ids"].shape[1])
+    if fused and not any(calls_attention_registry(m) for m in model.modules()):
+        return errors, "no softmax attention layer (fused projections have nothing to fuse)"
     return errors, state.fallback_reason if fused and not state.fused_projections else None
 
 
