@@ -274,8 +274,10 @@ def sweep_family(model_type: str, group) -> Row:
         )
         return Row(model_type, "failed", detail, flat, time.perf_counter() - start)
     status = "exact-fused" if "fused" in results else "exact-unfused"
-    detail = "" if fallback is None else f"unfused: {fallback}"
-    return Row(model_type, status, detail, flat, time.perf_counter() - start)
+    notes = [f"unfused: {fallback}"] if fallback is not None else []
+    if model_type in TOLERANCES:
+        notes.append(f"within {tolerance:.0e}: {TOLERANCES[model_type][1]}")
+    return Row(model_type, status, "; ".join(notes), flat, time.perf_counter() - start)
 
 
 def _where(err: BaseException) -> str:
