@@ -4,7 +4,8 @@ No class table decides whether a model runs: any causal decoder whose attention 
 transformers' attention-function registry (``ALL_ATTENTION_FUNCTIONS``, the hook through which every
 such model lets another implementation run its core attention) runs unfused UPipe under the module's
 own projections, norms and RoPE.  The modules are recognised by what they are (their class's
-``forward`` reads the registry; the model declares ``_supports_attention_backend``).  A layer holds one
+``forward`` reads the registry; the base model and its decoder layers pass the forward's ``**kwargs`` on to
+them, ``passes_kwargs``).  A layer holds one
 such module, or a sequence mixer of a kind ``hf_patches.mixers`` shards by heads (linear attention,
 state-space, short convolutions), or, where its config says so, only position-wise blocks.  What UPipe
 cannot honour is refused here, naming the layer and the reason, before any collective: mixers of other
@@ -23,6 +24,7 @@ warning naming the reason.
 
 from __future__ import annotations
 
+import dis
 import inspect
 import re
 from dataclasses import dataclass
@@ -117,6 +119,12 @@ def _refuse(layer: int, module: nn.Module, why: str) -> ValueError:
 
 def _check_config(config: Any) -> None:
     """Model-wide refusals read from the (text) config."""
+    per_layer = sorted(getattr(config, "per_layer_attributes", None) or ())
+    if per_layer:  # first: reading such an attribute from the global config raises inside transformers
+        raise ValueError(
+            f"apply_upipe: config.per_layer_attributes={per_layer} (settings that vary per layer, such as Gemma 4's "
+            "per-layer head dims) is not supported yet: UPipe plans every layer's heads from one head_dim"
+        )
     chunk = getattr(config, "attention_chunk_size", None)
     if chunk:
         raise ValueError(
@@ -142,6 +150,12 @@ def _check_config(config: Any) -> None:
             "apply_upipe: multi-head latent attention (config.kv_lora_rank) is not supported: its query/key and "
             "value head dims differ"
         )
+    v_head_dim, head_dim = getattr(config, "v_head_dim", None), getattr(config, "head_dim", None)
+    if v_head_dim is not None and head_dim is not None and v_head_dim != head_dim:
+        raise ValueError(
+            f"apply_upipe: config.v_head_dim={v_head_dim} differs from config.head_dim={head_dim}: UPipe's stages "
+            "carry queries, keys and values of one head dim"
+        )
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap is not None:
         raise ValueError(
@@ -159,6 +173,12 @@ def _dropout(module: nn.Module, config: Any) -> float:
     return float(getattr(config, "attention_dropout", 0.0) or 0.0)
 
 
+def _dropout_key(config: Any, value: float) -> str:
+    """The config key holding the attention dropout ``value`` (attention_dropout, attn_pdrop, ...), to name it."""
+    keys = [k for k, v in config.to_dict().items() if "drop" in k and "att" in k and v == value]
+    return f"config.{keys[0]}" if keys else "the attention module's dropout"
+
+
 def _check_attention(layer: int, module: nn.Module, config: Any) -> None:
     from .attention import module_sliding_window
 
@@ -172,8 +192,12 @@ def _check_attention(layer: int, module: nn.Module, config: Any) -> None:
         raise _refuse(layer, module, "attention logit softcapping is not supported by UPipe's kernels")
     dropout = _dropout(module, config)
     if dropout:
-        raise _refuse(layer, module, f"attention_dropout={dropout} is not supported by UPipe; it must be 0.0")
-    module_sliding_window(module)  # a bad window is refused here, before any collective
+        key = _dropout_key(config, dropout)
+        raise _refuse(layer, module, f"attention dropout {dropout} ({key}) is not supported by UPipe: set {key}=0.0")
+    try:
+        module_sliding_window(module)  # a bad window is refused here, before any collective
+    except ValueError as err:
+        raise _refuse(layer, module, str(err)) from None
 
 
 def find_decoder(hf_model: nn.Module, caller: str = "apply_upipe") -> DecoderModel:
@@ -185,6 +209,7 @@ def find_decoder(hf_model: nn.Module, caller: str = "apply_upipe") -> DecoderMod
     config = base.config
     _check_config(config)
     attentions, mixers = [], []
+    run: set[int] = set()  # the layers UPipe runs (an attention module or a mixer)
     for i, layer in enumerate(_layers(base)):
         layer_mixers = [m for m in layer.modules() if mixer_kind_of(type(m).__name__) is not None]
         inside = {id(sub) for mixer in layer_mixers for sub in mixer.modules()}  # a mixer's own norms and convs
@@ -205,6 +230,8 @@ def find_decoder(hf_model: nn.Module, caller: str = "apply_upipe") -> DecoderMod
                 "mixers of hf_patches.mixers)",
             )
         mixers.extend((i, m) for m in layer_mixers)
+        if layer_mixers:
+            run.add(i)
         found = [m for m in layer.modules() if calls_attention_registry(m)]
         if not found:
             if layer_mixers or layer_type(config, i) in POSITIONWISE_LAYER_TYPES:
@@ -217,15 +244,52 @@ def find_decoder(hf_model: nn.Module, caller: str = "apply_upipe") -> DecoderMod
             raise _refuse(i, layer, f"{len(found)} attention modules ({names}): cross-attention is not supported")
         _check_attention(i, found[0], config)
         attentions.append(found[0])
-    # hybrid models (Qwen3.5, Qwen3-Next, OLMo hybrid, Nemotron-H, Bamba) call the registry and pass the forward's
-    # kwargs through but do not declare it: a model holding a registered mixer class (classes are per family, each
-    # tested on packed rows, which fail unless the kwargs reach every attention and mixer) is taken on that evidence
-    if not getattr(type(base), "_supports_attention_backend", False) and not mixers:
-        raise ValueError(
-            f"{caller}: {type(base).__name__} does not declare _supports_attention_backend: its attention does not "
-            "go through transformers' attention-function registry, where UPipe runs"
-        )
+        run.add(i)
+    _check_kwargs_path(base, caller, [(i, layer) for i, layer in enumerate(_layers(base)) if i in run], attentions)
     return DecoderModel(getattr(config, "model_type", "") or type(base).__name__, base, attentions, mixers)
+
+
+def passes_kwargs(module: nn.Module) -> bool:
+    """Whether the module's class ``forward`` takes ``**kwargs`` and hands them on to a call (``f(..., **kwargs)``):
+    read from its bytecode (through decorators), the varkw name loaded straight into a keyword merge."""
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    if code is None or not code.co_flags & inspect.CO_VARKEYWORDS:
+        return False
+    varkw = code.co_varnames[code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)]
+    ops = list(dis.get_instructions(code))
+    return any(
+        a.opname == "LOAD_FAST" and a.argval == varkw and b.opname in ("DICT_MERGE", "CALL_FUNCTION_EX")
+        for a, b in zip(ops, ops[1:])
+    )
+
+
+def _takes_kwargs(module: nn.Module) -> bool:
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    return code is not None and bool(code.co_flags & inspect.CO_VARKEYWORDS)
+
+
+def _check_kwargs_path(
+    base: nn.Module, caller: str, layers: list[tuple[int, nn.Module]], attentions: list[nn.Module]
+) -> None:
+    """The one rule beside the registry call: the per-call inputs UPipe threads through the forward's kwargs
+    (packed-sequence boundaries, as transformers threads its own ``cu_seq_lens_*``) must reach every attention
+    module and mixer, so the base model and each decoder layer UPipe runs pass their ``**kwargs`` on, and each
+    attention module takes them.  A model that drops them would attend across documents without an error."""
+    why = "does not pass its forward's **kwargs on to its layers"
+    if not passes_kwargs(base):
+        raise ValueError(f"{caller}: {type(base).__name__} {why}: {_KWARGS_RULE}")
+    for i, layer in layers:
+        if not passes_kwargs(layer):
+            raise _refuse(i, layer, f"its forward does not pass its **kwargs on to its attention: {_KWARGS_RULE}")
+    for attn in attentions:
+        if not _takes_kwargs(attn):
+            raise ValueError(f"{caller}: {type(attn).__name__}.forward takes no **kwargs: {_KWARGS_RULE}")
+
+
+_KWARGS_RULE = (
+    "UPipe runs models whose attention modules call transformers' attention registry and whose decoder layers pass "
+    "the forward's kwargs through to them (per-call inputs such as packed-sequence boundaries travel there)"
+)
 
 
 def layer_type(config: Any, layer: int) -> str | None:

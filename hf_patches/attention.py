@@ -124,6 +124,7 @@ def upipe_attention_function(
     state = _state(module)
     _check_call(module, attention_mask, None, dropout)
     _check_unhonoured(module, kwargs)
+    _check_heads(module, state, query, key, value)
     # one dtype for the kernel: under autocast RoPE promotes q/k to float32 while v stays 16-bit, and
     # the kernel's aten op is not autocast-listed, so cast as autocast would for transformers' sdpa
     device_type = query.device.type
@@ -150,6 +151,28 @@ def upipe_attention_function(
 #: other models' ``sinks`` (GPT-OSS passes ``s_aux``, honoured), sparse-attention ``indices`` /
 #: ``block_indices``
 UNHONOURED_KWARGS = ("softcap", "position_bias", "sinks", "indices", "block_indices")
+
+
+def _check_heads(module: nn.Module, state: UPipeState, query: Tensor, key: Tensor, value: Tensor) -> None:
+    """The heads the stage plan was built for (the config's), grouped-query, of one head dim: JetMoE's mixture of
+    attention heads hands the function another head count than its config's."""
+    h, hkv = query.shape[1], key.shape[1]
+    plan = state.plan
+    planned = plan is None or (plan.num_heads, plan.num_kv_heads) == (h, hkv)
+    if (
+        not planned
+        or value.shape[1] != hkv
+        or hkv > h
+        or h % hkv
+        or {key.shape[-1], value.shape[-1]} != {query.shape[-1]}
+    ):
+        want = "" if plan is None else f" (the plan: {plan.num_heads} query and {plan.num_kv_heads} key/value heads)"
+        raise ValueError(
+            f"{type(module).__name__}: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+            f"{tuple(value.shape)} ([batch, heads, tokens, head_dim]) reached UPipe attention{want}: UPipe runs "
+            "grouped-query attention with the config's heads (num_attention_heads, num_key_value_heads), the query "
+            "heads a multiple of the key/value heads, queries, keys and values of one head dim"
+        )
 
 
 def _check_unhonoured(module: nn.Module, kwargs: dict[str, Any]) -> None:

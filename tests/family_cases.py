@@ -16,22 +16,12 @@ import torch
 import torch.distributed as dist
 
 import hf_patches
+from ds_upipe.tools import sweep
 from tests import hf_cases
 
-#: every family shares these (hidden 64, 2 layers, H = 8 query heads of head_dim 8, 2 KV heads: KV < C at C = 4)
-COMMON: dict[str, Any] = dict(
-    vocab_size=101,
-    hidden_size=64,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=256,
-    initializer_range=0.1,
-    use_cache=False,
-    tie_word_embeddings=False,
-)
+#: every family shares the sweep's tiny config (hidden 64, 2 layers, H = 8 query heads of head_dim 8, 2 KV heads:
+#: KV < C at C = 4)
+COMMON: dict[str, Any] = sweep.COMMON
 
 _MOE = dict(num_experts_per_tok=2, output_router_logits=False, experts_implementation="eager")  # grouped_mm: no float64
 _SLIDING_FULL = ["sliding_attention", "full_attention"]

@@ -6,7 +6,6 @@ whole sequence in one process (each rank runs that reference itself; the models 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import shutil
@@ -18,6 +17,16 @@ import torch.nn.functional as F
 
 import hf_patches
 from ds_upipe import pipeline
+from ds_upipe.tools.parity import (  # noqa: F401 - the cases' step helpers, re-exported for the case files
+    compare,
+    float64_internals,
+    make_batch,
+    reference_loss,
+    reference_step,
+    relative_error,
+    sharded_step,
+    summed_grads,
+)
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 
@@ -45,69 +54,6 @@ def build_model(arch: str, dtype=torch.float64, seed: int = 0, base: bool = Fals
     cls = getattr(transformers, f"{prefix}Model" if base else f"{prefix}ForCausalLM")
     torch.manual_seed(seed)
     return cls(config).to(dtype)
-
-
-def make_batch(seed: int, batch: int, seq: int, vocab: int = 101) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
-    labels = ids.clone()
-    labels[:, : seq // 5] = -100  # some ignored tokens, unevenly spread over the ranks
-    return {"input_ids": ids, "labels": labels}
-
-
-def relative_error(got, want) -> float:
-    got, want = got.double(), want.double()
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
-
-
-def reference_loss(logits, labels):
-    """Mean next-token cross-entropy over the non-ignored tokens (in the logits' dtype)."""
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), hf_patches.shift_labels(labels).reshape(-1), ignore_index=-100
-    )
-
-
-def reference_step(model, batch):
-    """The unpatched model on the whole sequence: logits, loss and parameter gradients."""
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=batch["input_ids"])
-    loss = reference_loss(out.logits, batch["labels"])
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out.logits.detach(), loss.detach(), grads
-
-
-def summed_grads(model, group):
-    """The model's parameter gradients (copies) summed over ``group``, by name."""
-    grads = {}
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            g = p.grad.detach().clone()
-            dist.all_reduce(g, group=group)
-            grads[name] = g
-    return grads
-
-
-def sharded_step(model, batch, group, grad_reduction="sum", ring_size=1):
-    """The patched model on this rank's shard; gradients summed over the ranks (``group``: the whole
-    sequence-parallel group, C_u x R ranks with a ring)."""
-    model.zero_grad(set_to_none=True)
-    shard = hf_patches.shard_batch(batch, group, ring_size=ring_size)
-    out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
-    loss = hf_patches.sequence_parallel_loss(out.logits, shard["shift_labels"], group, grad_reduction=grad_reduction)
-    loss.backward()
-    grads = summed_grads(model, group)
-    logits = hf_patches.gather_sequence(out.logits.detach(), group, ring_size=ring_size)
-    return logits, loss.detach(), grads
-
-
-def compare(ref, got, seq: int) -> dict[str, float]:
-    (r_logits, r_loss, r_grads), (g_logits, g_loss, g_grads) = ref, got
-    errors = {"logits": relative_error(g_logits[:, :seq], r_logits), "loss": relative_error(g_loss, r_loss)}
-    if set(r_grads) != set(g_grads):
-        errors["grad_names"] = float("inf")
-    errors["grads"] = max(relative_error(g_grads[n], r_grads[n]) for n in r_grads)
-    return errors
 
 
 def patch_model(model, group, u, fused, overlap, recompute, **kwargs):
@@ -1179,26 +1125,3 @@ def ring_dataloader_case(layout):
         errors[f"loss_{src}"] = relative_error(loss.detach(), reference_loss(ref_logits, labels))
     errors["batches"] = float(len([k for k in errors if k.startswith("logits_")]) != size)
     return errors
-
-
-@contextlib.contextmanager
-def float64_internals():
-    """``Tensor.float()`` and ``Tensor.to(torch.float32)`` keep float64 tensors float64 while the cases run
-    (reference and patched alike).  transformers' torch SSD scan casts x, B, C and dt to float32 (as the CUDA
-    kernels compute) and Nemotron-H's RMSNorm and logits are float32; their float32 sums split over ranks (a group's
-    B/C gradient summed over its heads, a norm weight's over the tokens) differ from the whole sum by ~1e-7, so
-    float64 parity at 1e-10 needs them kept in float64.  No hook sets these internal dtypes."""
-    original_float, original_to = torch.Tensor.float, torch.Tensor.to
-
-    def keep_float(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return self if self.dtype == torch.float64 else original_float(self, *args, **kwargs)
-
-    def keep_to(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        only_float32 = (args == (torch.float32,) and not kwargs) or (not args and kwargs == {"dtype": torch.float32})
-        return self if self.dtype == torch.float64 and only_float32 else original_to(self, *args, **kwargs)
-
-    torch.Tensor.float, torch.Tensor.to = keep_float, keep_to
-    try:
-        yield
-    finally:
-        torch.Tensor.float, torch.Tensor.to = original_float, original_to

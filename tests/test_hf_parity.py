@@ -23,7 +23,8 @@ REFUSALS = {  # case -> words its message must contain (the offending value and 
     "refuse_chunked": ["config.attention_chunk_size=8", "chunked attention"],
     "refuse_hybrid_ssm": ["decoder layer 0 is 'hybrid'", "UPipe runs the layer types"],
     "refuse_encoder_decoder": ["T5ForConditionalGeneration is an encoder-decoder model"],
-    "refuse_dropout_gpt2": ["decoder layer 0 (GPT2Attention)", "attention_dropout=0.1", "must be 0.0"],
+    "refuse_dropout_gpt2": ["decoder layer 0 (GPT2Attention)", "attention dropout 0.1 (config.attn_pdrop)"]
+    + ["set config.attn_pdrop=0.0"],
     "bad_head_chunk": ["head_chunk_size=3", "Valid values"],
     "moe_aux_loss": [
         "Qwen3MoeForCausalLM: output_router_logits=True",
@@ -31,7 +32,7 @@ REFUSALS = {  # case -> words its message must contain (the offending value and 
         "Pass output_router_logits=False",
     ],
     "moe_aux_loss_config": ["Qwen3MoeForCausalLM: output_router_logits=True", "router_aux_loss_coef="],
-    "attention_dropout": ["attention_dropout=0.1", "must be 0.0"],
+    "attention_dropout": ["attention dropout 0.1 (config.attention_dropout)", "set config.attention_dropout=0.0"],
     "recompute_unfused": ["recompute_attention_output=True needs fused_projections=True"]
     + ["set fused_projections=True or recompute_attention_output=False"],
     "double_patch": ["already patched"],

@@ -1,4 +1,4 @@
-"""``ds-upipe``: the command-line entry point (``bench`` and ``plan``).
+"""``ds-upipe``: the command-line entry point (``bench``, ``plan`` and ``sweep``).
 
 Heavy imports (torch.distributed, deepspeed, transformers, matplotlib) happen inside the
 subcommands, so ``ds-upipe --help`` and ``ds-upipe plan`` stay quick.
@@ -40,7 +40,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ds-upipe", description="UPipe for DeepSpeed: measure and plan.")
+    parser = argparse.ArgumentParser(prog="ds-upipe", description="UPipe for DeepSpeed: measure, plan, sweep.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser(
@@ -209,7 +209,41 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     bench.add_argument("--out", type=Path, default=Path("bench"), help="output stem: writes OUT.json and OUT.png")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sweep = sub.add_parser(
+        "sweep",
+        help="every causal decoder family of transformers, patched, against itself unpatched",
+        description="For each model type of transformers' causal-LM auto mapping (or those given), a tiny float64 "
+        "model patched by apply_upipe on 2 gloo ranks against the same model unpatched on the whole sequence "
+        "(logits, loss, every gradient), fused and unfused: one row each, exact-fused / exact-unfused / refused "
+        "(ds_upipe's message) / failed / not-built.  Exits 1 if any row failed.",
+    )
+    sweep.add_argument(
+        "--model-type", action="append", dest="model_types", help="a model type (repeatable; default: all)"
+    )
+    sweep.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    sweep.add_argument("--markdown", type=Path, help="also write the table as a markdown page (docs/families.md)")
     return parser
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    import time
+
+    from . import sweep
+
+    start = time.perf_counter()
+    rows = sweep.run_sweep(args.model_types, verbose=True)
+    seconds = time.perf_counter() - start
+    table = sweep.format_table(rows)
+    print(table)
+    print(", ".join(f"{n} {status}" for status, n in sweep.counts(rows).items()) + f"; {seconds:.0f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"command": "ds-upipe " + " ".join(args.argv), "seconds": seconds, "rows": [vars(r) for r in rows]}
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(sweep.markdown_page(rows, "ds-upipe " + " ".join(args.argv), seconds))
+    return 1 if any(r.status == "failed" for r in rows) else 0
 
 
 def _plan_setup(args: argparse.Namespace) -> tuple:
@@ -387,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:
-        return _plan(args) if args.command == "plan" else _bench(args)
+        return {"plan": _plan, "bench": _bench, "sweep": _sweep}[args.command](args)
     except ValueError as err:
         print(f"ds-upipe {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -1,0 +1,132 @@
+"""``ds-upipe sweep`` (ds_upipe/tools/sweep.py) over every model type of transformers' causal-LM auto mapping
+in one spawn of 2 ranks (200 types, about 60 s on the shared 2-core test machine): no row may fail, each type gets
+the row docs/families.md (the command's page) lists, representative families get the row named here, and the
+refusals are ds_upipe's own messages naming the rule."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_upipe.tools import cli, sweep
+
+#: model type -> the row it must get (a fixed representative subset): every fused family kind; unfused ones of
+#: other shapes (fused q/k/v, partial rotary, a float32 router, sigmoid sinks, key biases, residual dropout and
+#: router noise in eval, a tolerance of TOLERANCES); the hybrids (gated delta, Mamba-2, short conv); each refusal
+SUBSET: dict[str, str] = {
+    "llama": "exact-fused",
+    "qwen3_moe": "exact-fused",
+    "gemma3": "exact-fused",  # a composite entry: its text model
+    "gpt_oss": "exact-fused",
+    "granite": "exact-fused",
+    "phi3": "exact-unfused",
+    "glm4": "exact-unfused",
+    "cohere": "exact-unfused",
+    "ctrl": "exact-unfused",
+    "phimoe": "exact-unfused",
+    "dots1": "exact-unfused",
+    "granite_swa": "exact-unfused",
+    "qwen3_5_text": "exact-unfused",
+    "bamba": "exact-unfused",
+    "lfm2": "exact-unfused",
+    "stablelm": "refused",
+    "seed_oss": "refused",
+    "gemma4": "refused",
+    "jetmoe": "refused",
+    "mimo_v2_flash": "refused",
+    "deepseek_v3": "refused",
+    "gemma2": "refused",
+    "bert": "refused",
+    "bart": "refused",
+    "mamba": "refused",
+    "doge": "refused",
+}
+
+#: model type -> words its refusal must contain (the offending value or module, and the rule)
+REFUSALS: dict[str, list[str]] = {
+    "stablelm": ["decoder layer 0 (StableLmDecoderLayer)", "does not pass its **kwargs on to its attention"],
+    "seed_oss": ["attention dropout 0.1 (config.attention_dropout)", "set config.attention_dropout=0.0"],
+    "gemma4": ["config.per_layer_attributes=['head_dim']", "not supported yet"],
+    "jetmoe": ["JetMoeAttention", "(the plan: 8 query and 2 key/value heads)", "grouped-query attention"],
+    "mimo_v2_flash": ["config.v_head_dim=", "differs from config.head_dim=8"],
+    "deepseek_v3": ["multi-head latent attention (config.kv_lora_rank)"],
+    "gemma2": ["config.attn_logit_softcapping=50.0"],
+    "bert": ["is bidirectional"],
+    "bart": ["BartAttention.is_causal=False"],
+    "mamba": ["is a sequence mixer UPipe does not shard"],
+    "doge": ["DogeAttention: an attention_mask of type Tensor reached UPipe attention"],
+}
+
+#: seconds the whole mapping may take (measured: about 60 s on the shared 2-core machine, the spawn included)
+BUDGET_S = 240
+
+
+@pytest.fixture(scope="module")
+def sweep_rows() -> tuple[dict[str, sweep.Row], float]:
+    start = time.perf_counter()
+    rows = sweep.run_sweep(timeout=900)
+    return {r.model_type: r for r in rows}, time.perf_counter() - start
+
+
+def test_no_row_failed_and_every_type_has_one(sweep_rows):
+    rows, seconds = sweep_rows
+    assert list(rows) == sweep.causal_lm_types()
+    failed = {t: r.detail for t, r in rows.items() if r.status == "failed"}
+    assert failed == {}
+    assert seconds < BUDGET_S, seconds
+
+
+def test_subset_rows_are_the_expected_ones(sweep_rows):
+    rows, _ = sweep_rows
+    got = {t: rows[t].status for t in SUBSET}
+    assert got == SUBSET, {t: (rows[t].status, rows[t].detail) for t in SUBSET if rows[t].status != SUBSET[t]}
+
+
+def test_exact_rows_are_within_their_tolerance(sweep_rows):
+    rows, _ = sweep_rows
+    for t, r in rows.items():
+        if r.status.startswith("exact"):
+            tolerance = sweep.TOLERANCES.get(t, (sweep.TOLERANCE, ""))[0]
+            modes = {k.split(".")[0] for k in r.errors}
+            assert modes == ({"fused", "unfused"} if r.status == "exact-fused" else {"unfused"}), (t, r.errors)
+            assert 0 <= max(r.errors.values()) <= tolerance, (t, r.errors)
+
+
+@pytest.mark.parametrize("model_type", list(REFUSALS))
+def test_refusals_name_the_rule(sweep_rows, model_type):
+    detail = sweep_rows[0][model_type].detail
+    for words in REFUSALS[model_type]:
+        assert words in detail, (model_type, detail)
+
+
+def test_a_refusal_from_elsewhere_is_a_failure():
+    """Only ds_upipe's own ValueErrors are refusals: transformers' errors (Gemma 4's per-layer attribute error
+    before the refusal by name), or a ValueError raised outside ds_upipe, are failures."""
+    try:
+        torch.empty(2).view(3)
+    except RuntimeError as err:
+        assert not sweep.is_own_refusal(err)
+    try:
+        int("x")
+    except ValueError as err:
+        assert not sweep.is_own_refusal(err)
+    assert sweep.is_own_refusal(ValueError("apply_upipe: decoder layer 0 (X): why"))
+
+
+def test_the_page_is_the_sweep(sweep_rows):
+    """docs/families.md, as the command wrote it, lists every type with the row it gets now."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "families.md").read_text()
+    listed = {
+        line.split("|")[1].strip().strip("`"): line.split("|")[2].strip()
+        for line in page.splitlines()
+        if line.startswith("| `")
+    }
+    assert listed == {t: r.status for t, r in sweep_rows[0].items()}
+
+
+def test_cli_refuses_an_unknown_model_type(capsys):
+    assert cli.main(["sweep", "--model-type", "no_such_model"]) == 2
+    assert "['no_such_model'] are not in transformers' causal-LM auto mapping" in capsys.readouterr().err
