@@ -274,10 +274,17 @@ def sweep_family(model_type: str, group) -> Row:
         )
         return Row(model_type, "failed", detail, flat, time.perf_counter() - start)
     status = "exact-fused" if "fused" in results else "exact-unfused"
-    notes = [f"unfused: {fallback}"] if fallback is not None else []
+    notes = [f"unfused: {_short_fallback(fallback)}"] if fallback is not None else []
     if model_type in TOLERANCES:
         notes.append(f"within {tolerance:.0e}: {TOLERANCES[model_type][1]}")
     return Row(model_type, status, "; ".join(notes), flat, time.perf_counter() - start)
+
+
+def _short_fallback(reason: str) -> str:
+    """A fused-mode fallback reason in short: every attention class without a family-registry entry gets the
+    same long one (the registry's list of classes)."""
+    name, unknown, _ = reason.partition(" is not one of ")
+    return f"{name} has no family-registry entry" if unknown else reason
 
 
 def _where(err: BaseException) -> str:
