@@ -13,7 +13,7 @@ from .cuda_env import warn_if_record_streams
 from .kernels import AttentionKernel
 from .options import UPipeOptions
 from .packing import DocumentBoundaries
-from .pipeline import UPipeAttentionFunction
+from .pipeline import UPipeAttentionFunction, apply_eagerly
 from .ring import SequenceLayout, zigzag_positions
 from .runtime import UPipeRuntime
 from .sinks import check_sinks
@@ -217,8 +217,8 @@ class UPipeDistributedAttention(DistributedAttention):
             query, key = self._apply_local_rotary(query, key, batch_dim_idx, rotary_pos_emb)
         pctx = runtime.context(query.device, plan=runtime.plan_for(num_heads, num_kv_heads), attention=attention)
         if sinks is None:
-            return UPipeAttentionFunction.apply(query, key, value, pctx, batch_dim_idx)
-        return UPipeAttentionFunction.apply(query, key, value, pctx, batch_dim_idx, sinks)
+            return apply_eagerly(UPipeAttentionFunction, query, key, value, pctx, batch_dim_idx)
+        return apply_eagerly(UPipeAttentionFunction, query, key, value, pctx, batch_dim_idx, sinks)
 
     def _apply_local_rotary(
         self, query: Tensor, key: Tensor, batch_dim_idx: int, rotary_pos_emb: tuple[Tensor, Tensor]

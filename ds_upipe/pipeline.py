@@ -557,6 +557,21 @@ def _as_bshd(t: Tensor, batch_dim_idx: int) -> Tensor:
     return t.transpose(0, 1) if batch_dim_idx == 1 else t
 
 
+@torch.compiler.disable
+def apply_eagerly(function: type[torch.autograd.Function], *args: Any) -> Any:
+    """``function.apply(*args)``, run eagerly under ``torch.compile``: the graph breaks before and after
+    the node, which autograd links like any other (its backward runs eagerly too).
+
+    Why not traced: a stage loop's exchanges are process-group calls with async work handles and
+    gloo use-count waits, its plan is Python data, and its views are written in place through ``out=``;
+    dynamo cannot put them in a graph.  Left to itself it breaks inside the node's forward and then
+    compiles the loop's helpers frame by frame: slow, and the unfused path failed there
+    (``comm.select_heads``' ``aten.index.Tensor_out`` into a strided view under symbolic shapes).
+    An in-place collective that dynamo does trace inside an autograd Function is what lost q/k/v
+    gradients in DeepSpeed #8491; eager nodes keep eager numerics and memory (tests/test_compile.py)."""
+    return function.apply(*args)
+
+
 class UPipeAttentionFunction(torch.autograd.Function):
     """Autograd node for the unfused pipeline: inputs are local q, k, v in DeepSpeed's layout
     ([b, s, h, d] for ``batch_dim_idx`` 0, [s, b, h, d] for 1)."""

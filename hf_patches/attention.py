@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ds_upipe.pipeline import UPipeAttentionFunction
+from ds_upipe.pipeline import UPipeAttentionFunction, apply_eagerly
 from ds_upipe.sinks import check_sinks
 from ds_upipe.windows import check_window
 
@@ -89,7 +89,7 @@ def fused_attention_forward(
         proj.sinks,
         scale=getattr(self, "scaling", None),
     )
-    out = FusedUPipeAttention.apply(hidden_states, cos, sin, ctx, proj, *proj.params())
+    out = apply_eagerly(FusedUPipeAttention, hidden_states, cos, sin, ctx, proj, *proj.params())
     return out, None
 
 
@@ -140,9 +140,9 @@ def upipe_attention_function(
     window = check_window(sliding_window, "sliding_window")
     ctx = state.context(q.device, kwargs.get(DOCUMENTS_KWARG), window, sinks, scale=scaling)
     if sinks is None:
-        out = UPipeAttentionFunction.apply(q, k, v, ctx)
+        out = apply_eagerly(UPipeAttentionFunction, q, k, v, ctx)
     else:
-        out = UPipeAttentionFunction.apply(q, k, v, ctx, 0, sinks)
+        out = apply_eagerly(UPipeAttentionFunction, q, k, v, ctx, 0, sinks)
     return out, None
 
 
