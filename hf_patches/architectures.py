@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from .families import FUSED_ATTENTIONS, NORM_KINDS
-from .mixers import MIXER_LAYER_TYPES, mixer_kind_of
+from .mixers import MIXER_KINDS, MIXER_LAYER_TYPES, mixer_kind_of
 
 #: ``config.layer_types`` entries UPipe runs (each module's ``sliding_window`` gives the window)
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -220,12 +221,19 @@ def find_decoder(hf_model: nn.Module, caller: str = "apply_upipe") -> DecoderMod
     # hybrid models (Qwen3.5, Qwen3-Next, OLMo hybrid, Nemotron-H, Bamba) call the registry and pass the forward's
     # kwargs through but do not declare it: a model holding a registered mixer class (classes are per family, each
     # tested on packed rows, which fail unless the kwargs reach every attention and mixer) is taken on that evidence
-    if not getattr(type(base), "_supports_attention_backend", False) and not mixers:
+    # (a family's model whose layers hold none, e.g. a Nemotron-H of attention and MLP blocks only, on the same one)
+    if not getattr(type(base), "_supports_attention_backend", False) and not (mixers or _mixer_family(base)):
         raise ValueError(
             f"{caller}: {type(base).__name__} does not declare _supports_attention_backend: its attention does not "
             "go through transformers' attention-function registry, where UPipe runs"
         )
     return DecoderModel(getattr(config, "model_type", "") or type(base).__name__, base, attentions, mixers)
+
+
+def _mixer_family(base: Any) -> bool:
+    """Whether the model's modeling file defines a registered mixer class (a hybrid family's model)."""
+    source = sys.modules.get(type(base).__module__)
+    return any(hasattr(source, name) for kind in MIXER_KINDS.values() for name in kind.classes)
 
 
 def layer_type(config: Any, layer: int) -> str | None:

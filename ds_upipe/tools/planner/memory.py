@@ -185,8 +185,10 @@ def check_hybrid_scheme(dims: ModelDims, setup: TrainSetup, scheme: AttentionSch
         u = scheme.options.mixer_head_chunk_size
         valid = valid_mixer_chunks(dims.mixer.num_heads, setup.gpus)
         if (setup.gpus if u is None else u) not in valid:
-            raise ValueError(f"mixer_head_chunk_size={u} is not valid for {dims.mixer.num_heads} mixer heads on "
-                             f"{setup.gpus} ranks (a multiple of the ranks dividing the heads); valid: {valid}")  # fmt: skip
+            raise ValueError(
+                f"mixer_head_chunk_size={u} is not valid for {dims.mixer.num_heads} mixer heads on "
+                f"{setup.gpus} ranks (a multiple of the ranks dividing the heads); valid: {valid}"
+            )
 
 
 def layer_peak(

@@ -55,7 +55,9 @@ class MixerDims:
         if self.kind not in ("gated_delta", "mamba2"):
             raise ValueError(f"mixer kind={self.kind!r}: the planner runs 'gated_delta' and 'mamba2'")
         if self.num_heads < 1 or self.num_groups < 1 or self.num_heads % self.num_groups:
-            raise ValueError(f"mixer num_heads={self.num_heads} must be a positive multiple of num_groups={self.num_groups}")
+            raise ValueError(
+                f"mixer num_heads={self.num_heads} must be a positive multiple of num_groups={self.num_groups}"
+            )
 
 
 @dataclass(frozen=True)
@@ -100,14 +102,18 @@ class ModelDims:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.model_type not in (HYBRID_TYPES if self.layer_types else MODEL_TYPES):
             known = ", ".join([*MODEL_TYPES, *HYBRID_TYPES])
-            raise ValueError(f"model_type={self.model_type!r} (layer_types={bool(self.layer_types)}): the planner runs {known}")
+            raise ValueError(
+                f"model_type={self.model_type!r} (layer_types={bool(self.layer_types)}): the planner runs {known}"
+            )
         if self.layer_types:
             if len(self.layer_types) != self.num_layers:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries for num_layers={self.num_layers}")
             unknown = set(self.layer_types) - {ATTENTION_LAYER, MIXER_LAYER, MLP_LAYER}
             if unknown or (MIXER_LAYER in self.layer_types) != (self.mixer is not None):
-                raise ValueError(f"layer_types {sorted(unknown)}: a hybrid has {ATTENTION_LAYER!r}, {MLP_LAYER!r} "
-                                 f"and {MIXER_LAYER!r} layers, the last with ``mixer`` dims (mixer={self.mixer})")
+                raise ValueError(
+                    f"layer_types {sorted(unknown)}: a hybrid has {ATTENTION_LAYER!r}, {MLP_LAYER!r} "
+                    f"and {MIXER_LAYER!r} layers, the last with ``mixer`` dims (mixer={self.mixer})"
+                )
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise ValueError(f"experts_per_token={self.experts_per_token} must be in 1..num_experts={self.num_experts}")
 
@@ -150,17 +156,30 @@ class ModelDims:
         )
         if self.model_type == "nemotron_h":
             if m is not None:
-                values.update(mamba_num_heads=m.num_heads, mamba_head_dim=m.head_dim, n_groups=m.num_groups,
-                              ssm_state_size=m.state_size, conv_kernel=m.conv_kernel, chunk_size=m.chunk_size)  # fmt: skip
+                values.update(
+                    mamba_num_heads=m.num_heads,
+                    mamba_head_dim=m.head_dim,
+                    n_groups=m.num_groups,
+                    ssm_state_size=m.state_size,
+                    conv_kernel=m.conv_kernel,
+                    chunk_size=m.chunk_size,
+                )
             return values
         if m is not None:
-            values.update(linear_num_value_heads=m.num_heads, linear_num_key_heads=m.num_groups,
-                          linear_value_head_dim=m.head_dim, linear_key_head_dim=m.key_head_dim,
-                          linear_conv_kernel_dim=m.conv_kernel)  # fmt: skip
+            values.update(
+                linear_num_value_heads=m.num_heads,
+                linear_num_key_heads=m.num_groups,
+                linear_value_head_dim=m.head_dim,
+                linear_key_head_dim=m.key_head_dim,
+                linear_conv_kernel_dim=m.conv_kernel,
+            )
         if moe:
-            values.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
-                          moe_intermediate_size=self.intermediate_size,
-                          shared_expert_intermediate_size=self.shared_expert_intermediate)  # fmt: skip
+            values.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.experts_per_token,
+                moe_intermediate_size=self.intermediate_size,
+                shared_expert_intermediate_size=self.shared_expert_intermediate,
+            )
         if values["model_type"] == "qwen3_next":  # dense stand-in: every layer MLP-only; else every layer sparse
             values.update(decoder_sparse_step=1, mlp_only_layers=[] if moe else list(range(layers)))
         return values
