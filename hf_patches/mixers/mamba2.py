@@ -253,7 +253,9 @@ def sharded_forward(
     sizes = (module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size, module.intermediate_size)
     outputs = []
     for stage in range(module.num_heads // u):
-        plan = _plan(*sizes, u, size, rank, stage)
+        # not cached under a fake-tensor mode (the planner's fake runs): its index tensors would be fake ones
+        plan_of = _plan.__wrapped__ if torch._guards.detect_fake_mode() is not None else _plan
+        plan = plan_of(*sizes, u, size, rank, stage)
         # checkpointed: between forward and backward a stage keeps only its input (shared) and its local output
         outputs.append(checkpoint(_stage, module, plan, hidden_states, group, size, documents, use_reentrant=False))
     scan_output = torch.cat(outputs, dim=-1)  # [B, s, d_inner], heads in order

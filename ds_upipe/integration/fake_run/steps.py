@@ -169,6 +169,30 @@ def _names(model: torch.nn.Module) -> dict[int, str]:
     return {id(m): name or type(m).__name__ for name, m in model.named_modules()}
 
 
+def _rotary(model: torch.nn.Module, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(cos, sin) of the model's rotary embedding, () for a model without one (Nemotron-H: no position encoding)."""
+    rotary = getattr(model.model, "rotary_emb", None)
+    if rotary is None:
+        return ()
+    with torch.no_grad():
+        return tuple(rotary(x, pos))
+
+
+def _final_norm(model: torch.nn.Module) -> torch.nn.Module:
+    """The model's final norm (Nemotron-H names it ``norm_f``)."""
+    base = model.model
+    return base.norm if hasattr(base, "norm") else base.norm_f
+
+
+def _layer_kwargs(cos_sin: tuple[torch.Tensor, ...], pos: torch.Tensor) -> dict[str, Any]:
+    """A decoder layer's keywords: Nemotron-H's blocks take no position embeddings (hybrid layers without attention
+    take them and ignore them)."""
+    kwargs: dict[str, Any] = {"position_ids": pos}
+    if cos_sin:
+        kwargs["position_embeddings"] = cos_sin
+    return kwargs
+
+
 @functools.lru_cache(maxsize=512)
 def layer_step(spec: StepSpec, live: bool = False) -> Peak:
     """Rank 0's peak over one decoder layer's forward (with grad) and backward: the layer's weights,
@@ -183,14 +207,13 @@ def layer_step(spec: StepSpec, live: bool = False) -> Peak:
     dtype = DTYPES[spec.dtype]
     s, hidden = spec.local_tokens, spec.model.hidden_size
     with _fake_model(spec) as (model, _):
-        layer, rotary = model.model.layers[0], model.model.rotary_emb
+        layer = model.model.layers[0]
         x = torch.empty(spec.batch, s, hidden, dtype=dtype).requires_grad_(True)
         dy = torch.empty(spec.batch, s, hidden, dtype=dtype)
         pos = torch.arange(s).expand(spec.batch, s)
-        with torch.no_grad():
-            cos, sin = rotary(x, pos)
+        cos_sin = _rotary(model, x, pos)
 
-        call = functools.partial(layer, position_embeddings=(cos, sin), position_ids=pos)
+        call = functools.partial(layer, **_layer_kwargs(cos_sin, pos))
 
         def forward() -> torch.Tensor:
             # checkpointed: what the checkpoint's replay in backward runs (its output a stand-in)
@@ -199,7 +222,7 @@ def layer_step(spec: StepSpec, live: bool = False) -> Peak:
         def backward(y: torch.Tensor) -> None:
             y.backward(dy)
 
-        external = {"layer input x": [x], "incoming gradient dy": [dy], "cos/sin, position ids": [cos, sin, pos]}
+        external = {"layer input x": [x], "incoming gradient dy": [dy], "cos/sin, position ids": [*cos_sin, pos]}
         return track(
             backward,
             external,
@@ -228,7 +251,7 @@ def loss_step(spec: StepSpec, live: bool = False) -> Peak:
         labels = torch.zeros(spec.batch, s, dtype=torch.long)
 
         def forward() -> torch.Tensor:
-            hidden_states = model.model.norm(h)
+            hidden_states = _final_norm(model)(h)
             if spec.tiled_loss:
                 return hf_patches.tiled_sequence_parallel_loss(
                     model, hidden_states, labels, group, tile_tokens=spec.loss_tile_tokens
@@ -238,7 +261,7 @@ def loss_step(spec: StepSpec, live: bool = False) -> Peak:
         def backward(loss: torch.Tensor) -> None:
             loss.backward()
 
-        weights = list(model.model.norm.parameters()) + list(model.lm_head.parameters())
+        weights = list(_final_norm(model).parameters()) + list(model.lm_head.parameters())
         external = {"last hidden state h": [h], "labels": [labels]}
         return track(backward, external, weights, kernel=spec.kernel, names=_names(model), forward=forward, live=live)
 
@@ -284,8 +307,7 @@ def model_step(spec: StepSpec, keep_gradients: bool = False, live: bool = False,
         x = torch.empty(spec.batch, s, hidden, dtype=dtype).requires_grad_(True)
         pos = torch.arange(s).expand(spec.batch, s)
         labels = torch.zeros(spec.batch, s, dtype=torch.long)
-        with torch.no_grad():
-            cos, sin = base.rotary_emb(x, pos)
+        cos_sin = _rotary(model, x, pos)
 
         def enters(name: str) -> Callable[[torch.Tensor], None]:
             return lambda grad: phase.__setitem__(0, name)
@@ -294,9 +316,9 @@ def model_step(spec: StepSpec, keep_gradients: bool = False, live: bool = False,
             h = x
             names = ["bottom layer", *(f"layer {i}" for i in range(1, layers - 1)), "top layer"]
             for layer, name in zip(base.layers, names, strict=True):
-                h = layer(h, position_embeddings=(cos, sin), position_ids=pos)
+                h = layer(h, **_layer_kwargs(cos_sin, pos))
                 h.register_hook(enters(name))  # the layer's backward starts when its output's gradient is there
-            h = base.norm(h)
+            h = _final_norm(model)(h)
             if spec.tiled_loss:
                 return hf_patches.tiled_sequence_parallel_loss(
                     model, h, labels, group, tile_tokens=spec.loss_tile_tokens
@@ -307,7 +329,7 @@ def model_step(spec: StepSpec, keep_gradients: bool = False, live: bool = False,
             phase[0] = "loss"
             loss.backward()
 
-        external = {"bottom layer's input x": [x], "cos/sin, position ids": [cos, sin, pos], "labels": [labels]}
+        external = {"bottom layer's input x": [x], "cos/sin, position ids": [*cos_sin, pos], "labels": [labels]}
         return track(
             backward,
             external,

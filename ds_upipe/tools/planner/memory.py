@@ -134,18 +134,21 @@ def host_terms(dims: ModelDims, setup: TrainSetup, seq_len: int) -> dict[str, in
 # -- the fake-tensor phases -------------------------------------------------------------------------
 
 
-def step_spec(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_len: int) -> Any:
+def step_spec(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_len: int, kind: str = "") -> Any:
+    """The fake run's spec; a hybrid's for its layers of ``kind`` (``ModelDims.layer_counts``)."""
     from ...integration.fake_run import StepSpec
 
     if seq_len < setup.gpus or seq_len % setup.gpus:
         raise ValueError(f"seq_len={seq_len} is not a positive multiple of gpus={setup.gpus}")
+    if dims.is_hybrid:
+        check_hybrid_scheme(dims, setup, scheme)
     u = scheme.options.head_chunk_size
     if scheme.kind == "upipe" and u is not None:
         valid = valid_head_chunk_sizes(dims.num_heads, dims.num_kv_heads, setup.ulysses_size)
         if u not in valid:
             raise ValueError(f"head_chunk_size={u} is not valid here; valid: {valid}")
     return StepSpec(
-        model=dims.shape(),
+        model=dims.shape(kind),
         attention="alst" if scheme.kind == "ulysses" else "upipe",
         sp_size=setup.gpus,
         seq_len=seq_len,
@@ -165,20 +168,49 @@ def step_spec(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_l
     )
 
 
-def layer_peak(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_len: int, live: bool = False):
+def check_hybrid_scheme(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme) -> None:
+    """A hybrid runs under UPipe only, its mixer U valid for its heads (hf_patches.mixers' rule); ALST is refused
+    as the runtime refuses it (``check_model_settings``: each rank's mixer would start from a zero state)."""
+    from hf_patches.mixers.common import valid_head_chunk_sizes as valid_mixer_chunks
+
+    if scheme.kind != "upipe":
+        raise ValueError(
+            f"{dims.name} is a hybrid: DeepSpeed ALST cannot run its {dims.mixer.kind if dims.mixer else ''} layers "
+            "(each rank's recurrence would start from a zero state); plan UPipe (mixer_head_chunk_size = the mixer's "
+            "heads is Ulysses without stages)"
+        )
+    if setup.ring_size != 1:
+        raise ValueError(f"ring_size={setup.ring_size}: UPipe x Ring shards attention only, not a hybrid's mixers")
+    if dims.mixer is not None:
+        u = scheme.options.mixer_head_chunk_size
+        valid = valid_mixer_chunks(dims.mixer.num_heads, setup.gpus)
+        if (setup.gpus if u is None else u) not in valid:
+            raise ValueError(
+                f"mixer_head_chunk_size={u} is not valid for {dims.mixer.num_heads} mixer heads on "
+                f"{setup.gpus} ranks (a multiple of the ranks dividing the heads); valid: {valid}"
+            )
+
+
+def layer_peak(
+    dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_len: int, live: bool = False, kind: str = ""
+):
     """The fake run of one decoder layer's forward + backward (``fake_run.Peak``): what one layer saves
-    without checkpointing, and the per-layer calibration against MemTracker."""
+    without checkpointing, and the per-layer calibration against MemTracker (a hybrid: a layer of ``kind``)."""
     from ...integration import fake_run
 
-    return fake_run.layer_step(step_spec(dims, setup, scheme, seq_len), live)
+    return fake_run.layer_step(step_spec(dims, setup, scheme, seq_len, kind), live)
 
 
-def step_peak(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_len: int, live: bool = False):
+def step_peak(
+    dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_len: int, live: bool = False, kind: str = ""
+):
     """The fake run of a whole step of a two-layer model (``fake_run.model_step``: both layers, the
-    final norm and the loss, forward and backward, measured together; ``Peak.phases`` per phase)."""
+    final norm and the loss, forward and backward, measured together; ``Peak.phases`` per phase); a
+    hybrid's: both layers of ``kind``."""
     from ...integration import fake_run
 
-    return fake_run.model_step(step_spec(dims, setup, scheme, seq_len), keep_gradients=not setup.optimizer, live=live)
+    spec = step_spec(dims, setup, scheme, seq_len, kind)
+    return fake_run.model_step(spec, keep_gradients=not setup.optimizer, live=live)
 
 
 # -- a whole training step on one GPU ------------------------------------------------------------
@@ -253,16 +285,22 @@ def predict(
     what the other layers add there (``other_layers``), and the largest sum, with the model states,
     ZeRO buffers and the reserve, is the prediction."""
     kept_checkpoints(dims, setup)  # checkpoint_pairs within the model's layers
-    step = step_peak(dims, setup, method, seq_len, live)
     saved = 0
     if not setup.checkpointing:  # what one layer keeps from its forward to its backward, its input among them
-        layer = layer_peak(dims, setup, method, seq_len)
         x = hidden_state_bytes(dims, setup, seq_len)
         rope = 2 * setup.batch * (seq_len // setup.gpus) * dims.head_dim * setup.act_bytes
-        saved = max(0, layer.after_forward - layer.weights - x - rope - 8 * setup.batch * (seq_len // setup.gpus))
+        for kind in dims.layer_counts:  # a hybrid: the largest kind's for every layer (an upper bound)
+            layer = layer_peak(dims, setup, method, seq_len, kind=kind)
+            kept = layer.after_forward - layer.weights - x - rope - 8 * setup.batch * (seq_len // setup.gpus)
+            saved = max(saved, kept)
     others = other_layers(dims, setup, seq_len, saved)
-    phases = {k: others[k][0] + v - step.weights for k, v in step.phases.items()}
+    # a hybrid: a two-layer step of each kind of layer; each phase's peak is the largest kind's there
+    steps = {kind: step_peak(dims, setup, method, seq_len, live, kind) for kind in dims.layer_counts}
+    by_kind = {kind: {k: others[k][0] + v - s.weights for k, v in s.phases.items()} for kind, s in steps.items()}
+    phases = {k: max(p[k] for p in by_kind.values()) for k in next(iter(by_kind.values()))}
     phase = max(phases, key=lambda k: phases[k])
+    kind = max(by_kind, key=lambda kd: by_kind[kd][phase])
+    step = steps[kind]
     states, zero, reserve = model_state_bytes(dims, setup), zero_buffer_bytes(dims, setup), setup.reserve_gib * GiB
     total = states + zero + reserve + phases[phase]
     host = host_terms(dims, setup, seq_len)
@@ -291,7 +329,8 @@ def predict(
         other_layers_basis=others[phase][1],
         phase_gib=(step.phases[phase] - step.weights) / GiB,
         workspace_gib=step.workspace / GiB if at_peak else 0.0,
-        peak_at=step.at if at_peak else f"the {phase} phase's peak (the step's own peak is in another phase)",
+        peak_at=(f"{kind} layers: " if kind else "")
+        + (step.at if at_peak else f"the {phase} phase's peak (the step's own peak is in another phase)"),
         phases_gib={k: v / GiB for k, v in phases.items()},
         live_at_peak=[(label, b / GiB) for label, b in step.live] if at_peak else [],
     )

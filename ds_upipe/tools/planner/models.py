@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +22,42 @@ if TYPE_CHECKING:
 #: transformers model types the planner reads -> the dense stand-in its fake run builds (see ModelDims): the
 #: family registry's view (hf_patches.families)
 MODEL_TYPES = PLANNER_LAYERS
+
+
+#: a hybrid's layer kinds, by transformers' ``layer_types`` names: softmax attention, a sequence mixer (transformers 5
+#: names gated delta nets and Mamba-2 layers both "linear_attention"), an MLP-only block (Nemotron-H)
+ATTENTION_LAYER, MIXER_LAYER, MLP_LAYER = "full_attention", "linear_attention", "mlp"
+#: hybrid model types the planner builds (transformers' classes) -> the type its fake run builds (the dense stand-in
+#: of an MoE family: Qwen3.5-MoE's mixer and attention are Qwen3.5's; Qwen3-Next keeps its own with dense MLPs)
+HYBRID_TYPES = {
+    "qwen3_5_text": "qwen3_5_text",
+    "qwen3_5_moe_text": "qwen3_5_text",
+    "qwen3_next": "qwen3_next",
+    "nemotron_h": "nemotron_h",
+}
+
+
+@dataclass(frozen=True)
+class MixerDims:
+    """A hybrid's sequence mixer (``hf_patches.mixers`` kind): ``num_heads`` is what its U counts (gated delta: value
+    heads; Mamba-2: SSM heads), ``num_groups`` what they share (key heads; B/C groups)."""
+
+    kind: str  # "gated_delta" | "mamba2"
+    num_heads: int
+    num_groups: int
+    head_dim: int  # value head dim / SSM head dim P
+    key_head_dim: int = 0  # gated delta
+    state_size: int = 0  # Mamba-2 N
+    conv_kernel: int = 4
+    chunk_size: int = 0  # Mamba-2 scan chunk
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("gated_delta", "mamba2"):
+            raise ValueError(f"mixer kind={self.kind!r}: the planner runs 'gated_delta' and 'mamba2'")
+        if self.num_heads < 1 or self.num_groups < 1 or self.num_heads % self.num_groups:
+            raise ValueError(
+                f"mixer num_heads={self.num_heads} must be a positive multiple of num_groups={self.num_groups}"
+            )
 
 
 @dataclass(frozen=True)
@@ -52,13 +90,30 @@ class ModelDims:
     attention_sinks: bool = False  # GPT-OSS: one sink logit per head
     #: sliding-window layers (GPT-OSS: every other layer, 128 tokens): planned as full causal attention
     sliding_window: int = 0
+    #: a hybrid (``HYBRID_TYPES``): each layer's kind (``ATTENTION_LAYER``, ``MIXER_LAYER``, ``MLP_LAYER``), its mixer,
+    #: an MoE's shared expert width; empty for a Llama-family model (every layer attention + MLP)
+    layer_types: tuple[str, ...] = ()
+    mixer: MixerDims | None = None
+    shared_expert_intermediate: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_kv_heads", "head_dim", "hidden_size", "intermediate_size", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
-        if self.model_type not in MODEL_TYPES:
-            raise ValueError(f"model_type={self.model_type!r}: the planner runs {', '.join(MODEL_TYPES)}")
+        if self.model_type not in (HYBRID_TYPES if self.layer_types else MODEL_TYPES):
+            known = ", ".join([*MODEL_TYPES, *HYBRID_TYPES])
+            raise ValueError(
+                f"model_type={self.model_type!r} (layer_types={bool(self.layer_types)}): the planner runs {known}"
+            )
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for num_layers={self.num_layers}")
+            unknown = set(self.layer_types) - {ATTENTION_LAYER, MIXER_LAYER, MLP_LAYER}
+            if unknown or (MIXER_LAYER in self.layer_types) != (self.mixer is not None):
+                raise ValueError(
+                    f"layer_types {sorted(unknown)}: a hybrid has {ATTENTION_LAYER!r}, {MLP_LAYER!r} "
+                    f"and {MIXER_LAYER!r} layers, the last with ``mixer`` dims (mixer={self.mixer})"
+                )
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise ValueError(f"experts_per_token={self.experts_per_token} must be in 1..num_experts={self.num_experts}")
 
@@ -70,7 +125,68 @@ class ModelDims:
         width I' keeps about 4 x I'; so I' = top_k x (I + 3/4 x hidden)."""
         if not self.num_experts:
             return self.intermediate_size
-        return self.experts_per_token * (self.intermediate_size + 3 * self.hidden_size // 4)
+        routed = self.experts_per_token * (self.intermediate_size + 3 * self.hidden_size // 4)
+        return routed + self.shared_expert_intermediate  # a shared expert is a dense MLP beside them
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.layer_types)
+
+    @property
+    def layer_counts(self) -> dict[str, int]:
+        """Layers per kind (a Llama-family model: {"": num_layers}), in order of first appearance."""
+        return dict(Counter(self.layer_types)) if self.layer_types else {"": self.num_layers}
+
+    def hf_values(self, kind: str, layers: int = 2, stand_in: bool = True) -> dict[str, Any]:
+        """A hybrid's transformers config of ``layers`` layers of ``kind``: ``stand_in`` the fake run's (an MoE MLP
+        as its dense stand-in, ``mlp_stand_in_intermediate``), else the architecture itself (its parameters)."""
+        m, kinds = self.mixer, [kind] * layers
+        moe = bool(self.num_experts) and not stand_in
+        values: dict[str, Any] = dict(
+            model_type=HYBRID_TYPES[self.model_type] if stand_in else self.model_type,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            tie_word_embeddings=self.tie_word_embeddings,
+            max_position_embeddings=1 << 26,
+            intermediate_size=self.mlp_stand_in_intermediate if stand_in else self.intermediate_size,
+            layer_types=kinds,
+        )
+        if self.model_type == "nemotron_h":
+            if m is not None:
+                values.update(
+                    mamba_num_heads=m.num_heads,
+                    mamba_head_dim=m.head_dim,
+                    n_groups=m.num_groups,
+                    ssm_state_size=m.state_size,
+                    conv_kernel=m.conv_kernel,
+                    chunk_size=m.chunk_size,
+                )
+            return values
+        if m is not None:
+            values.update(
+                linear_num_value_heads=m.num_heads,
+                linear_num_key_heads=m.num_groups,
+                linear_value_head_dim=m.head_dim,
+                linear_key_head_dim=m.key_head_dim,
+                linear_conv_kernel_dim=m.conv_kernel,
+            )
+        if moe:
+            values.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.experts_per_token,
+                moe_intermediate_size=self.intermediate_size,
+                shared_expert_intermediate_size=self.shared_expert_intermediate,
+            )
+        if values["model_type"] == "qwen3_next":  # dense stand-in: every layer MLP-only; else every layer sparse
+            values.update(decoder_sparse_step=1, mlp_only_layers=[] if moe else list(range(layers)))
+        return values
+
+    def kind_params(self, kind: str) -> int:
+        """Parameters of one layer of ``kind``: counted on transformers' own module, built on the meta device."""
+        return _layer_params(json.dumps(self.hf_values(kind, layers=1, stand_in=False), sort_keys=True))
 
     @property
     def q_size(self) -> int:
@@ -114,7 +230,17 @@ class ModelDims:
 
     @property
     def params_per_layer(self) -> int:
+        """A layer's parameters (a hybrid: its largest kind's, what ZeRO-3 gathers at once)."""
+        if self.is_hybrid:
+            return max(self.kind_params(k) for k in self.layer_counts)
         return sum(self.layer_param_counts().values())
+
+    @property
+    def layers_params(self) -> int:
+        """Every decoder layer's parameters."""
+        if self.is_hybrid:
+            return sum(n * self.kind_params(k) for k, n in self.layer_counts.items())
+        return self.num_layers * self.params_per_layer
 
     @property
     def embedding_params(self) -> int:
@@ -123,11 +249,17 @@ class ModelDims:
     @property
     def total_params(self) -> int:
         lm_head = 0 if self.tie_word_embeddings else self.embedding_params
-        return self.embedding_params + lm_head + self.num_layers * self.params_per_layer + self.hidden_size
+        return self.embedding_params + lm_head + self.layers_params + self.hidden_size
 
-    def shape(self) -> Any:
-        """The fake run's ModelShape (transformers builds the layer from it)."""
-        from ...integration.fake_run import ModelShape
+    def shape(self, kind: str = "") -> Any:
+        """The fake run's ModelShape (transformers builds the layer from it); a hybrid's: an ``HFModelConfig``
+        whose layers are all of ``kind``."""
+        from ...integration.fake_run import HFModelConfig, ModelShape
+
+        if self.is_hybrid:
+            if kind not in self.layer_counts:
+                raise ValueError(f"layer kind {kind!r}: {self.name} has {list(self.layer_counts)}")
+            return HFModelConfig(json.dumps(self.hf_values(kind), sort_keys=True))
 
         return ModelShape(
             model_type=MODEL_TYPES[self.model_type],
@@ -186,6 +318,63 @@ class ModelDims:
         return ModelDims.from_config(json.loads(Path(path).read_text()), name=str(path))
 
 
+@functools.lru_cache(maxsize=64)
+def _layer_params(values_json: str) -> int:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = json.loads(values_json)
+    config = AutoConfig.for_model(values.pop("model_type"), num_hidden_layers=1, **values)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.model.layers[0].parameters())
+
+
+def _nemotron_pattern(pattern: str) -> tuple[str, ...]:
+    """Nemotron-H's ``hybrid_override_pattern`` (M: Mamba-2, *: attention, -: MLP) as layer kinds."""
+    kinds = {"M": MIXER_LAYER, "*": ATTENTION_LAYER, "-": MLP_LAYER}
+    return tuple(kinds[c] for c in pattern)
+
+
+def _every_fourth_attention(layers: int) -> tuple[str, ...]:
+    """Qwen3.5 / Qwen3-Next: ``full_attention_interval`` 4 (three gated delta layers, then one attention layer)."""
+    return tuple(ATTENTION_LAYER if (i + 1) % 4 == 0 else MIXER_LAYER for i in range(layers))
+
+
+#: the gated delta net of every Qwen3.5 / Qwen3-Next preset: 16 key heads, 32 value heads, dims 128, conv 4
+_QWEN_GDN = MixerDims("gated_delta", 32, 16, 128, key_head_dim=128, conv_kernel=4)
+
+HYBRID_PRESETS = {
+    # Qwen/Qwen3.5-9B text_config (a config.json of a Qwen3.5-9B fine-tune naming it, huggingface.co/khtsly/Mini-Coder:
+    # hidden 4096, intermediate 12288, 32 layers, full_attention_interval 4, head_dim 256, linear 16 key / 32 value
+    # heads of 128, conv 4); attention heads 16 / KV 4, vocabulary 248320, untied: transformers 5.25's
+    # Qwen3_5TextConfig defaults (whose hidden, intermediate and layers are the 9B's)
+    "qwen3.5-9b": ModelDims("qwen3.5-9b", 16, 4, 256, 4096, 12288, 32, 248320, qk_norm=True,
+                            model_type="qwen3_5_text", layer_types=_every_fourth_attention(32), mixer=_QWEN_GDN),
+    # Qwen/Qwen3.5-35B-A3B: transformers 5.25's Qwen3_5MoeTextConfig defaults (auto_docstring checkpoint
+    # "Qwen/Qwen3.5-35B-A3B"): hidden 2048, 40 layers, 16 heads / KV 2 of 256, 256 experts of 512 top-8, shared 512
+    "qwen3.5-35b-a3b": ModelDims("qwen3.5-35b-a3b", 16, 2, 256, 2048, 512, 40, 248320, qk_norm=True,
+                                 model_type="qwen3_5_moe_text", num_experts=256, experts_per_token=8,
+                                 shared_expert_intermediate=512, layer_types=_every_fourth_attention(40),
+                                 mixer=_QWEN_GDN),
+    # Qwen/Qwen3-Next-80B-A3B: transformers 5.25's Qwen3NextConfig defaults (auto_docstring checkpoint
+    # "Qwen/Qwen3-Next-80B-A3B-Instruct"): hidden 2048, 48 layers, 16 heads / KV 2 of 256, 512 experts of 512 top-10,
+    # shared 512, vocabulary 151936
+    "qwen3-next-80b-a3b": ModelDims("qwen3-next-80b-a3b", 16, 2, 256, 2048, 512, 48, 151936, qk_norm=True,
+                                    model_type="qwen3_next", num_experts=512, experts_per_token=10,
+                                    shared_expert_intermediate=512, layer_types=_every_fourth_attention(48),
+                                    mixer=_QWEN_GDN),
+    # nvidia/Nemotron-H-8B: NVIDIA Megatron-Bridge's model page (docs.nvidia.com/nemo/megatron-bridge/latest/models/
+    # llm/nemotronh.html: 52 layers of this pattern, hidden 4096, FFN 21504, 32 heads / 8 KV of 128, 128 Mamba heads
+    # of 64, state 128), equal to transformers 5.25's NemotronHConfig defaults, which add n_groups 8, conv 4,
+    # chunk 128 and the vocabulary 131072
+    "nemotron-h-8b": ModelDims("nemotron-h-8b", 32, 8, 128, 4096, 21504, 52, 131072, model_type="nemotron_h",
+                               layer_types=_nemotron_pattern("M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"),
+                               mixer=MixerDims("mamba2", 128, 8, 64, state_size=128, conv_kernel=4, chunk_size=128)),
+}  # fmt: skip
+#: not a preset: Qwen3.5-27B (64 layers, hidden 5120, 24 heads / KV 4 of 256, intermediate 17408 are published, its
+#: gated delta heads were not found in a source at hand) and Granite-4.0-H-Small (an MoE Mamba-2 hybrid)
+
 PRESETS = {
     "llama3-8b": ModelDims("llama3-8b", 32, 8, 128, 4096, 14336, 32, 128256),
     "qwen3-32b": ModelDims("qwen3-32b", 64, 8, 128, 5120, 25600, 64, 151936, qk_norm=True, model_type="qwen3"),
@@ -228,6 +417,8 @@ PRESETS = {
 #: each preset's GPUs (the paper's: Llama3-8B on 8 x 80 GB, Qwen3-32B on 16; the MoE presets by their
 #: ZeRO-3 model states: Qwen3-30B-A3B 30.5B params -> 16, GPT-OSS-20B 20.9B -> 8)
 PRESET_GPUS = {"llama3-8b": 8, "qwen3-32b": 16, "qwen3-30b-a3b": 16, "gpt-oss-20b": 8}
+PRESETS.update(HYBRID_PRESETS)
+PRESET_GPUS.update(dict.fromkeys(HYBRID_PRESETS, 8))  # the hybrids as Llama3-8B: 8 x 80 GB
 
 
 def model_dims(name_or_path: str) -> ModelDims:

@@ -167,6 +167,14 @@ def moe_basis(dims: ModelDims) -> str:
             f"{dims.mlp_stand_in_intermediate} (top-k x (expert intermediate + 3/4 hidden): one token's activations "
             "in its experts)"
         )
+    if dims.mixer is not None:
+        m = dims.mixer
+        counts = ", ".join(f"{n} {kind}" for kind, n in dims.layer_counts.items())
+        notes.append(
+            f"hybrid: {counts} layers, each kind's two-layer step run (the peak is the largest kind's); {m.kind} mixer "
+            f"of {m.num_heads} heads on {m.num_groups} groups, head dim {m.head_dim}; transformers' torch fallback "
+            "of the recurrence and conv (FLA / mamba_ssm / causal-conv1d are GPU kernels with other intermediates)"
+        )
     if dims.sliding_window:
         notes.append(f"sliding-window layers ({dims.sliding_window} tokens) planned as full causal (an upper bound)")
     if dims.attention_sinks:
@@ -176,7 +184,8 @@ def moe_basis(dims: ModelDims) -> str:
 
 def describe(dims: ModelDims, setup: TrainSetup) -> str:
     moe = (
-        f", {dims.num_experts} experts top-{dims.experts_per_token}, {dims.active_params_per_token / 1e9:.2f}B active"
+        f", {dims.num_experts} experts top-{dims.experts_per_token}"
+        + ("" if dims.is_hybrid else f", {dims.active_params_per_token / 1e9:.2f}B active")
         if dims.num_experts
         else ""
     )

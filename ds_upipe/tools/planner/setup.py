@@ -39,7 +39,8 @@ class AttentionScheme:
     def label(self) -> str:
         if self.kind == "ulysses":
             return "ulysses (ALST)"
-        return f"upipe{self.options.label} U={self.options.head_chunk_size}"
+        mixer = self.options.mixer_head_chunk_size
+        return f"upipe{self.options.label} U={self.options.head_chunk_size}" + (f" mixer U={mixer}" if mixer else "")
 
 
 @dataclass(frozen=True)
@@ -196,8 +197,14 @@ def measured_layer_setup(
 def methods_for(
     dims: ModelDims, gpus: int, fused: bool = True, overlap_comm: bool = False, ring_size: int = 1
 ) -> list[AttentionScheme]:
-    """Ulysses, then UPipe at every valid U (smallest first).  With a ring (``ring_size`` > 1) UPipe x Ring
+    """Ulysses, then UPipe at every valid U (smallest first); a hybrid: UPipe at U = C with mixer U = C, then
+    mixer U = all its heads (one stage), then attention U = H too (Ulysses without stages: Megatron's, VeOmni's).
+    With a ring (``ring_size`` > 1) UPipe x Ring
     at every U valid for C_u = gpus / ring_size; U = H is Ulysses x Ring (DeepSpeed ALST has no ring)."""
+    if dims.mixer is not None:  # a hybrid: UPipe's mixer stages against all mixer heads at once (ALST refuses it)
+        both = dict(fused_projections=fused, overlap_comm=overlap_comm)
+        c, h, mh = gpus, dims.num_heads, dims.mixer.num_heads
+        return [AttentionScheme.upipe(u, mixer_head_chunk_size=mu, **both) for u, mu in ((c, c), (c, mh), (h, mh))]
     us = valid_head_chunk_sizes(dims.num_heads, dims.num_kv_heads, gpus // ring_size)
     upipe = [AttentionScheme.upipe(u, fused_projections=fused, overlap_comm=overlap_comm) for u in us]
     return upipe if ring_size > 1 else [AttentionScheme("ulysses"), *upipe]
