@@ -33,7 +33,7 @@ from typing import Any
 from torch import nn
 
 from .families import FUSED_ATTENTIONS, NORM_KINDS
-from .mixers import MIXER_KINDS, MIXER_LAYER_TYPES, mixer_kind_of
+from .mixers import MIXER_LAYER_TYPES, mixer_kind_of
 
 #: ``config.layer_types`` entries UPipe runs (each module's ``sliding_window`` gives the window)
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
