@@ -18,7 +18,7 @@ from .attention import ATTN_IMPLEMENTATION, fused_attention_forward, register_at
 from .families import FAMILIES
 from .fused import FusedProjections
 from .inputs import GENERATION_UNSUPPORTED, check_and_prepare
-from .mixers import check_mixers, mixer_kind_of, patch_mixers, refuse_ring
+from .mixers import check_mixers, mixer_kind_of, patch_mixers
 from .rope import rotary_embedding, use_global_positions
 from .state import UPipeState
 
@@ -100,9 +100,9 @@ def apply_upipe(
             fallback,
             " (recompute_attention_output has no effect unfused)" if options.recompute_attention_output else "",
         )
-    if ring_group is not None:
-        refuse_ring(found.mixers)
-    check_mixers(found.mixers, dist.get_world_size(process_group), options.mixer_head_chunk_size)
+    check_mixers(
+        found.mixers, dist.get_world_size(process_group), options.mixer_head_chunk_size, ring=ring_group is not None
+    )
     heads = HeadLayout.from_config(config)
     # the one runtime builder of every route (ds_upipe.runtime); validates U, H, Hkv against C_u
     state = UPipeState.build(
@@ -157,10 +157,7 @@ def check_mixer_settings(model: nn.Module, group_size: int, mixer_head_chunk_siz
     hf_model = _unwrap(model)
     if not any(mixer_kind_of(type(m).__name__) is not None for m in hf_model.modules()):
         return
-    mixers = find_decoder(hf_model).mixers
-    if ring:
-        refuse_ring(mixers)
-    check_mixers(mixers, group_size, mixer_head_chunk_size)
+    check_mixers(find_decoder(hf_model).mixers, group_size, mixer_head_chunk_size, ring=ring)
 
 
 def _refuse_generate(self: nn.Module, *args: Any, **kwargs: Any) -> None:

@@ -91,23 +91,22 @@ def mixer_kind_of(module_class: str) -> MixerKind | None:
 MIXER_LAYER_TYPES: tuple[str, ...] = tuple(dict.fromkeys(t for kind in MIXER_KINDS.values() for t in kind.layer_types))
 
 
-def check_mixers(mixers: list[tuple[int, nn.Module]], group_size: int, head_chunk_size: int | None) -> None:
-    """Every mixer's refusals (its kind's ``check``), before anything is patched or exchanged."""
-    for layer, module in mixers:
-        kind = mixer_kind_of(type(module).__name__)
-        assert kind is not None, type(module).__name__  # find_decoder lists registered kinds only
-        kind.implementation().check(layer, module, group_size, head_chunk_size)
-
-
-def refuse_ring(mixers: list[tuple[int, nn.Module]]) -> None:
-    """UPipe x Ring shards softmax attention only: a model with sequence mixers runs without a ring (a mixer's heads
-    would need the whole sequence of the ring's other ranks too)."""
-    if mixers:
+def check_mixers(
+    mixers: list[tuple[int, nn.Module]], group_size: int, head_chunk_size: int | None, ring: bool = False
+) -> None:
+    """Every mixer's refusals, before anything is patched or exchanged: with a ring (UPipe x Ring shards softmax
+    attention only: a mixer's heads would need the whole sequence of the ring's other ranks too), then its
+    kind's ``check``."""
+    if ring and mixers:
         layer, module = mixers[0]
         raise ValueError(
             f"apply_upipe: decoder layer {layer} ({type(module).__name__}) is a sequence mixer: UPipe x Ring shards "
             "attention only; pass ring_group=None for models with such layers"
         )
+    for layer, module in mixers:
+        kind = mixer_kind_of(type(module).__name__)
+        assert kind is not None, type(module).__name__  # find_decoder lists registered kinds only
+        kind.implementation().check(layer, module, group_size, head_chunk_size)
 
 
 def patch_mixers(mixers: list[tuple[int, nn.Module]], state: UPipeState) -> list[tuple[nn.Module, list[nn.Parameter]]]:
