@@ -4,6 +4,7 @@ checked on every device so a CPU run catches a call the GPU kernel would reject)
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from collections.abc import Callable
@@ -65,7 +66,13 @@ def model_function(module: nn.Module, *names: str) -> Callable[..., Tensor]:
 def kernel_runs(package: str, device: torch.device) -> bool:
     """Whether transformers' kernel-with-fallback wrapper runs the package's CUDA kernel (which honours
     ``seq_idx``) rather than its torch code (which refuses ``seq_idx``): installed, and inputs on CUDA."""
-    return device.type == "cuda" and importlib.util.find_spec(package) is not None
+    return device.type == "cuda" and _installed(package)
+
+
+@functools.cache
+def _installed(package: str) -> bool:
+    """Whether ``package`` can be imported: asked once a process (every mixer stage's conv and scan ask)."""
+    return importlib.util.find_spec(package) is not None
 
 
 def per_document(run: Callable[..., Tensor], documents: DocumentBoundaries | None, *inputs: Tensor) -> Tensor:
