@@ -138,27 +138,28 @@ def _packed_send(
 
 @dataclass(frozen=True)
 class HeadsLayout:
-    """The row layout of a heads-to-sequence buffer: [s, b, P, d] per destination (or source) rank,
-    tensor j's n_j heads at offset sum(n_<j) of the P = sum(n_j) head positions of every token."""
+    """The row layout of a heads-to-sequence buffer: [s, b, W] per destination (or source) rank, tensor j's
+    n_j heads of d_j each side by side per token at offset sum(n_<j * d_<j) of the W = sum(n_j * d_j)
+    elements of every token (the d_j differ where values have their own head dim: latent attention)."""
 
     b: int
     s: int
-    d: int
+    dims: tuple[int, ...]
     counts: tuple[int, ...]
 
     @property
     def width(self) -> int:
-        return sum(self.counts)
+        return sum(n * d for n, d in zip(self.counts, self.dims))
 
     def tensors(self, buffer: Tensor) -> list[Tensor]:
-        """Tensor j's [C, s, b, n_j, d] view of a [C, X] buffer in this layout."""
-        rows = buffer.view(buffer.shape[0], self.s, self.b, self.width, self.d)
+        """Tensor j's [C, s, b, n_j, d_j] view of a [C, X] buffer in this layout."""
+        rows = buffer.view(buffer.shape[0], self.s, self.b, self.width)
         if len(self.counts) == 1:
-            return [rows]  # one tensor is the whole row: no narrow (one op less per exchange)
+            return [rows.view(*rows.shape[:3], self.counts[0], self.dims[0])]  # the whole row: no narrow
         out, offset = [], 0
-        for n in self.counts:
-            out.append(rows.narrow(3, offset, n))
-            offset += n
+        for n, d in zip(self.counts, self.dims):
+            out.append(rows.narrow(3, offset, n * d).unflatten(3, (n, d)))
+            offset += n * d
         return out
 
 
@@ -169,11 +170,13 @@ def heads_send_buffer(
     dtype: torch.dtype,
     device: torch.device,
     group_size: int,
+    dims: Sequence[int] | None = None,
 ) -> tuple[Tensor, HeadsLayout]:
     """(the contiguous [C, X] buffer ``start_heads_exchange`` sends, its layout).  ``write(views)``
     fills it: views[j] is tensor j seen as this rank's local heads, [b, s, C, n_j, d] (``heads[j]`` =
-    C*n_j heads grouped by destination; ``local_shape`` = (b, s, d)), a strided view into which the
-    caller writes its heads directly (no select-then-permute temporary; e.g. ``select_heads``).
+    C*n_j heads grouped by destination; ``local_shape`` = (b, s, d); tensor j's head dim ``dims[j]``,
+    d for every tensor when None), a strided view into which the caller writes its heads directly (no
+    select-then-permute temporary; e.g. ``select_heads``).
 
     Row dst is token-major, [s, b, P, d] with the P = sum(n_j) heads of every tensor side by side per
     token: received, the C source rows are consecutive token blocks of the full sequence, so each
@@ -181,8 +184,8 @@ def heads_send_buffer(
     rearranging copy (a head-major row, [n_j, b, s, d] per tensor, would need one per tensor)."""
     b, s, d = local_shape
     c = group_size
-    layout = HeadsLayout(b, s, d, tuple(h // c for h in heads))
-    send = torch.empty((c, s * b * layout.width * d), dtype=dtype, device=device)
+    layout = HeadsLayout(b, s, tuple(dims or (d,) * len(heads)), tuple(h // c for h in heads))
+    send = torch.empty((c, s * b * layout.width), dtype=dtype, device=device)
     # [C, s, b, n_j, d] per tensor, seen as [b, s, C, n_j, d]
     write([seg.permute(2, 1, 0, 3, 4) for seg in layout.tensors(send)])
     return send, layout
@@ -201,11 +204,11 @@ def start_heads_exchange(
     each copied to a contiguous [b, C*s, n_j, d] of its own, seen as [b, n_j, C*s, d], for a kernel
     that does not read strided inputs)."""
     recv, work, counts = _exchange(send, group, group_size, async_op)
-    b, s, d = layout.b, layout.s, layout.d
+    b, s = layout.b, layout.s
 
     def finish(r: Tensor) -> tuple[Tensor, ...]:
         # [C, s, b, n, d] -> [b, C, s, n, d] -> [b, C*s, n, d]: C's stride is s times s's, so a view
-        tokens = [seg.permute(2, 0, 1, 3, 4).reshape(b, group_size * s, seg.shape[3], d) for seg in layout.tensors(r)]
+        tokens = [seg.permute(2, 0, 1, 3, 4).reshape(b, group_size * s, *seg.shape[3:]) for seg in layout.tensors(r)]
         if own_storage:
             tokens = [t.contiguous() for t in tokens]  # the last reference to r: freed once copied out
         return tuple(t.transpose(1, 2) for t in tokens)
@@ -214,10 +217,10 @@ def start_heads_exchange(
 
 
 def scatter_buffer(
-    parts: Iterable[Tensor], heads: Sequence[int], group_size: int
+    parts: Iterable[Tensor], heads: Sequence[tuple[int, int]], group_size: int
 ) -> tuple[Tensor, list[tuple[int, ...]]]:
-    """Full [b, n_j, C*s, d] tensors (``heads[j]`` = n_j) -> (the contiguous [C, X] buffer whose row
-    dst holds peer dst's sequence chunk of each as [b, s, n_j, d], those shapes).  A single tensor
+    """Full [b, n_j, C*s, d_j] tensors (``heads[j]`` = (n_j, d_j)) -> (the contiguous [C, X] buffer whose
+    row dst holds peer dst's sequence chunk of each as [b, s, n_j, d_j], those shapes).  A single tensor
     already laid out so is the buffer itself (a view of it: no copy)."""
     c = group_size
     if len(heads) == 1:
@@ -232,8 +235,8 @@ def scatter_buffer(
         del part
 
     def shapes_of(first: Tensor) -> list[tuple[int, ...]]:
-        b, _, seq, d = first.shape
-        return [(b, seq // c, n, d) for n in heads]
+        b, _, seq, _ = first.shape
+        return [(b, seq // c, n, d) for n, d in heads]
 
     def write(segment: Tensor, part: Tensor) -> None:
         segment.copy_(to_send_layout(part, c))

@@ -173,7 +173,7 @@ class DocumentKernel(AttentionKernel):
             cu_seqlens, longest = self.flat_cu_seqlens(q.shape[0], q.shape[2], q.device)
             out, lse, aux = self.inner.forward_varlen(q, k, v, cu_seqlens, longest)
             return out, lse, (cu_seqlens, *aux)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
         lses, lengths, aux_all = [], [], []
         for r, s, e in self.segments(q.shape[0]):
             o, lse, aux = self.inner.forward(*(t[r : r + 1, :, s:e] for t in (q, k, v)))

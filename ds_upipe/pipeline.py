@@ -113,7 +113,10 @@ class StageSource(Protocol):
     every call names its ``Slot`` (kind, round, stage, heads) and every gradient its ``Piece``
     (source rank and head slice).
 
-    - ``local_shape`` (b, s, head_dim), ``dtype``, ``device``: of the chunks the source writes.
+    - ``local_shape`` (b, s, head_dim), ``dtype``, ``device``: of the chunks the source writes;
+      ``value_head_dim``: the head dim of V and so of the output (head_dim except in latent attention,
+      whose values are narrower than its queries and keys): the one number every V, output, dV and
+      dout buffer of the loop is sized by.
     - ``query(slot, out)``: write a stage's query heads into ``out``, a strided [b, s, C, n, d] view
       of the send buffer (head ``slot.heads[c * n + i]`` at [:, :, c, i]: ``comm.select_heads``);
       ``key_value(slot, out_key, out_value)``: a round's K and V (a "key_value" slot, ``stage``
@@ -139,6 +142,7 @@ class StageSource(Protocol):
       dK/dV come once per round, summed by the pipeline."""
 
     local_shape: tuple[int, int, int]
+    value_head_dim: int
     dtype: torch.dtype
     device: torch.device
     grads_per_source_rank: bool
@@ -165,6 +169,7 @@ class LocalTensorSource:
     def __init__(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         self.q, self.k, self.v = query, key, value
         self.local_shape = (query.shape[0], query.shape[1], query.shape[3])
+        self.value_head_dim = value.shape[3]
         self.dtype, self.device = query.dtype, query.device
         self.grad_q: Tensor | None = None
         self.grad_k: Tensor | None = None
@@ -269,21 +274,30 @@ class PipelineContext:
         return torch.float32
 
     def start_gather(
-        self, source: StageSource, write: Callable[[list[Tensor]], None], heads: Sequence[int], *, prefetch: bool = True
+        self,
+        source: StageSource,
+        write: Callable[[list[Tensor]], None],
+        heads: Sequence[int],
+        values: int = 0,
+        *,
+        prefetch: bool = True,
     ) -> PendingExchange:
-        """All-to-all the local [b, s, C*n_j, d] tensors that ``write(views)`` writes into the send
-        buffer's [b, s, C, n_j, d] views (``heads[j]`` = C*n_j, shape and dtype the source's) in one packed exchange,
+        """All-to-all the local [b, s, C*n_j, d_j] tensors that ``write(views)`` writes into the send
+        buffer's [b, s, C, n_j, d_j] views (``heads[j]`` = C*n_j, dtype the source's; the last ``values``
+        tensors are of the source's ``value_head_dim``, the others of its q/k head dim) in one packed exchange,
         asynchronously when ``prefetch`` and overlap_comm; the handle's ``wait()`` gives
-        [b, n_j, S, d] each."""
+        [b, n_j, S, d_j] each."""
         c = self.plan.group_size
-        send, layout = heads_send_buffer(write, heads, source.local_shape, source.dtype, source.device, c)
+        d, dv = source.local_shape[2], source.value_head_dim
+        dims = [d] * (len(heads) - values) + [dv] * values
+        send, layout = heads_send_buffer(write, heads, source.local_shape, source.dtype, source.device, c, dims)
         strided = self.attention.reads_strided_inputs
         return start_heads_exchange(send, layout, c, self.group, self.overlap_comm and prefetch, not strided)
 
     def gather_key_value(self, source: StageSource, slot: Slot) -> tuple[Tensor, ...]:
         """A round's K and V ([b, n, S, d] each), in one exchange, finished at once."""
         n = slot.heads.numel()
-        return self.start_gather(source, lambda out: source.key_value(slot, *out), (n, n), prefetch=False).wait()
+        return self.start_gather(source, lambda out: source.key_value(slot, *out), (n, n), 1, prefetch=False).wait()
 
     def prefetched(
         self, items: Sequence[Slot], start: Callable[[Slot], PendingExchange]
@@ -302,11 +316,11 @@ class PipelineContext:
                 pending = start(items[i + 1])
 
     def start_scatter(self, parts: list[Tensor], dtype: torch.dtype, *, overlap: bool = False) -> PendingExchange:
-        """Pop every [b, n_j, S, d] tensor of ``parts`` and all-to-all them in ``dtype``, packed in one
+        """Pop every [b, n_j, S, d_j] tensor of ``parts`` and all-to-all them in ``dtype``, packed in one
         exchange (asynchronously when ``overlap`` and overlap_comm); the handle's ``wait()`` gives
-        [C, b, s, n_j, d] each: this rank's sequence chunk, per source rank.  Popping hands over the
+        [C, b, s, n_j, d_j] each: this rank's sequence chunk, per source rank.  Popping hands over the
         last references, so each is freed as soon as it is written into the send buffer."""
-        heads = [t.shape[1] for t in parts]
+        heads = [(t.shape[1], t.shape[3]) for t in parts]
 
         def taken() -> Iterator[Tensor]:
             while parts:
@@ -332,7 +346,7 @@ def _stage_slots(ctx: PipelineContext, round_idx: int) -> list[Slot]:
 
 
 def pipeline_forward(ctx: PipelineContext, source: StageSource, out: Tensor) -> list[Tensor | None]:
-    """Run all stages, writing into ``out`` ([b, s, H, d] view).  Returns, stage after stage, the
+    """Run all stages, writing into ``out`` ([b, s, H, d_v] view, d_v the source's ``value_head_dim``).  Returns, stage after stage, the
     kernel's lse followed by its aux (tensors or None, for ``save_for_backward``)."""
     saved: list[Tensor | None] = []
     for round_idx, kv_idx in enumerate(ctx.indices.kv):
@@ -395,7 +409,7 @@ def pipeline_backward(
     """Replay every stage and hand q/k/v gradients (local layout) to ``source``; ``saved`` is what
     ``pipeline_forward`` returned (empty with a ``RecomputedOutput``).
 
-    ``grad_out`` is the output gradient ([b, s, H, d] view) or a function ``grad_out(slot, out)``
+    ``grad_out`` is the output gradient ([b, s, H, d_v] view) or a function ``grad_out(slot, out)``
     writing the gradient of the stage's heads into ``out`` ([b, s, C, n, d], as ``query``): a caller that fuses the
     output projection computes each stage's slice on demand instead of materializing the full
     gradient.
@@ -423,7 +437,9 @@ def pipeline_backward(
                 if needs_output:
                     select_heads(out, slot.heads, views[2])
 
-            return ctx.start_gather(source, write, (slot.heads.numel(),) * (3 if needs_output else 2))
+            # q, then dout (and out) of the value head dim
+            values = 2 if needs_output else 1
+            return ctx.start_gather(source, write, (slot.heads.numel(),) * (1 + values), values)
 
         for slot, (q_full, dout_full, *o_full) in ctx.prefetched(_stage_slots(ctx, round_idx), start_stage):
             attention = ctx.stage_attention(slot.heads)
@@ -478,8 +494,9 @@ class RoundKeyValueGrads:
         if not (source.key_value_grads_per_stage and k_full.dtype == acc_dtype == dtype):  # per round
             b, n, seq, d = k_full.shape
             c = ctx.plan.group_size
-            self.shapes = [(b, seq // c, n, d)] * 2
-            self.acc = torch.zeros((c, 2 * b * seq * n * d // c), dtype=acc_dtype, device=k_full.device)
+            self.shapes = [(b, seq // c, n, d), (b, seq // c, n, source.value_head_dim)]
+            size = b * seq * n * (d + source.value_head_dim) // c
+            self.acc = torch.zeros((c, size), dtype=acc_dtype, device=k_full.device)
             self.acc_views = tuple(scatter_segments(self.acc, self.shapes))
 
     def add_and_send(self, slot: Slot, grads: list[Tensor]) -> None:
@@ -589,7 +606,8 @@ class UPipeAttentionFunction(torch.autograd.Function):
         # ``sinks`` ([H]) is the input whose values pctx.attention's SinkKernel holds: an input here so
         # that its gradient (summed by the kernel over the stages) reaches the parameter through autograd
         b_dim = batch_dim_idx
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        # the query's heads of the value's head dim (latent attention: narrower than q/k's)
+        out = torch.empty((*query.shape[:-1], value.shape[-1]), dtype=query.dtype, device=query.device)
         source = LocalTensorSource(_as_bshd(query, b_dim), _as_bshd(key, b_dim), _as_bshd(value, b_dim))
         with torch.no_grad():
             saved = pipeline_forward(pctx, source, _as_bshd(out, b_dim))

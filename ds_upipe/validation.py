@@ -312,8 +312,16 @@ def check_inputs(rows: list[RankInputs], ulysses_size: int | None = None) -> tup
         for name, info in (("query", q), ("key", k), ("value", v)):
             if info.ndim != 4:
                 raise ValueError(f"{name} must be 4-D ([b, s, h, d] or [s, b, h, d]); rank {rank} got {info.ndim}-D")
-        if k.dims != v.dims:
-            raise ValueError(f"key shape {k.dims} and value shape {v.dims} differ on rank {rank}")
+        if k.dims[:3] != v.dims[:3]:
+            raise ValueError(
+                f"key shape {k.dims} and value shape {v.dims} differ on rank {rank} (only their head dims may: "
+                "latent attention's values are narrower)"
+            )
+        if settings.ring_size > 1 and v.dims[3] != q.dims[3]:
+            raise ValueError(
+                f"ring attention (ring_size={settings.ring_size}) with a value head dim {v.dims[3]} other than the "
+                f"query/key head dim {q.dims[3]} (latent attention) is not supported: run it with ring_size 1"
+            )
         if q.dims[:2] != k.dims[:2] or q.dims[3] != k.dims[3]:
             raise ValueError(
                 f"query {q.dims} and key {k.dims} must agree on batch, sequence and head_dim (rank {rank})"
@@ -341,6 +349,9 @@ def check_inputs(rows: list[RankInputs], ulysses_size: int | None = None) -> tup
     batches = [row.query.dims[layout] for row in rows]
     if len(set(batches)) != 1:
         raise ValueError(f"batch sizes differ across ranks: {batches} (or batch_dim_idx does not match the layout)")
+    head_dims = [(row.query.dims[3], row.value.dims[3]) for row in rows]
+    if len(set(head_dims)) != 1:
+        raise ValueError(f"(query/key, value) head dims differ across ranks: {_per_rank(head_dims)}")
     heads = {(row.query.dims[2], row.key.dims[2]) for row in rows}
     if len(heads) != 1:
         raise ValueError(f"head counts differ across ranks: {sorted(heads)}")

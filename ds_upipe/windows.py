@@ -121,7 +121,7 @@ def band_forward(
     b, hq, seq_q, d = q.shape
     hkv = k.shape[1]
     ct = _compute_dtype(q.dtype)
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.full((b, hq, seq_q), float("-inf"), dtype=ct, device=q.device)
     qg, og, lg = _grouped(q, hkv), _grouped(out, hkv), _grouped(lse, hkv)
     for r0 in range(0, seq_q, tile):
@@ -256,7 +256,7 @@ class _FusedBand:
     def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, KernelAux]:
         seq = q.shape[2]
         acc = _compute_dtype(q.dtype)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
         aux: list[Tensor | None] = []
         for a, e, pieces in _fused_tile_plan(seq, self.window, self.tile):

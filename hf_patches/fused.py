@@ -326,6 +326,7 @@ class FusedProjectionSource:
         #: the StageSource contract: chunks of x's batch and sequence shard; gradients per slot
         #: (whole), dK/dV per round unless summed in the input dtype without a k norm (class docstring)
         self.local_shape = (x.shape[0], x.shape[1], self.d)
+        self.value_head_dim = self.d  # fused mode runs only Llama-shaped attention: values of the q/k head dim
         self.dtype, self.device = x.dtype, x.device
         self.grads_per_source_rank = False
         self.key_value_grads_per_stage = accumulate_in_input_dtype and proj.k_norm is None

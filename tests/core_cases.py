@@ -28,10 +28,17 @@ def reference_attention(q, k, v, causal):
     return F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal).transpose(1, 2)
 
 
-def make_inputs(seed, batch, seq, heads, kv_heads, head_dim, dtype):
+def make_inputs(seed, batch, seq, heads, kv_heads, head_dim, dtype, value_dim=None):
+    """q, k, v, dout ([b, S, h, d]); v and dout of ``value_dim`` (latent attention's value head dim) when given."""
     gen = torch.Generator().manual_seed(seed)
-    shape_q, shape_kv = (batch, seq, heads, head_dim), (batch, seq, kv_heads, head_dim)
-    q, k, v, dout = (torch.randn(s, generator=gen, dtype=torch.float64) for s in (shape_q, shape_kv, shape_kv, shape_q))
+    dv = value_dim or head_dim
+    shape_q, shape_k, shape_v, shape_o = (
+        (batch, seq, heads, head_dim),
+        (batch, seq, kv_heads, head_dim),
+        (batch, seq, kv_heads, dv),
+        (batch, seq, heads, dv),
+    )
+    q, k, v, dout = (torch.randn(s, generator=gen, dtype=torch.float64) for s in (shape_q, shape_k, shape_v, shape_o))
     return [t.to(dtype).to(torch.float64) for t in (q, k, v, dout)]  # values representable in dtype
 
 
@@ -61,9 +68,10 @@ def run_case(
     seq_per_rank=6,
     overlap=False,
     group=None,
+    head_dim=8,
+    value_dim=None,
 ):
-    head_dim = 8
-    q, k, v, dout = make_inputs(seed, batch, seq_per_rank * world, heads, kv_heads, head_dim, dtype)
+    q, k, v, dout = make_inputs(seed, batch, seq_per_rank * world, heads, kv_heads, head_dim, dtype, value_dim)
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref_out = reference_attention(*full, causal)
     ref_out.backward(dout)
@@ -138,10 +146,12 @@ def per_document_reference(q, k, v, rows):
     return torch.cat(out)
 
 
-def packed_case(rank, world, layout, heads, kv_heads, u, batch, kernel, overlap, seed=0, seq_per_rank=6):
+def packed_case(
+    rank, world, layout, heads, kv_heads, u, batch, kernel, overlap, seed=0, seq_per_rank=6, head_dim=8, value_dim=None
+):
     """UPipe given cu_seqlens == each document run alone, float64 (forward and dq/dk/dv)."""
     seq = seq_per_rank * world
-    q, k, v, dout = make_inputs(seed, batch, seq, heads, kv_heads, 8, torch.float64)
+    q, k, v, dout = make_inputs(seed, batch, seq, heads, kv_heads, head_dim, torch.float64, value_dim)
     rows = [packed_documents(seq, world, seed + r) for r in range(batch)]
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref_out = per_document_reference(*full, rows)
@@ -169,6 +179,43 @@ def packed_matrix(rank, world):
         count += 1
         if max(errs.values()) > 1e-10:
             failures.append((name, layout, u, batch, overlap, type(kernel).__name__, errs))
+    return failures, count
+
+
+#: latent attention's shapes: values narrower than queries and keys (DeepSeek: 128 against 192)
+LATENT_HEAD_DIM, LATENT_VALUE_DIM = 12, 8
+
+
+def latent_matrix(rank, world):
+    """A value head dim other than the q/k head dim (multi-head latent attention after its up-projection):
+    the sdpa kernel (its padded CPU flash path), the math kernel and a generic callable, GQA and KV < C,
+    U in {C, H}, both layouts, overlap on and off; bfloat16 (dK/dV summed per round in the float32
+    accumulator); packed rows.  Returns failures and the number of cases."""
+    failures, count = [], 0
+    d, dv = LATENT_HEAD_DIM, LATENT_VALUE_DIM
+    for (name, (h, hkv)), layout, u_factor, kernel_name in itertools.product(
+        (("gqa4", HEAD_CONFIGS["gqa4"]), ("kv_lt_c", HEAD_CONFIGS["kv_lt_c"])), (0, 1), (1, None), ("sdpa", "math")
+    ):
+        u = h if u_factor is None else u_factor * world
+        kernel = TorchSDPAKernel() if kernel_name == "sdpa" else MathKernel()
+        errs = run_case(rank, world, layout, h, hkv, u, 2, True, torch.float64, kernel, overlap=layout == 1,
+                        head_dim=d, value_dim=dv)  # fmt: skip
+        count += 1
+        if max(errs.values()) > 1e-10:
+            failures.append((name, layout, u, kernel_name, errs))
+    extra = {
+        "generic": lambda: run_case(rank, world, 0, 16, 4, world, 2, True, torch.float64, _Generic(True),
+                                    head_dim=d, value_dim=dv),  # fmt: skip
+        "bf16": lambda: run_case(rank, world, 0, 16, 4, 16, 2, True, torch.bfloat16, TorchSDPAKernel(),
+                                 head_dim=d, value_dim=dv),  # fmt: skip
+        "packed": lambda: packed_case(rank, world, 0, 16, 4, world, 2, TorchSDPAKernel(), True, head_dim=d,
+                                      value_dim=dv),  # fmt: skip
+    }
+    for label, case in extra.items():
+        errs = case()
+        count += 1
+        if max(errs.values()) > (2e-2 if label == "bf16" else 1e-10):
+            failures.append((label, errs))
     return failures, count
 
 
@@ -270,6 +317,7 @@ def other_attention_and_packing(rank, world):
         "window_errors": window_sink_errors(rank, world),
         "runtimes": runtimes_case(rank, world),
         "exchange_layout": exchange_layout_case(rank, world),
+        "latent": latent_matrix(rank, world),
     }
 
 

@@ -29,7 +29,7 @@ def _context(accumulate_in_input_dtype: bool) -> PipelineContext:
 def test_round_dkdv_accumulator_dtype(on, want):
     k_full = torch.zeros(1, 2, 8, 4, dtype=torch.bfloat16)  # [b, n, S, d]
     # a source taking dK/dV once per round: the pipeline sums the stages' in the round's accumulator
-    source = SimpleNamespace(grads_per_source_rank=True, key_value_grads_per_stage=False)
+    source = SimpleNamespace(grads_per_source_rank=True, key_value_grads_per_stage=False, value_head_dim=4)
     grads = RoundKeyValueGrads(
         _context(on), source, Slot("key_value", 0, None, torch.arange(2)), k_full, torch.bfloat16
     )

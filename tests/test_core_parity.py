@@ -40,6 +40,17 @@ def test_math_kernel_generic_callable_and_packed_rows(world, other_and_packed):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_value_head_dim_other_than_query_key(world, other_and_packed):
+    """Multi-head latent attention's shapes (v_head_dim 8 < qk head dim 12): the exchanges of v, the
+    output, dout and dV carry v's head dim, the sdpa kernel pads v for torch's flash op and slices back
+    (``core_cases.latent_matrix``)."""
+    for rank, result in enumerate(other_and_packed[world]):
+        failures, count = result["latent"]
+        assert count == 2 * 2 * 2 * 2 + 3
+        assert not failures, f"rank {rank} latent: {failures[:5]}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_received_heads_are_views_of_the_exchange(world, other_and_packed):
     """The heads-to-sequence exchange hands the kernel views of its receive buffer (token-major rows:
     no rearranging copy), or with ``own_storage`` one contiguous token-major tensor each."""

@@ -48,6 +48,21 @@ def _expand_kv(kv: Tensor, num_q_heads: int) -> Tensor:
     return kv[:, :, None].expand(b, hkv, group, seq, d).reshape(b, num_q_heads, seq, d) if group > 1 else kv
 
 
+def common_head_dim(q: Tensor, v: Tensor, multiple: int = 1) -> int:
+    """The one head dim of a kernel op that takes q, k and v of one head dim (flash attention: torch's and
+    flash-attn 2's) when v's differs (latent attention: v_head_dim < qk_head_dim), rounded up to ``multiple``."""
+    dim = max(q.shape[-1], v.shape[-1])
+    return dim + (-dim % multiple)
+
+
+def pad_head_dim(t: Tensor, dim: int) -> Tensor:
+    """``t`` zero-padded on its last dim to ``dim`` (itself when it is that wide: no copy).  Exact for
+    attention: zero q/k columns add nothing to the scores (the scale is the caller's, of the true head dim),
+    zero v columns give zero output columns, sliced off; zero dout columns add nothing to any gradient."""
+    pad = dim - t.shape[-1]
+    return torch.nn.functional.pad(t, (0, pad)) if pad else t
+
+
 def gqa_native_sdpa(
     q: Tensor, k: Tensor, v: Tensor, *args: object, causal: bool = True, softmax_scale: float | None = None, **kwargs
 ) -> Tensor:

@@ -8,7 +8,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from .contract import AttentionKernel, KernelAux, kernel_autograd
+from .contract import AttentionKernel, KernelAux, common_head_dim, kernel_autograd, pad_head_dim
 
 # -- flash-attn 2 ------------------------------------------------------------------------------------
 
@@ -79,6 +79,9 @@ class FlashAttnKernel(AttentionKernel):
 
     flash-attn works on [b, S, h, d] and reads its inputs through their strides (only the last dim
     must be contiguous), so the adapter hands it transposed views of the kernel layout, no copies.
+    It takes q, k and v of one head dim: a value head dim of its own (latent attention, v_head_dim <
+    qk_head_dim) is zero-padded to q/k's (``pad_head_dim``: exact), and out, dv sliced back, as
+    transformers pads MLA's value for flash-attn 2; those padded copies are the only ones.
 
     ``forward_varlen``/``backward_varlen`` run flash-attn's varlen functions once over many documents
     (``ds_upipe.packing.DocumentKernel`` calls them for packed rows)."""
@@ -116,15 +119,22 @@ class FlashAttnKernel(AttentionKernel):
         return f"FlashAttnKernel(causal={self.causal}, softmax_scale={self.softmax_scale}{extra})"
 
     @staticmethod
-    def _check_inputs(q: Tensor) -> None:
+    def _check_inputs(q: Tensor, v: Tensor) -> int:
+        """The one head dim flash-attn runs q, k and v at (v padded to it), or a ValueError."""
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"kernel 'flash_attn' runs float16 or bfloat16, got {q.dtype}; use kernel 'sdpa'")
-        if q.shape[-1] % 8 or q.shape[-1] > 256:
+        dim = common_head_dim(q, v)
+        if dim % 8 or dim > 256:
             # flash-attn pads other head sizes inside its autograd Function, not in these calls
             raise ValueError(
-                f"kernel 'flash_attn' needs head_dim a multiple of 8 and at most 256, got {q.shape[-1]}; "
-                "use kernel 'sdpa'"
+                f"kernel 'flash_attn' needs head_dim a multiple of 8 and at most 256, got {q.shape[-1]} "
+                f"(value head dim {v.shape[-1]}); use kernel 'sdpa'"
             )
+        return dim
+
+    @staticmethod
+    def _padded(dim: int, *tensors: Tensor) -> tuple[Tensor, ...]:
+        return tuple(pad_head_dim(t, dim) for t in tensors)
 
     def _forward_outputs(self, res: tuple) -> tuple[Tensor, Tensor, Tensor]:
         """(out, softmax_lse, rng_state) of a dense or varlen forward's return tuple: 2.6 returns
@@ -132,8 +142,8 @@ class FlashAttnKernel(AttentionKernel):
         return (res[0], res[5], res[7]) if self.release < (2, 7) else (res[0], res[1], res[3])
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, KernelAux]:
-        self._check_inputs(q)
-        qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
+        dim = self._check_inputs(q, v)
+        qb, kb, vb = (t.transpose(1, 2) for t in self._padded(dim, q, k, v))
         res = self._fa._flash_attn_forward(
             qb,
             kb,
@@ -147,13 +157,14 @@ class FlashAttnKernel(AttentionKernel):
             return_softmax=False,
         )
         out, lse, rng_state = self._forward_outputs(res)
-        return out.transpose(1, 2), lse, (rng_state,)
+        return out.transpose(1, 2)[..., : v.shape[-1]], lse, (rng_state,)
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: KernelAux
     ) -> tuple[Tensor, Tensor, Tensor]:
         (rng_state,) = aux
-        qb, kb, vb, ob, db = (t.transpose(1, 2) for t in (q, k, v, out, dout))
+        dim = common_head_dim(q, v)
+        qb, kb, vb, ob, db = (t.transpose(1, 2) for t in self._padded(dim, q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb)
         # fills dq, dk, dv in place (dk, dv keep the hkv heads: flash-attn sums the GQA groups)
         self._fa._flash_attn_backward(
@@ -175,7 +186,7 @@ class FlashAttnKernel(AttentionKernel):
             deterministic=False,
             rng_state=rng_state,
         )
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)[..., : v.shape[-1]]
 
     def forward_varlen(
         self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int
@@ -187,12 +198,13 @@ class FlashAttnKernel(AttentionKernel):
         longest document.  Returns out ([b, h, S, d], a view of flash-attn's token-major output),
         the lse in flash-attn's varlen layout, [h, b*S] float32 (``softmax_lse`` of ``mha_varlen_fwd``:
         ``{num_heads, total_q}``), only for ``backward_varlen``, and ``(rng_state,)``."""
-        self._check_inputs(q)
+        dim = self._check_inputs(q, v)
         b, _, seq, _ = q.shape
+        qp, kp, vp = self._padded(dim, q, k, v)
         res = self._fa._flash_attn_varlen_forward(
-            _token_major(q),
-            _token_major(k),
-            _token_major(v),
+            _token_major(qp),
+            _token_major(kp),
+            _token_major(vp),
             cu_seqlens,
             cu_seqlens,
             max_seqlen,
@@ -207,7 +219,7 @@ class FlashAttnKernel(AttentionKernel):
             block_table=None,  # 2.6.0 has no default for it; leftpad_k, seqused_k, zero_tensors keep theirs
         )
         out, lse, rng_state = self._forward_outputs(res)
-        return out.unflatten(0, (b, seq)).transpose(1, 2), lse, (rng_state,)
+        return out.unflatten(0, (b, seq)).transpose(1, 2)[..., : v.shape[-1]], lse, (rng_state,)
 
     def backward_varlen(
         self,
@@ -224,7 +236,8 @@ class FlashAttnKernel(AttentionKernel):
         """One ``_flash_attn_varlen_backward`` call: ``forward_varlen``'s lse and aux handed back."""
         (rng_state,) = aux
         b, _, seq, _ = q.shape
-        qt, kt, vt, ot, dt = (_token_major(t) for t in (q, k, v, out, dout))
+        dim = common_head_dim(q, v)
+        qt, kt, vt, ot, dt = (_token_major(t) for t in self._padded(dim, q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
         # fills dq, dk, dv in place (dk, dv keep the hkv heads: flash-attn sums the GQA groups)
         self._fa._flash_attn_varlen_backward(
@@ -250,4 +263,5 @@ class FlashAttnKernel(AttentionKernel):
             deterministic=False,
             rng_state=rng_state,
         )
-        return tuple(g.unflatten(0, (b, seq)).transpose(1, 2) for g in (dq, dk, dv))
+        dq, dk, dv = (g.unflatten(0, (b, seq)).transpose(1, 2) for g in (dq, dk, dv))
+        return dq, dk, dv[..., : v.shape[-1]]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .contract import AttentionKernel, KernelAux, _expand_kv, _reduce_kv_grad
+from .contract import AttentionKernel, KernelAux, _expand_kv, _reduce_kv_grad, common_head_dim, pad_head_dim
 
 aten = torch.ops.aten
 
@@ -160,18 +160,16 @@ def _math_backward(
 FLASH_HEAD_DIM_MULTIPLE, FLASH_MAX_HEAD_DIM = 8, 256
 
 
-def _pad_head_dim(t: Tensor, multiple: int = FLASH_HEAD_DIM_MULTIPLE) -> Tensor:
-    pad = -t.shape[-1] % multiple
-    return torch.nn.functional.pad(t, (0, pad)) if pad else t
-
-
-def _padded(path: SDPAPath) -> SDPAPath:
-    """``path`` on head_dim zero-padded to a multiple of 8, as ``F.scaled_dot_product_attention`` pads
-    for the flash op (attention.cpp, ``pad_last_dim<8>``): the caller's scale is of the true head_dim,
-    zero columns change neither the scores nor the lse, out and the gradients are sliced back."""
+def _padded(path: SDPAPath, multiple: int = FLASH_HEAD_DIM_MULTIPLE) -> SDPAPath:
+    """``path`` on q, k and v zero-padded to one head dim, a multiple of ``multiple``, as
+    ``F.scaled_dot_product_attention`` pads for the flash op (attention.cpp, ``pad_last_dim<8>``) and as
+    latent attention's value (v_head_dim < qk_head_dim) is padded for the flash ops, which take one head
+    dim (``common_head_dim``): the caller's scale is of the true head_dim, zero columns change neither the
+    scores nor the lse, out and the gradients are sliced back."""
 
     def forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, KernelAux]:
-        out, lse, aux = path.forward(*(_pad_head_dim(t) for t in (q, k, v)), causal, scale)
+        dim = common_head_dim(q, v, multiple)
+        out, lse, aux = path.forward(*(pad_head_dim(t, dim) for t in (q, k, v)), causal, scale)
         return out[..., : v.shape[-1]], lse, aux
 
     def backward(
@@ -185,7 +183,8 @@ def _padded(path: SDPAPath) -> SDPAPath:
         causal: bool,
         scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        padded = (_pad_head_dim(t) for t in (dout, q, k, v, out))
+        dim = common_head_dim(q, v, multiple)
+        padded = (pad_head_dim(t, dim) for t in (dout, q, k, v, out))
         grads = path.backward(*padded, lse, aux, causal, scale)
         return tuple(g[..., : t.shape[-1]] for g, t in zip(grads, (q, k, v)))
 
@@ -193,6 +192,7 @@ def _padded(path: SDPAPath) -> SDPAPath:
 
 
 CPU_FLASH = SDPAPath("cpu_flash", _cpu_flash_forward, _cpu_flash_backward)
+CPU_FLASH_PADDED = _padded(CPU_FLASH, multiple=1)
 CUDA_FLASH = SDPAPath("cuda_flash", _cuda_flash_forward, _cuda_flash_backward)
 CUDA_FLASH_PADDED = _padded(CUDA_FLASH)
 CUDA_EFFICIENT = SDPAPath("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward, lse_block=32)
@@ -200,25 +200,34 @@ CUDA_EFFICIENT_PADDED = _padded(CUDA_EFFICIENT)
 MATH = SDPAPath("math", _math_forward, _math_backward, quadratic_memory=True)
 
 
-def sdpa_path(device_type: str, dtype: torch.dtype, head_dim: int | None = None) -> SDPAPath:
+def sdpa_path(
+    device_type: str, dtype: torch.dtype, head_dim: int | None = None, value_head_dim: int | None = None
+) -> SDPAPath:
     """The aten backend ``TorchSDPAKernel`` runs for tensors of this device type, dtype and head_dim
-    (None: any the flash op takes).
+    (None: any the flash op takes) and value head dim (None: head_dim).
 
-    CUDA fp16/bf16: the flash op, on head_dim padded to a multiple of 8 when it is not one (the op
-    raises "head_size must be a multiple of 8, this is ensured by padding"); above 256, which flash
-    has no kernel for, the memory-efficient op (padded the same way, for its aligned kernels)."""
+    The flash ops take q, k and v of one head dim: a value head dim of its own (latent attention) runs
+    them on the padded path (``_padded``), CPU included.  CUDA fp16/bf16: the flash op, on head_dim padded
+    to a multiple of 8 when it is not one (the op raises "head_size must be a multiple of 8, this is
+    ensured by padding"); above 256, which flash has no kernel for, the memory-efficient op (padded the
+    same way, for its aligned kernels)."""
+    equal = value_head_dim is None or value_head_dim == head_dim
     if device_type == "cpu":
-        return CPU_FLASH
+        return CPU_FLASH if equal else CPU_FLASH_PADDED
     if device_type != "cuda":
         raise ValueError(f"kernel 'sdpa' runs on cpu or cuda tensors, got device type {device_type!r}")
+    if head_dim is not None and not equal:
+        head_dim = max(head_dim, value_head_dim)
     if dtype in (torch.float16, torch.bfloat16):
         if head_dim is None:
             return CUDA_FLASH
-        aligned = head_dim % FLASH_HEAD_DIM_MULTIPLE == 0
+        aligned = head_dim % FLASH_HEAD_DIM_MULTIPLE == 0 and equal
         if head_dim + (-head_dim % FLASH_HEAD_DIM_MULTIPLE) <= FLASH_MAX_HEAD_DIM:
             return CUDA_FLASH if aligned else CUDA_FLASH_PADDED
         return CUDA_EFFICIENT if aligned else CUDA_EFFICIENT_PADDED
     if dtype == torch.float32:
+        if not equal:
+            return CUDA_EFFICIENT_PADDED
         return CUDA_EFFICIENT  # flash has no float32 kernel; memory-efficient attention is O(S) with an lse
     return MATH  # float64 has no fused CUDA kernel: the S x S reference, for tests
 
@@ -234,13 +243,13 @@ class TorchSDPAKernel(AttentionKernel):
     name = "sdpa"
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, KernelAux]:
-        path = sdpa_path(q.device.type, q.dtype, q.shape[-1])
+        path = sdpa_path(q.device.type, q.dtype, q.shape[-1], v.shape[-1])
         return path.forward(q, k, v, self.causal, self.scale_for(q.shape[-1]))
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: KernelAux
     ) -> tuple[Tensor, Tensor, Tensor]:
-        path = sdpa_path(q.device.type, q.dtype, q.shape[-1])
+        path = sdpa_path(q.device.type, q.dtype, q.shape[-1], v.shape[-1])
         return path.backward(dout, q, k, v, out, lse, aux, self.causal, self.scale_for(q.shape[-1]))
 
 
