@@ -11,7 +11,9 @@ state-space, short convolutions), or, where its config says so, only position-wi
 cannot honour is refused here, naming the layer and the reason, before any collective: mixers of other
 kinds, bidirectional and
 encoder-decoder models, cross-attention, chunked attention, KV-shared layers, logit softcapping,
-attention dropout, multi-head latent attention.
+attention dropout.  Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, GLM-4.7-Flash)
+runs unfused: after its own up-projections it calls the registry with values narrower than its queries
+and keys, which the stage loop carries at their own head dim.
 
 Fused per-stage projections replace the module's ``forward`` by one that must compute exactly what it
 did, so they are limited to the forwards known to be Llama-shaped (``FUSED_ATTENTIONS``: plain
@@ -32,7 +34,7 @@ from typing import Any
 
 from torch import nn
 
-from .families import FUSED_ATTENTIONS, NORM_KINDS
+from .families import FUSED_ATTENTIONS, LATENT_ATTENTIONS, NORM_KINDS
 from .mixers import MIXER_LAYER_TYPES, mixer_kind_of
 
 #: ``config.layer_types`` entries UPipe runs (each module's ``sliding_window`` gives the window)
@@ -144,17 +146,6 @@ def _check_config(config: Any) -> None:
         raise ValueError(
             f"apply_upipe: config.num_kv_shared_layers={shared} (layers reusing another layer's keys and values) "
             "is not supported"
-        )
-    if getattr(config, "kv_lora_rank", None):
-        raise ValueError(
-            "apply_upipe: multi-head latent attention (config.kv_lora_rank) is not supported: its query/key and "
-            "value head dims differ"
-        )
-    v_head_dim, head_dim = getattr(config, "v_head_dim", None), getattr(config, "head_dim", None)
-    if v_head_dim is not None and head_dim is not None and v_head_dim != head_dim:
-        raise ValueError(
-            f"apply_upipe: config.v_head_dim={v_head_dim} differs from config.head_dim={head_dim}: UPipe's stages "
-            "carry queries, keys and values of one head dim"
         )
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap is not None:
@@ -305,6 +296,11 @@ def fused_blocker(attn: nn.Module) -> str | None:
     """Why fused per-stage projections cannot reproduce this attention module (None when they can)."""
     cls = type(attn)
     name = cls.__name__
+    if name in LATENT_ATTENTIONS or getattr(attn, "kv_lora_rank", None):
+        return (
+            f"{name} is multi-head latent attention (low-rank q/kv projections, RoPE on part of each head, values "
+            "narrower than queries and keys): fused per-stage projections reproduce only Llama-shaped attention"
+        )
     if name not in FUSED_ATTENTIONS or not cls.__module__.startswith("transformers.models."):
         return (
             f"{name} is not one of the Llama-shaped attention forwards fused mode reproduces "

@@ -154,8 +154,9 @@ UNHONOURED_KWARGS = ("softcap", "position_bias", "sinks", "indices", "block_indi
 
 
 def _check_heads(module: nn.Module, state: UPipeState, query: Tensor, key: Tensor, value: Tensor) -> None:
-    """The heads the stage plan was built for (the config's), grouped-query, of one head dim: JetMoE's mixture of
-    attention heads hands the function another head count than its config's."""
+    """The heads the stage plan was built for (the config's), grouped-query, queries and keys of one head dim
+    (values may have their own: multi-head latent attention's v_head_dim): JetMoE's mixture of attention heads
+    hands the function another head count than its config's."""
     h, hkv = query.shape[1], key.shape[1]
     plan = state.plan
     planned = plan is None or (plan.num_heads, plan.num_kv_heads) == (h, hkv)
@@ -164,14 +165,14 @@ def _check_heads(module: nn.Module, state: UPipeState, query: Tensor, key: Tenso
         or value.shape[1] != hkv
         or hkv > h
         or h % hkv
-        or {key.shape[-1], value.shape[-1]} != {query.shape[-1]}
+        or key.shape[-1] != query.shape[-1]
     ):
         want = "" if plan is None else f" (the plan: {plan.num_heads} query and {plan.num_kv_heads} key/value heads)"
         raise ValueError(
             f"{type(module).__name__}: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
             f"{tuple(value.shape)} ([batch, heads, tokens, head_dim]) reached UPipe attention{want}: UPipe runs "
             "grouped-query attention with the config's heads (num_attention_heads, num_key_value_heads), the query "
-            "heads a multiple of the key/value heads, queries, keys and values of one head dim"
+            "heads a multiple of the key/value heads, queries and keys of one head dim"
         )
 
 

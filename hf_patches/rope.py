@@ -67,5 +67,8 @@ def _global_rope_forward(self: nn.Module, x: Tensor, position_ids: Tensor, *args
     if last is None:  # called outside the patched model's forward: the positions are all there is
         return type(self).forward(self, x, position_ids, *args, **kwargs)
     extra = last.to(device=position_ids.device, dtype=position_ids.dtype).expand(*position_ids.shape[:-1], 1)
-    cos, sin = type(self).forward(self, x, torch.cat([position_ids, extra], dim=-1), *args, **kwargs)
+    out = type(self).forward(self, x, torch.cat([position_ids, extra], dim=-1), *args, **kwargs)
+    if isinstance(out, Tensor):  # DeepSeek-V2's complex freqs_cis ([b, s, d / 2]) in place of (cos, sin)
+        return out[..., :-1, :].contiguous()
+    cos, sin = out
     return cos[..., :-1, :].contiguous(), sin[..., :-1, :].contiguous()

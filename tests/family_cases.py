@@ -8,6 +8,7 @@ families add no spawn of their own.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from typing import Any
@@ -45,7 +46,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
     "olmo2": ("olmo2", {}, False),
     "glm4": ("glm4", dict(pad_token_id=0), False),
     "smollm3": ("smollm3", dict(no_rope_layer_interval=2, pad_token_id=0), False),
+    # multi-head latent attention (unfused): q/k heads of 12, values of 8; DeepSeek-V3's layer 1 a routed MoE
+    "deepseek_v3": (
+        "deepseek_v3",
+        dict(**sweep.MLA, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1,
+             **_MOE),
+        False,
+    ),  # fmt: skip
+    "minicpm3": ("minicpm3", dict(sweep.MLA), False),
 }
+
+#: families whose routers cast to float32 (``Tensor.type``): run with ``parity.float64_internals`` (reference and
+#: patched alike), else a router weight's gradient, a float32 sum over a shard's tokens, differs by ~1e-7
+FLOAT32_ROUTERS = ("deepseek_v3",)
 
 
 def build_family(family: str, dtype=torch.float64, seed: int = 0, **overrides):
@@ -65,6 +78,11 @@ def build_family(family: str, dtype=torch.float64, seed: int = 0, **overrides):
 
 def family_case(family, fused, world, u=None, seq=None, seed=0, checkpointing=None, packed=False, **overrides):
     """One family, patched, on sequence shards == unpatched on the whole sequence (float64)."""
+    with hf_cases.float64_internals() if family in FLOAT32_ROUTERS else contextlib.nullcontext():
+        return _family_case(family, fused, world, u, seq, seed, checkpointing, packed, **overrides)
+
+
+def _family_case(family, fused, world, u, seq, seed, checkpointing, packed, **overrides):
     group = dist.group.WORLD
     seq = seq or 6 * world
     model = build_family(family, seed=seed, **overrides)
@@ -114,10 +132,13 @@ def _cases(world: int) -> dict[str, tuple]:
     cases["qwen3_moe_fused_U=H"] = (family_case, ("qwen3_moe", True, world), dict(u=h))
     cases["granite_unfused_U=H"] = (family_case, ("granite", False, world), dict(u=h))
     cases["phi3_unfused_W5"] = (family_case, ("phi3", False, world), dict(sliding_window=5))
+    cases["deepseek_v3_unfused_U=H"] = (family_case, ("deepseek_v3", False, world), dict(u=h))
+    cases["minicpm3_unfused_U=H"] = (family_case, ("minicpm3", False, world), dict(u=h))
     if world == 4:  # packing and checkpointing at C = 2 only
         return {**cases, **_ring_cases(h)}
     cases["gpt_oss_fused_packed"] = (family_case, ("gpt_oss", True, world), dict(packed=True))
     cases["gemma3_unfused_packed"] = (family_case, ("gemma3", False, world), dict(packed=True))
+    cases["deepseek_v3_unfused_packed"] = (family_case, ("deepseek_v3", False, world), dict(packed=True))
     cases["mixtral_fused_packed_W5"] = (family_case, ("mixtral", True, world), dict(packed=True, sliding_window=5))
     cases["gpt_oss_fused_checkpointing"] = (family_case, ("gpt_oss", True, world), dict(checkpointing="reentrant"))
     cases["gemma3_fused_checkpointing"] = (family_case, ("gemma3", True, world), dict(checkpointing="non_reentrant"))

@@ -39,7 +39,10 @@ def test_entry_names_transformers_classes(model_type):
 
 
 def test_views_are_the_entries():
-    assert list(families.FUSED_ATTENTIONS) == [f.attention for f in FAMILIES.values()]
+    assert list(families.FUSED_ATTENTIONS) == [f.attention for f in FAMILIES.values() if not f.latent]
+    assert families.LATENT_ATTENTIONS == (
+        "DeepseekV3Attention", "DeepseekV2Attention", "MiniCPM3Attention", "Glm4MoeLiteAttention"
+    )  # fmt: skip
     assert families.NORM_KINDS == {"Qwen3RMSNorm": "rms", "Qwen3MoeRMSNorm": "rms", "Gemma3RMSNorm": "gemma"}
     assert set(families.MOE_TYPES) == {"qwen3_moe", "mixtral", "gpt_oss"}
     assert families.PLANNER_LAYERS["gpt_oss"] == "llama" and "granite" not in families.PLANNER_LAYERS
@@ -47,8 +50,20 @@ def test_views_are_the_entries():
 
 def test_every_entry_is_a_fused_family_of_the_sweep():
     """Each registered family is built and run fused against the unpatched model by the family sweep
-    (tests/family_cases.py, tests/test_hf_parity.py), under its model type."""
+    (tests/family_cases.py, tests/test_hf_parity.py), under its model type; a latent-attention entry runs there
+    unfused (DeepSeek-V3 and MiniCPM3; the others in ``ds-upipe sweep``, tests/test_sweep.py)."""
     from tests.family_cases import FAMILIES as SWEEP
 
     fused_types = {model_type for model_type, _, fusable in SWEEP.values() if fusable}
-    assert fused_types == set(FAMILIES)
+    assert fused_types == {t for t, f in FAMILIES.items() if not f.latent}
+    latent_types = {model_type for model_type, _, fusable in SWEEP.values() if not fusable} & set(FAMILIES)
+    assert latent_types == {"deepseek_v3", "minicpm3"} and all(FAMILIES[t].latent for t in latent_types)
+
+
+@pytest.mark.parametrize("model_type", [t for t, f in FAMILIES.items() if f.latent])
+def test_latent_entries_are_latent_attention(model_type):
+    """A latent entry's attention builds MLA's low-rank projections (``kv_lora_rank``) and its fused-mode reason
+    names it."""
+    family = FAMILIES[model_type]
+    source = inspect.getsource(getattr(_modeling(family.causal_lm), family.attention))
+    assert "self.kv_b_proj" in source and "self.v_head_dim" in source, family

@@ -95,8 +95,9 @@ def float64_internals() -> Iterator[None]:
     (reference and patched alike).  transformers' torch SSD scan casts x, B, C and dt to float32 (as the CUDA
     kernels compute) and Nemotron-H's RMSNorm and logits are float32; their float32 sums split over ranks (a group's
     B/C gradient summed over its heads, a norm weight's over the tokens) differ from the whole sum by ~1e-7, so
-    float64 parity at 1e-10 needs them kept in float64.  No hook sets these internal dtypes."""
-    original_float, original_to = torch.Tensor.float, torch.Tensor.to
+    float64 parity at 1e-10 needs them kept in float64.  DeepSeek's routers cast with ``Tensor.type(torch.float32)``
+    (kept too).  No hook sets these internal dtypes."""
+    original_float, original_to, original_type = torch.Tensor.float, torch.Tensor.to, torch.Tensor.type
 
     def keep_float(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return self if self.dtype == torch.float64 else original_float(self, *args, **kwargs)
@@ -105,8 +106,12 @@ def float64_internals() -> Iterator[None]:
         only_float32 = (args == (torch.float32,) and not kwargs) or (not args and kwargs == {"dtype": torch.float32})
         return self if self.dtype == torch.float64 and only_float32 else original_to(self, *args, **kwargs)
 
-    torch.Tensor.float, torch.Tensor.to = keep_float, keep_to
+    def keep_type(self: torch.Tensor, *args, **kwargs) -> torch.Tensor | str:
+        only_float32 = args == (torch.float32,) and not kwargs
+        return self if self.dtype == torch.float64 and only_float32 else original_type(self, *args, **kwargs)
+
+    torch.Tensor.float, torch.Tensor.to, torch.Tensor.type = keep_float, keep_to, keep_type
     try:
         yield
     finally:
-        torch.Tensor.float, torch.Tensor.to = original_float, original_to
+        torch.Tensor.float, torch.Tensor.to, torch.Tensor.type = original_float, original_to, original_type

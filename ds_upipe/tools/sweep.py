@@ -80,9 +80,22 @@ SMALL: dict[str, Any] = dict(
     pad_token_id=0,
 )
 
+#: multi-head latent attention's tiny shapes: q/k heads of 8 + 4 (the rope part; its configs' ``head_dim``), values
+#: of 8 (narrower than q/k, as DeepSeek's 128 against 192), every query head its own key and value head (as the
+#: up-projection gives them)
+MLA: dict[str, Any] = dict(
+    num_key_value_heads=8, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, head_dim=4,
+    v_head_dim=8, n_group=1, topk_group=1,
+)  # fmt: skip
+
 #: model type -> what its tiny config changes over ``COMMON`` and ``SMALL`` (the one table of per-family
 #: overrides); the hybrids of ``models.ARCHS`` take their layer patterns and mixer heads from there
 OVERRIDES: dict[str, dict[str, Any]] = {
+    **{
+        t: dict(MLA)
+        for t in ("deepseek_v2", "deepseek_v3", "minicpm3", "glm4_moe_lite", "sarvam_mla", "youtu")
+    },
+    "axk1": dict(MLA),
     **{t: dict(ARCHS[t][2]) for t in ("qwen3_5", "qwen3_next", "olmo_hybrid", "nemotron_h", "lfm2")},
     **{t: dict(ARCHS["qwen3_5"][2]) for t in ("qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")},
     "lfm2_moe": dict(ARCHS["lfm2"][2]),
