@@ -46,7 +46,7 @@ POSITIONWISE_LAYER_TYPES = ("mlp", "moe")
 #: class names of sequence mixers that are not softmax attention (state-space, linear attention); "SSM" / "Ssm"
 #: case-sensitive as a CamelCase word (GptOssMLP is an MLP)
 _NON_ATTENTION_MIXER = re.compile(
-    r"(?i:mamba|deltanet|linearattention|lightningattention|rwkv|recurrent)|(?:SSM|Ssm)(?![a-z])"
+    r"(?i:mamba|deltanet|deltaattention|linearattention|lightningattention|rwkv|recurrent)|(?:SSM|Ssm)(?![a-z])"
 )
 
 

@@ -71,6 +71,13 @@ def _check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
         assert t.stride(-1) == 1, "CUDA attention kernels need a contiguous last dimension"
 
 
+def _check_one_head_dim(*tensors: torch.Tensor) -> None:
+    """flash-attn 2's mha_fwd / mha_bwd (and varlen) check v, out, dout and the gradients against q's head size
+    (CHECK_SHAPE(v, ..., head_size)): one head dim for all; latent attention's narrower value must come padded."""
+    dims = {t.shape[-1] for t in tensors}
+    assert len(dims) == 1, f"flash-attn 2 takes one head size for q, k, v, out, dout, dq, dk, dv; got {dims}"
+
+
 def _token_major(t: torch.Tensor) -> torch.Tensor:
     """[b, h, S, d] with [b, S, h, d] memory, as torch's CUDA forward ops allocate their output."""
     return t.transpose(1, 2).contiguous().transpose(1, 2)
@@ -83,6 +90,7 @@ def _check_flash_inputs(*tensors: torch.Tensor) -> None:
     assert all(t.dtype == dtype for t in tensors), "query, key, value (and out, dout) must have the same dtype"
     assert head_dim % 8 == 0, "head_size must be a multiple of 8, this is ensured by padding!"
     assert head_dim <= 256, "FlashAttention forward only supports head dimension at most 256"
+    assert all(t.shape[-1] == head_dim for t in tensors), "query, key, value (and out, dout): one head size"
     _check_last_dim_contiguous(*tensors)
 
 
@@ -189,7 +197,9 @@ def cuda_ops() -> Recorder:
 def as_cuda(cuda_ops: Recorder, monkeypatch) -> Recorder:
     """TorchSDPAKernel takes its CUDA decisions for these CPU tensors."""
     monkeypatch.setattr(
-        torch_sdpa, "sdpa_path", lambda device_type, dtype, head_dim=None: sdpa_path("cuda", dtype, head_dim)
+        torch_sdpa,
+        "sdpa_path",
+        lambda device_type, dtype, head_dim=None, value_head_dim=None: sdpa_path("cuda", dtype, head_dim, value_head_dim),
     )
     cuda_ops.clear()
     return cuda_ops
@@ -528,6 +538,7 @@ def _fake_flash_attn(version: str, rec: Recorder) -> types.ModuleType:
         a = fwd_sig.bind(*args, **kwargs).arguments
         q, k, v = a["q"], a["k"], a["v"]
         assert q.dtype in (torch.float16, torch.bfloat16) and q.shape[2] % k.shape[2] == 0
+        _check_one_head_dim(q, k, v)
         _check_last_dim_contiguous(q, k, v)
         out, lse, _ = _fa_reference(a).forward(*(t.transpose(1, 2) for t in (q, k, v)))
         out = out.transpose(1, 2)
@@ -545,6 +556,7 @@ def _fake_flash_attn(version: str, rec: Recorder) -> types.ModuleType:
         a.apply_defaults()
         a = a.arguments
         rec.calls.append(("fa_backward", (), a, None))
+        _check_one_head_dim(*(a[n] for n in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")))
         q, k, v, out, dout = (a[n].transpose(1, 2) for n in ("q", "k", "v", "out", "dout"))
         grads = _fa_reference(a).backward(dout, q, k, v, out, a["softmax_lse"], ())
         for buf, g in zip((a["dq"], a["dk"], a["dv"]), grads):
@@ -558,6 +570,7 @@ def _fake_flash_attn(version: str, rec: Recorder) -> types.ModuleType:
         q, k, v = a["q"], a["k"], a["v"]
         assert q.dtype in (torch.float16, torch.bfloat16) and q.dim() == k.dim() == v.dim() == 3
         assert q.shape[1] % k.shape[1] == 0
+        _check_one_head_dim(q, k, v)
         _check_last_dim_contiguous(q, k, v)
         docs = _documents_of(a["cu_seqlens_q"])
         assert docs[-1][1] == q.shape[0] and _documents_of(a["cu_seqlens_k"])[-1][1] == k.shape[0]
@@ -579,6 +592,7 @@ def _fake_flash_attn(version: str, rec: Recorder) -> types.ModuleType:
         a = a.arguments
         rec.calls.append(("fa_varlen_backward", (), a, None))
         q, k, v, out, dout, lse = (a[n] for n in ("q", "k", "v", "out", "dout", "softmax_lse"))
+        _check_one_head_dim(q, k, v, out, dout, a["dq"], a["dk"], a["dv"])
         _check_last_dim_contiguous(q, k, v, out, dout, a["dq"], a["dk"], a["dv"])
         assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32 and lse.is_contiguous()
         ref = _fa_reference(a)
@@ -743,7 +757,7 @@ def _per_document_reference(q, k, v, dout, documents=_DOCUMENTS):
     """float64 attention of every document alone: out and dq, dk, dv."""
     ref = _reference(True, SCALE)
     outs, grads = (
-        torch.zeros_like(q, dtype=torch.float64),
+        torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float64),
         [torch.zeros_like(t, dtype=torch.float64) for t in (q, k, v)],
     )
     for r, cu in enumerate(documents):
@@ -856,6 +870,55 @@ def test_document_kernel_around_flash_attn_is_one_varlen_call(install_flash_attn
     if _release_tuple(version) >= (2, 7, 3):
         want_bwd["zero_tensors"] = False  # its default
     assert {n: bwd[n] for n in bwd if n not in tensors} == want_bwd
+
+
+def _latent_inputs(dtype: torch.dtype, d: int = 24, dv: int = 16):
+    """Multi-head latent attention's shapes after its up-projection: q/k of ``d``, v and dout of ``dv`` < d."""
+    q, k, v, dout = _inputs(4, 2, dtype, d=d)
+    return q, k, v[..., :dv].contiguous(), dout[..., :dv].contiguous()
+
+
+@pytest.mark.parametrize("version", ["2.6.3", "2.8.3"])
+def test_flash_attn_pads_a_narrower_value(install_flash_attn, version):
+    """MLA's value (v_head_dim 16 < q/k head dim 24) reaches flash-attn 2, which takes one head size, zero-padded
+    to 24 (bf16, contiguous last dim), q and k as they are (views, no copy); out and dV come back sliced to 16 and
+    equal the float64 reference; dout and out reach the backward padded the same way.  Packed rows too: one varlen
+    call with the padded value, per-document values exact."""
+    rec = install_flash_attn(version)
+    kernel = FlashAttnKernel(causal=True, softmax_scale=SCALE)
+    q, k, v, dout = _latent_inputs(torch.bfloat16)
+    out, lse, aux = kernel.forward(q, k, v)
+    grads = kernel.backward(dout, q, k, v, out, lse, aux)
+    (_, fwd, _), (_, bwd, _) = rec.of("fa_forward")[0], rec.of("fa_backward")[0]
+    assert fwd["q"].data_ptr() == q.data_ptr() and fwd["k"].data_ptr() == k.data_ptr()
+    assert fwd["v"].shape == (2, 40, 2, 24) and fwd["v"].dtype == torch.bfloat16 and fwd["v"].stride(-1) == 1
+    assert torch.equal(fwd["v"][..., :16], v.transpose(1, 2)) and not fwd["v"][..., 16:].any()
+    for name, t in (("v", v), ("dout", dout)):
+        assert bwd[name].shape[-1] == 24 and torch.equal(bwd[name][..., :16], t.transpose(1, 2))
+        assert not bwd[name][..., 16:].any()
+    assert not bwd["out"][..., 16:].any()  # the forward's zero columns, as flash-attn wrote them
+    assert out.shape == (2, 4, 40, 16) and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    _assert_matches_reference((q, k, v, dout), (out, *grads), SCALE, tol=2e-2)
+    rec.clear()
+    _check_documents(kernel, q, k, v, dout, 2e-2)
+    ((_, varlen, _),) = rec.of("fa_varlen_forward")
+    assert varlen["v"].shape[-1] == 24 and rec.of("fa_varlen_backward")[0][1]["dv"].shape[-1] == 24
+
+
+@pytest.mark.parametrize("dtype, op", [(torch.bfloat16, "flash"), (torch.float32, "efficient")])
+def test_sdpa_pads_a_narrower_value(as_cuda, dtype, op):
+    """TorchSDPAKernel on CUDA with MLA's shapes: torch's flash op (one head size) and the padded efficient op get
+    the value padded to the q/k head dim, out and dV sliced back; the path is chosen by both head dims."""
+    assert sdpa_path("cuda", dtype, 24, 16).name == f"cuda_{op}_padded"
+    assert sdpa_path("cpu", dtype, 24, 16).name == "cpu_flash_padded" and sdpa_path("cpu", dtype, 24, 24).name == "cpu_flash"
+    q, k, v, dout = _latent_inputs(dtype)
+    kernel = TorchSDPAKernel(causal=True, softmax_scale=SCALE)
+    out, lse, aux = kernel.forward(q, k, v)
+    grads = kernel.backward(dout, q, k, v, out, lse, aux)
+    (fwd_args, _, _), (bwd_args, _, _) = as_cuda.of(op)[0], as_cuda.of(f"{op}_backward")[0]
+    assert fwd_args[2].shape[-1] == 24 and not fwd_args[2][..., 16:].any()
+    assert bwd_args[0].shape[-1] == 24  # dout, padded
+    _assert_matches_reference((q, k, v, dout), (out, *grads), SCALE, tol=2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 def test_varlen_with_one_row_makes_no_copies(install_flash_attn):

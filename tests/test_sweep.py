@@ -37,7 +37,11 @@ SUBSET: dict[str, str] = {
     "gemma4": "refused",
     "jetmoe": "refused",
     "mimo_v2_flash": "refused",
-    "deepseek_v3": "refused",
+    "deepseek_v3": "exact-unfused",  # multi-head latent attention, its MoE layer
+    "deepseek_v2": "exact-unfused",  # latent attention, complex RoPE (freqs_cis)
+    "minicpm3": "exact-unfused",
+    "glm4_moe_lite": "exact-unfused",
+    "kimi_linear": "refused",
     "gemma2": "refused",
     "bert": "refused",
     "bart": "refused",
@@ -51,8 +55,8 @@ REFUSALS: dict[str, list[str]] = {
     "seed_oss": ["attention dropout 0.1 (config.attention_dropout)", "set config.attention_dropout=0.0"],
     "gemma4": ["config.per_layer_attributes=['head_dim']", "not supported yet"],
     "jetmoe": ["JetMoeAttention", "(the plan: 8 query and 2 key/value heads)", "grouped-query attention"],
-    "mimo_v2_flash": ["config.v_head_dim=", "differs from config.head_dim=8"],
-    "deepseek_v3": ["multi-head latent attention (config.kv_lora_rank)"],
+    "mimo_v2_flash": ["MiMoV2FlashAttention", "(the plan: 8 query and 2 key/value heads)"],
+    "kimi_linear": ["decoder layer 0 (KimiLinearDecoderLayer)", "KimiLinearDeltaAttention is a sequence mixer"],
     "gemma2": ["config.attn_logit_softcapping=50.0"],
     "bert": ["is bidirectional"],
     "bart": ["BartAttention.is_causal=False"],
