@@ -4,7 +4,9 @@
    memory-efficient op in fp32; ``flash_attn`` too when installed) forward + backward over
    MHA / GQA / MQA x S not a multiple of 32 or 128 x head_dim 64 / 128 (and 20, padded to 24 for the
    flash op) x causal / full, packed documents (two rows, several documents each, 8 query heads),
-   and through the UPipe stage loop (4 stages on one rank): out, dq, dk, dv against float64 may be off
+   and through the UPipe stage loop (4 stages on one rank), there also with multi-head latent
+   attention's shapes (q/k head dim 192, values of 128: the flash ops get v zero-padded to 192 and
+   out, dv sliced back): out, dq, dk, dv against float64 may be off
    by at most twice what torch's own ``F.scaled_dot_product_attention`` in the same dtype is off,
    plus a small floor.
 2. Multi-rank parity.  NCCL refuses two ranks on one GPU, so C = 2 and C = 4 processes share the
@@ -57,6 +59,8 @@ DOCUMENTS = {200: ((0, 1, 70, 71, 200), (0, 128, 199, 200)), 40: ((0, 1, 7, 40),
 #: the layer table's planner check: allocated within this fraction of the prediction
 PLANNER_TOLERANCE = 0.15
 TIMED_SEQ = 2**18  # 256K: the timed row of the layer table
+#: multi-head latent attention's (q/k, value) head dims: DeepSeek-V3's 128 + 64 and 128 (smoke: 24 and 16)
+LATENT_DIMS = {False: (192, 128), True: (24, 16)}
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -163,18 +167,21 @@ def parity(
     head_dim: int,
     causal: bool = True,
     reference: Callable = _sdpa_autograd,
+    value_head_dim: int | None = None,
 ) -> str | None:
     """None when ``run(q, k, v, dout) -> (out, dq, dk, dv)`` agrees with ``reference`` (torch SDPA) in
-    float64 within twice the reference's own error in this dtype plus a floor; else what differs."""
+    float64 within twice the reference's own error in this dtype plus a floor; else what differs.
+    ``value_head_dim``: v and dout of their own head dim (latent attention; None: ``head_dim``)."""
     import torch
 
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator(device=device).manual_seed(0)
 
-    def rand(h: int):
-        return torch.randn(2, h, seq, head_dim, generator=gen, device=device, dtype=torch.float64)
+    def rand(h: int, d: int = head_dim):
+        return torch.randn(2, h, seq, d, generator=gen, device=device, dtype=torch.float64)
 
-    q64, k64, v64, dout64 = rand(hq), rand(hkv), rand(hkv), rand(hq)
+    dv = value_head_dim or head_dim
+    q64, k64, v64, dout64 = rand(hq), rand(hkv), rand(hkv, dv), rand(hq, dv)
     q, k, v, dout = (t.to(dtype) for t in (q64, k64, v64, dout64))
     exact = reference(*(t.double() for t in (q, k, v, dout)), causal)  # the same inputs, in float64
     torch_same = reference(q, k, v, dout, causal)
@@ -223,6 +230,10 @@ def run_kernel_checks(device: str, smoke: bool) -> list[dict]:
             rows.append(_check(name, run, dtype_name, hq, hkv, device, seq, dims[0], True, reference))
         name = f"pipeline {kernel_name} {dtype_name} gqa (H=8, KV=2, U=2: 4 stages) S={seqs[0]} causal"
         rows.append(_check(name, _run_upipe(factory), dtype_name, 8, 2, device, seqs[0], dims[0]))
+        # latent attention after its up-projection: every query head its own K/V head, values narrower
+        d, dv = LATENT_DIMS[smoke]
+        name = f"latent {kernel_name} {dtype_name} (H=8, KV=8, d={d}, d_v={dv}, U=2: 4 stages) S={seqs[0]} causal"
+        rows.append(_check(name, _run_upipe(factory), dtype_name, 8, 8, device, seqs[0], d, True, _sdpa_autograd, dv))
     return rows
 
 
