@@ -18,11 +18,12 @@ REPO = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _check(kernel, dtype, tol, hkv, ref=None):
+def _check(kernel, dtype, tol, hkv, ref=None, d=64, dv=64):
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(2, 8, 256, 64, device="cuda", generator=gen, dtype=dtype)
-    k, v = (torch.randn(2, hkv, 256, 64, device="cuda", generator=gen, dtype=dtype) for _ in range(2))
-    dout = torch.randn_like(q)
+    q = torch.randn(2, 8, 256, d, device="cuda", generator=gen, dtype=dtype)
+    k = torch.randn(2, hkv, 256, d, device="cuda", generator=gen, dtype=dtype)
+    v = torch.randn(2, hkv, 256, dv, device="cuda", generator=gen, dtype=dtype)
+    dout = torch.randn(2, 8, 256, dv, device="cuda", generator=gen, dtype=dtype)
     ref = ref or MathKernel(causal=True)
     out_ref, lse_ref, aux_ref = ref.forward(q.double(), k.double(), v.double())
     grads_ref = ref.backward(dout.double(), q.double(), k.double(), v.double(), out_ref, lse_ref, aux_ref)
@@ -45,6 +46,16 @@ def test_torch_sdpa_cuda(dtype, tol, hkv):
 @pytest.mark.parametrize("hkv", [2, 8])
 def test_flash_attn(hkv):
     _check(FlashAttnKernel(causal=True), torch.bfloat16, 2e-2, hkv)
+
+
+@cuda
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+def test_latent_attention_value_cuda(dtype, tol):
+    """Multi-head latent attention's shapes (q/k 192, v 128: DeepSeek-V3): torch's flash / efficient ops and
+    flash-attn 2 (where installed) with the value padded to 192, out and dV sliced back."""
+    _check(TorchSDPAKernel(causal=True), dtype, tol, 8, d=192, dv=128)
+    if flash_attn_available() and dtype == torch.bfloat16:
+        _check(FlashAttnKernel(causal=True), dtype, tol, 8, d=192, dv=128)
 
 
 @cuda
@@ -128,6 +139,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         "PASS kernel sdpa bfloat16 mqa (H=8, KV=1) S=40 d=16 full",
         "PASS documents sdpa bfloat16 gqa (H=8, KV=2) rows ((0, 1, 7, 40), (0, 33, 34, 40)) causal",
         "PASS pipeline sdpa float32 gqa (H=8, KV=2, U=2: 4 stages) S=40 causal",
+        "PASS latent sdpa bfloat16 (H=8, KV=8, d=24, d_v=16, U=2: 4 stages) S=40 causal",
         "PASS ranks stage loop C=4 sdpa bfloat16 gqa (H=8, KV=2, U=C: 2 stages)",
         "PASS ranks fused HF Llama C=2 float32 (U=C) vs the single-process model",
         "PASS ranks hybrid qwen3_5 C=4 float32 (mixer U=C) vs the single-process model (gated delta net: FLA "
@@ -140,10 +152,10 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         assert want in lines, (want, lines)
     assert any(line.startswith("PASS layer upipe-recompute-8 1K [default allocator]") for line in lines), lines
     summary = next(line for line in lines if line.endswith("skipped"))
-    assert summary == "33 passed, 0 failed, 2 skipped", summary
+    assert summary == "35 passed, 0 failed, 2 skipped", summary
     assert lines[-1].startswith("upipe-recompute-8")  # the table comes last
     result = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert len(result["checks"]) == 35 and [r["method"] for r in result["layer"]] == [
+    assert len(result["checks"]) == 37 and [r["method"] for r in result["layer"]] == [
         "alst", "upipe-fused-8", "upipe-recompute-8",
     ]  # fmt: skip
 
@@ -160,4 +172,5 @@ def test_gpu_check_reports_a_wrong_kernel_and_exits_nonzero(monkeypatch, capsys,
     assert "PASS kernel math-noncausal float32 gqa (H=8, KV=2) S=40 d=16 full" in lines  # it is right there
     assert "FAIL documents math-noncausal float32 mqa" in text
     assert "PASS kernel sdpa float32 gqa (H=8, KV=2) S=40 d=16 causal" in lines
-    assert lines[-1] == "13 passed, 7 failed, 0 skipped"
+    assert "FAIL latent math-noncausal float32 (H=8, KV=8, d=24, d_v=16, U=2: 4 stages) S=40 causal" in text
+    assert lines[-1] == "14 passed, 8 failed, 0 skipped"
