@@ -48,7 +48,9 @@ class HeadLayout:
         head_dim = _field(config, "head_dim") or hidden // num_heads
         if _field(config, "kv_lora_rank"):  # latent attention: config.head_dim is the rope part of its q/k heads
             head_dim = _field(config, "qk_nope_head_dim") + _field(config, "qk_rope_head_dim")
-        return cls(num_heads=num_heads, num_kv_heads=_field(config, "num_key_value_heads") or num_heads, head_dim=head_dim)
+        return cls(
+            num_heads=num_heads, num_kv_heads=_field(config, "num_key_value_heads") or num_heads, head_dim=head_dim
+        )
 
     def check(self, group_size: int) -> None:
         """ValueError unless the heads can be split over a sequence-parallel group of ``group_size``."""

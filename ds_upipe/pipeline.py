@@ -346,8 +346,8 @@ def _stage_slots(ctx: PipelineContext, round_idx: int) -> list[Slot]:
 
 
 def pipeline_forward(ctx: PipelineContext, source: StageSource, out: Tensor) -> list[Tensor | None]:
-    """Run all stages, writing into ``out`` ([b, s, H, d_v] view, d_v the source's ``value_head_dim``).  Returns, stage after stage, the
-    kernel's lse followed by its aux (tensors or None, for ``save_for_backward``)."""
+    """Run all stages, writing into ``out`` ([b, s, H, d_v] view, d_v the source's ``value_head_dim``).  Returns,
+    stage after stage, the kernel's lse followed by its aux (tensors or None, for ``save_for_backward``)."""
     saved: list[Tensor | None] = []
     for round_idx, kv_idx in enumerate(ctx.indices.kv):
         k_full, v_full = ctx.gather_key_value(source, Slot("key_value", round_idx, None, kv_idx))

@@ -160,13 +160,7 @@ def _check_heads(module: nn.Module, state: UPipeState, query: Tensor, key: Tenso
     h, hkv = query.shape[1], key.shape[1]
     plan = state.plan
     planned = plan is None or (plan.num_heads, plan.num_kv_heads) == (h, hkv)
-    if (
-        not planned
-        or value.shape[1] != hkv
-        or hkv > h
-        or h % hkv
-        or key.shape[-1] != query.shape[-1]
-    ):
+    if not planned or value.shape[1] != hkv or hkv > h or h % hkv or key.shape[-1] != query.shape[-1]:
         want = "" if plan is None else f" (the plan: {plan.num_heads} query and {plan.num_kv_heads} key/value heads)"
         raise ValueError(
             f"{type(module).__name__}: query {tuple(query.shape)}, key {tuple(key.shape)}, value "

@@ -204,12 +204,15 @@ def latent_matrix(rank, world):
         if max(errs.values()) > 1e-10:
             failures.append((name, layout, u, kernel_name, errs))
     extra = {
-        "generic": lambda: run_case(rank, world, 0, 16, 4, world, 2, True, torch.float64, _Generic(True),
-                                    head_dim=d, value_dim=dv),  # fmt: skip
-        "bf16": lambda: run_case(rank, world, 0, 16, 4, 16, 2, True, torch.bfloat16, TorchSDPAKernel(),
-                                 head_dim=d, value_dim=dv),  # fmt: skip
-        "packed": lambda: packed_case(rank, world, 0, 16, 4, world, 2, TorchSDPAKernel(), True, head_dim=d,
-                                      value_dim=dv),  # fmt: skip
+        "generic": lambda: run_case(
+            rank, world, 0, 16, 4, world, 2, True, torch.float64, _Generic(True), head_dim=d, value_dim=dv
+        ),  # fmt: skip
+        "bf16": lambda: run_case(
+            rank, world, 0, 16, 4, 16, 2, True, torch.bfloat16, TorchSDPAKernel(), head_dim=d, value_dim=dv
+        ),  # fmt: skip
+        "packed": lambda: packed_case(
+            rank, world, 0, 16, 4, world, 2, TorchSDPAKernel(), True, head_dim=d, value_dim=dv
+        ),  # fmt: skip
     }
     for label, case in extra.items():
         errs = case()

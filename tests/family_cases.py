@@ -49,8 +49,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
     # multi-head latent attention (unfused): q/k heads of 12, values of 8; DeepSeek-V3's layer 1 a routed MoE
     "deepseek_v3": (
         "deepseek_v3",
-        dict(**sweep.MLA, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1,
-             **_MOE),
+        dict(
+            **sweep.MLA,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            **_MOE,
+        ),
         False,
     ),  # fmt: skip
     "minicpm3": ("minicpm3", dict(sweep.MLA), False),

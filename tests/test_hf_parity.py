@@ -69,8 +69,9 @@ FLOAT32_NORM_FAMILIES = ("gemma3",)
 
 
 def _check_families(results, world):
-    """tests/family_cases.py: 15 families (two of them multi-head latent attention), fused and unfused, U = C and H, windows, packing, checkpointing, a
-    2 x 2 ring (C = 4): logits, loss and every gradient (sinks, routers) equal the unpatched model."""
+    """tests/family_cases.py: 15 families (two of them multi-head latent attention), fused and unfused, U = C and
+    H, windows, packing, checkpointing, a 2 x 2 ring (C = 4): logits, loss and every gradient (sinks, routers) equal
+    the unpatched model."""
     for rank, cases in enumerate(results):
         assert len(cases) == family_cases.num_family_cases(world)
         for case, errors in cases.items():

@@ -199,7 +199,9 @@ def as_cuda(cuda_ops: Recorder, monkeypatch) -> Recorder:
     monkeypatch.setattr(
         torch_sdpa,
         "sdpa_path",
-        lambda device_type, dtype, head_dim=None, value_head_dim=None: sdpa_path("cuda", dtype, head_dim, value_head_dim),
+        lambda device_type, dtype, head_dim=None, value_head_dim=None: sdpa_path(
+            "cuda", dtype, head_dim, value_head_dim
+        ),
     )
     cuda_ops.clear()
     return cuda_ops
@@ -910,7 +912,10 @@ def test_sdpa_pads_a_narrower_value(as_cuda, dtype, op):
     """TorchSDPAKernel on CUDA with MLA's shapes: torch's flash op (one head size) and the padded efficient op get
     the value padded to the q/k head dim, out and dV sliced back; the path is chosen by both head dims."""
     assert sdpa_path("cuda", dtype, 24, 16).name == f"cuda_{op}_padded"
-    assert sdpa_path("cpu", dtype, 24, 16).name == "cpu_flash_padded" and sdpa_path("cpu", dtype, 24, 24).name == "cpu_flash"
+    assert (
+        sdpa_path("cpu", dtype, 24, 16).name == "cpu_flash_padded"
+        and sdpa_path("cpu", dtype, 24, 24).name == "cpu_flash"
+    )
     q, k, v, dout = _latent_inputs(dtype)
     kernel = TorchSDPAKernel(causal=True, softmax_scale=SCALE)
     out, lse, aux = kernel.forward(q, k, v)

@@ -92,10 +92,8 @@ MLA: dict[str, Any] = dict(
 #: overrides); the hybrids of ``models.ARCHS`` take their layer patterns and mixer heads from there
 OVERRIDES: dict[str, dict[str, Any]] = {
     **{
-        t: dict(MLA)
-        for t in ("deepseek_v2", "deepseek_v3", "minicpm3", "glm4_moe_lite", "sarvam_mla", "youtu")
+        t: dict(MLA) for t in ("axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu")
     },
-    "axk1": dict(MLA),
     **{t: dict(ARCHS[t][2]) for t in ("qwen3_5", "qwen3_next", "olmo_hybrid", "nemotron_h", "lfm2")},
     **{t: dict(ARCHS["qwen3_5"][2]) for t in ("qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")},
     "lfm2_moe": dict(ARCHS["lfm2"][2]),
