@@ -208,12 +208,12 @@ def bad_layout_errors(rank, world):
     two_by_two = Groups(2, 2)
     ring_only = Groups(1, 4)
 
-    def attend(groups, seq=4, heads=8, kv=2, u=None, kernel=None, cu_seqlens=None, **kwargs):
+    def attend(groups, seq=4, heads=8, kv=2, u=None, kernel=None, cu_seqlens=None, value_dim=4, **kwargs):
         def run():
             attn = UPipeDistributedAttention(
                 kernel or TorchSDPAKernel(), groups.ulysses, head_chunk_size=u, ring_group=groups.ring, **kwargs
             )
-            q, k, v = (torch.randn(2, seq, n, 4, requires_grad=True) for n in (heads, kv, kv))
+            q, k, v = (torch.randn(2, seq, n, d, requires_grad=True) for n, d in ((heads, 4), (kv, 4), (kv, value_dim)))
             attn(q, k, v, 0, cu_seqlens=cu_seqlens).sum().backward()
 
         return attempt(run)
@@ -234,6 +234,7 @@ def bad_layout_errors(rank, world):
         "generic_callable_with_ring": attend(two_by_two, kernel=generic),
         "ring_overlap_differs": attend(two_by_two, ring_overlap=rank == 3),
         "packed_with_ring": attend(two_by_two, cu_seqlens=[0, 5, 16]),
+        "latent_value_with_ring": attend(two_by_two, value_dim=2),
         "ok_after_errors": attend(two_by_two),
     }
 

@@ -283,6 +283,7 @@ EXPECTED_ERRORS = {
     "generic_callable_with_ring": "ring attention (ring_size=2) needs an AttentionKernel as local_attention",
     "ring_overlap_differs": f"ring_overlap {RING_DIFFERS}rank 0: False, rank 1: False, rank 2: False, rank 3: True)",
     "packed_with_ring": "packed sequences (cu_seqlens) are not supported with ring attention (ring_size=2)",
+    "latent_value_with_ring": "ring attention (ring_size=2) with a value head dim 2 other than the query/key head dim",
     "ok_after_errors": "no error",
 }
 
