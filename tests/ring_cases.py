@@ -159,7 +159,7 @@ def cuda_adapter_parity(rank, world):
     lib.impl("_scaled_dot_product_efficient_attention", contracts._efficient_forward(rec), "CPU")
     lib.impl("_scaled_dot_product_efficient_attention_backward", contracts._efficient_backward(rec), "CPU")
     original = torch_sdpa.sdpa_path
-    torch_sdpa.sdpa_path = lambda device_type, dtype, head_dim=None: original("cuda", dtype, head_dim)
+    torch_sdpa.sdpa_path = lambda device_type, dtype, *dims: original("cuda", dtype, *dims)
     try:
         groups = Groups(2, 2)
         errors = {}
