@@ -4,8 +4,8 @@ save/reload, HF gradient checkpointing, PEFT LoRA fallback, right-padding masks,
 
 import pytest
 
-from ds_upipe.tools.ranks import run_ranks
 from ds_upipe.tools import sweep
+from ds_upipe.tools.ranks import run_ranks
 from tests import family_cases, hf_cases, rl_cases
 
 F64 = hf_cases.TOLERANCE[hf_cases.torch.float64]
