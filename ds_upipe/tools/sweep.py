@@ -272,6 +272,9 @@ def alst_step(model, batch, group) -> tuple:
         )
         return parity.sharded_step(model, batch, group)
     finally:
+        # both ranks done with DeepSpeed's groups before either tears them down (gloo: a peer still connecting
+        # to a group the other has destroyed fails in connectFullMesh)
+        dist.barrier(group=group)
         ALL_ATTENTION_FUNCTIONS._local_mapping.clear()
         ALL_ATTENTION_FUNCTIONS._local_mapping.update(saved)
         for sp_group in {parallel_state_sp._SEQUENCE_PARALLEL_GROUP, parallel_state_sp._SEQUENCE_DATA_PARALLEL_GROUP}:
