@@ -13,6 +13,7 @@ refused (the model-level input check has already turned an honourable mask into 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -104,6 +105,25 @@ def module_sliding_window(module: nn.Module) -> int | None:
     return check_window(window, f"{type(module).__name__}.sliding_window")
 
 
+def _code_names(fn: Any) -> set[str]:
+    """The global, attribute and keyword names and the string constants of a function's code."""
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    if code is None:
+        return set()
+    consts = [c for t in code.co_consts if isinstance(t, tuple) for c in t] + list(code.co_consts)
+    return {*code.co_names, *(c for c in consts if isinstance(c, str))}
+
+
+def mask_window(base: nn.Module, module: nn.Module) -> int | None:
+    """The sliding window a module's model applies through its mask alone: a model whose forward builds a
+    sliding-window mask (``create_sliding_window_causal_mask``) while the module's forward passes no
+    ``sliding_window`` to its attention function (PhiMoE) means the module's window, which UPipe's kernels,
+    taking no mask, apply themselves."""
+    if "create_sliding_window_causal_mask" not in _code_names(type(base).forward):
+        return None
+    return None if "sliding_window" in _code_names(type(module).forward) else module_sliding_window(module)
+
+
 def upipe_attention_function(
     module: nn.Module,
     query: Tensor,
@@ -137,6 +157,8 @@ def upipe_attention_function(
     sinks = kwargs.get("s_aux")
     if sinks is not None:
         check_sinks(sinks, query.shape[1])
+    if sliding_window is None:  # a window its model means through the mask UPipe drops (``mask_window``)
+        sliding_window = getattr(module, "_upipe_mask_window", None)
     window = check_window(sliding_window, "sliding_window")
     ctx = state.context(q.device, kwargs.get(DOCUMENTS_KWARG), window, sinks, scale=scaling)
     if sinks is None:

@@ -14,7 +14,7 @@ from ds_upipe.heads import HeadLayout
 from ds_upipe.options import UPipeOptions
 
 from .architectures import find_decoder, fused_blocker_of
-from .attention import ATTN_IMPLEMENTATION, fused_attention_forward, register_attention_function
+from .attention import ATTN_IMPLEMENTATION, fused_attention_forward, mask_window, register_attention_function
 from .families import FAMILIES
 from .fused import FusedProjections
 from .inputs import GENERATION_UNSUPPORTED, check_and_prepare
@@ -121,6 +121,7 @@ def apply_upipe(
     register_attention_function()
     for attn in attentions:
         attn._upipe_state = state
+        attn._upipe_mask_window = mask_window(base, attn)
         if fused:
             attn.forward = types.MethodType(fused_attention_forward, attn)
             _register_zero3_external(attn, FusedProjections.of(attn).zero3_params())

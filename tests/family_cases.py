@@ -45,6 +45,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
     "olmo2": ("olmo2", {}, False),
     "glm4": ("glm4", dict(pad_token_id=0), False),
     "smollm3": ("smollm3", dict(no_rope_layer_interval=2, pad_token_id=0), False),
+    # differential attention: two registry calls per layer (the halves of V), then head i paired with head
+    # i + H/2, the lambda combination and the group norm on the rank's tokens with every head (stages need
+    # not keep pairs together); its lambda is a float32 sum (sweep.TOLERANCES)
+    "diffllama": ("diffllama", {}, False),
 }
 
 
