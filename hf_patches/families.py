@@ -4,9 +4,9 @@
 transformers' attention registry runs unfused UPipe, found from its modules (``architectures``). An
 entry says what holds beyond that, for the families the tests build (tests/family_cases.py):
 
-- ``attention``: the attention class whose forward fused per-stage projections reproduce exactly (plain
-  ``nn.Linear`` q/k/v/o, rotate-half RoPE, the registry call; ``architectures.fused_blocker`` checks the
-  module against it);
+- ``attention``: its attention class; unless ``unfused`` says why not, one whose forward fused per-stage
+  projections reproduce exactly (plain ``nn.Linear`` q/k/v/o, rotate-half RoPE, the registry call;
+  ``architectures.fused_blocker`` checks the module against it);
 - ``qk_norm``: its per-head q/k norm, (the norm's class, its kind in ``fused.NormSpec``: ``"rms"`` or
   ``"gemma"``), or None;
 - ``moe``: a sparse mixture-of-experts MLP (the planner counts every expert's parameters);

@@ -57,3 +57,20 @@ def test_every_entry_is_a_family_of_the_sweep():
     assert fused_types == {t for t, f in FAMILIES.items() if f.unfused is None}
     unfused_types = {model_type for model_type, _, fusable in SWEEP.values() if not fusable}
     assert {t for t, f in FAMILIES.items() if f.unfused is not None} <= unfused_types
+
+
+def test_gemma4_head_layouts_are_read_per_layer():
+    """Gemma 4's head dim is a per-layer attribute (full-attention layers: global_head_dim; its global read raises
+    AmbiguousGlobalPerLayerAttributeError): ds_upipe reads every layer's through transformers' per-layer configs,
+    the head dims the attention modules have, and the model's one layout has the largest (what bounds a stage)."""
+    from ds_upipe.heads import HeadLayout, layer_head_layouts
+    from ds_upipe.integration.sp_setup import model_head_layout
+    from tests.family_cases import build_family
+
+    model = build_family("gemma4")
+    layouts = layer_head_layouts(model.config)
+    assert [h.head_dim for h in layouts] == [a.self_attn.head_dim for a in model.model.layers] == [8, 16, 8, 16]
+    assert {(h.num_heads, h.num_kv_heads) for h in layouts} == {(8, 2)}
+    assert model_head_layout(model) == HeadLayout.from_config(model.config) == HeadLayout(8, 2, 16)
+    composite = transformers.Gemma4Config(text_config=model.config.to_dict())
+    assert HeadLayout.from_config(composite) == HeadLayout(8, 2, 16)
