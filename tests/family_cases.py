@@ -148,6 +148,7 @@ def _cases(world: int) -> dict[str, tuple]:
     cases["gpt_oss_fused_packed"] = (family_case, ("gpt_oss", True, world), dict(packed=True))
     cases["gemma3_unfused_packed"] = (family_case, ("gemma3", False, world), dict(packed=True))
     cases["gemma4_fused_requested"] = (family_case, ("gemma4", True, world), {})
+    cases["gemma4_unfused_packed"] = (family_case, ("gemma4", False, world), dict(packed=True))
     cases["mixtral_fused_packed_W5"] = (family_case, ("mixtral", True, world), dict(packed=True, sliding_window=5))
     cases["gpt_oss_fused_checkpointing"] = (family_case, ("gpt_oss", True, world), dict(checkpointing="reentrant"))
     cases["gemma3_fused_checkpointing"] = (family_case, ("gemma3", True, world), dict(checkpointing="non_reentrant"))
