@@ -4,7 +4,8 @@
 config.json dict), layer by layer: ``head_dim`` falls back to ``hidden_size // num_attention_heads``, a
 missing ``num_key_value_heads`` means plain multi-head attention, and a heterogeneous config (transformers'
 ``per_layer_config``: Gemma 4's full-attention layers have their own head dim and may have their own key/value
-heads) is read per layer through transformers' per-layer view (its global ``head_dim`` raises there).
+heads) is read per layer through transformers' per-layer view (its global ``head_dim`` raises there; a
+config.json dict is read as it stands: the planner, its one reader of dicts, does not plan Gemma 4).
 ``HeadLayout.from_config`` is the model's one layout over its layers.  The validity rules themselves live
 in ``ds_upipe.schedule`` (the stage plan is built from them); the methods here only call them, so
 the config validation, the engine, ``hf_patches.apply_upipe``, the planner and the bench agree.
