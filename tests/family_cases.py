@@ -110,6 +110,17 @@ def _family_case(family, fused, world, u, seq, seed, checkpointing, packed, **ov
     return errors
 
 
+def shared_kv_reentrant_case(world) -> dict[str, float]:
+    """Gemma 4 under reentrant HF checkpointing: its KV-shared layers would get the producer's keys and values
+    without autograd (and the producer none of their gradient): refused by name at backward, on every rank."""
+    words = ("Gemma4TextAttention (layer 3) is a KV-shared layer", "Use non-reentrant checkpointing")
+    try:
+        family_case("gemma4", False, world, checkpointing="reentrant")
+    except ValueError as err:
+        return {"refused": float(not all(w in str(err) for w in words))}
+    return {"refused": 1.0}
+
+
 def family_ring_case(family, fused, layout, u=None, **overrides):
     """The family under UPipe x Ring (C_u x R = layout) on zigzag shards == unpatched, float64."""
     cu, r = layout
@@ -149,6 +160,8 @@ def _cases(world: int) -> dict[str, tuple]:
     cases["gemma3_unfused_packed"] = (family_case, ("gemma3", False, world), dict(packed=True))
     cases["gemma4_fused_requested"] = (family_case, ("gemma4", True, world), {})
     cases["gemma4_unfused_packed"] = (family_case, ("gemma4", False, world), dict(packed=True))
+    cases["gemma4_unfused_checkpointing"] = (family_case, ("gemma4", False, world), dict(checkpointing="non_reentrant"))
+    cases["gemma4_reentrant_refused"] = (shared_kv_reentrant_case, (world,), {})
     cases["mixtral_fused_packed_W5"] = (family_case, ("mixtral", True, world), dict(packed=True, sliding_window=5))
     cases["gpt_oss_fused_checkpointing"] = (family_case, ("gpt_oss", True, world), dict(checkpointing="reentrant"))
     cases["gemma3_fused_checkpointing"] = (family_case, ("gemma3", True, world), dict(checkpointing="non_reentrant"))
