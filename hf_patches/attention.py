@@ -145,6 +145,7 @@ def upipe_attention_function(
     _check_call(module, attention_mask, None, dropout)
     _check_unhonoured(module, kwargs)
     _check_heads(module, state, query, key, value)
+    _check_shared_kv(module, query, key)
     # one dtype for the kernel: under autocast RoPE promotes q/k to float32 while v stays 16-bit, and
     # the kernel's aten op is not autocast-listed, so cast as autocast would for transformers' sdpa
     device_type = query.device.type
@@ -195,6 +196,22 @@ def _check_heads(module: nn.Module, state: UPipeState, query: Tensor, key: Tenso
             "grouped-query attention with the config's heads (num_attention_heads, num_key_value_heads), the query "
             "heads a multiple of the key/value heads, queries, keys and values of one head dim"
         )
+
+
+def _check_shared_kv(module: nn.Module, query: Tensor, key: Tensor) -> None:
+    """A KV-shared layer (``architectures.SHARED_KV_KWARG``) whose keys carry no gradient while its queries do: its
+    producing layer ran without autograd (reentrant activation checkpointing keeps what a layer leaves in
+    ``shared_kv_states`` from its no-grad forward), so the producer would miss this layer's gradient, unpatched
+    too.  Refused rather than trained wrong (same on every rank, before this call's collectives)."""
+    if getattr(module, "is_kv_shared_layer", False) and torch.is_grad_enabled() and query.requires_grad:
+        if not key.requires_grad:
+            raise ValueError(
+                f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) is a KV-shared layer whose "
+                "keys and values, taken from its producing layer, carry no gradient while its queries do: they were "
+                "computed without autograd (reentrant activation checkpointing: gradient_checkpointing_kwargs="
+                "{'use_reentrant': True}, DeepSpeed's activation checkpointing), so the producing layer's projections "
+                "would miss this layer's gradient. Use non-reentrant checkpointing (use_reentrant=False) or none"
+            )
 
 
 def _check_unhonoured(module: nn.Module, kwargs: dict[str, Any]) -> None:

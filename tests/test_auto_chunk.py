@@ -219,3 +219,21 @@ def test_every_kind_of_layer_is_measured():
     per_kind = [_need(model=k.config(1)) for k in kinds]  # one layer: of that kind only
     assert per_kind[0] != per_kind[1], per_kind  # the two kinds need different memory (else this tests nothing)
     assert _need(model=mixed) == {u: max(need[u] for need in per_kind) for u in VALID}
+
+
+def test_gemma4_measures_each_kind_with_its_head_dim():
+    """Gemma 4 (tests/family_cases.py's: sliding layers of head dim 8, full of 16, KV-shared layers): "auto" builds
+    a layer of each kind with its own head dim (per-layer settings rotated with ``layer_types``; one full layer more
+    where its config would turn the last, measured, sliding layer into a full one) and runs its attention as the
+    decoder layer calls it (``shared_kv_states``, the rotary embedding of its layer type).  Mutation: the kinds
+    built without their per-layer settings give both layers one head dim and fail."""
+    from tests.family_cases import build_family
+
+    config = build_family("gemma4").config
+    built = [k.config(1) for k in fake_run.HFModelConfig.of(config).layer_kinds()]
+    assert [(c.layer_types[0], c.per_layer_config[0].head_dim) for c in built] == [
+        ("sliding_attention", 8),
+        ("full_attention", 16),
+    ]
+    need = attention_stage_bytes_by_u([2], **{**DIMS, "head_dim": 16}, seq_length=64, model_config=config)
+    assert list(need) == [2] and need[2] > 0, need

@@ -87,6 +87,10 @@ SMALL: dict[str, Any] = dict(
     sliding_window=4,  # below the sweep's 12 tokens, so that a sliding-window layer differs from full attention
 )
 
+_KV_SHARED: dict[str, Any] = dict(
+    num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2
+)
+
 #: model type -> what its tiny config changes over ``COMMON`` and ``SMALL`` (the one table of per-family
 #: overrides); the hybrids of ``models.ARCHS`` take their layer patterns and mixer heads from there
 OVERRIDES: dict[str, dict[str, Any]] = {
@@ -106,8 +110,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     ),
     "dots3_note": dict(num_key_value_heads=8),  # its validator: no GQA
     "dots3_note_text": dict(num_key_value_heads=8),
-    "gemma3n": dict(num_kv_shared_layers=0),
-    "gemma3n_text": dict(num_kv_shared_layers=0),
+    # Gemma 3n: 4 layers, the last two KV-shared (they take layers 0 and 1's keys and values: shared_kv_states)
+    **{t: dict(_KV_SHARED, activation_sparsity_pattern=[0.0] * 4) for t in ("gemma3n", "gemma3n_text")},
+    # Gemma 4: the same, and full layers of their own head dim (global_head_dim: per-layer settings)
+    **{
+        t: dict(_KV_SHARED, global_head_dim=16)
+        for t in ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
+    },
     "codegen": dict(rotary_dim=8),  # at most head_dim
     "gptj": dict(rotary_dim=8),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], num_layers=2),

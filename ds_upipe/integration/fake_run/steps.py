@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -425,7 +426,7 @@ def attention_step(spec: StepSpec, packed: bool = False) -> Peak:
     whole row beside the row's buffers (the most that per-document path holds).  ``activations``:
     ``intermediate``."""
 
-    from hf_patches.architectures import find_decoder
+    from hf_patches.architectures import SHARED_KV_KWARG, find_decoder, takes_shared_kv
     from hf_patches.state import DOCUMENTS_KWARG
 
     from ...packing import DocumentBoundaries
@@ -438,9 +439,13 @@ def attention_step(spec: StepSpec, packed: bool = False) -> Peak:
         dout = torch.empty(spec.batch, s, hidden, dtype=dtype)
         pos = torch.arange(s).expand(spec.batch, s)
         rotary = getattr(model.model, "rotary_emb", None)
+        # per layer type where the rotary embedding takes it (Gemma 3 / 4: sliding and full layers rotate differently)
+        by_type = rotary is not None and "layer_type" in inspect.signature(type(rotary).forward).parameters
         with torch.no_grad():
-            cos_sin = rotary(h, pos) if rotary is not None else None
+            cos_sin = None if rotary is None else rotary(h, pos, **({"layer_type": attn.layer_type} if by_type else {}))
         kwargs: dict[str, Any] = {"position_ids": pos}
+        if takes_shared_kv(attn):  # Gemma 3n / 4: where a producing layer leaves its keys and values
+            kwargs[SHARED_KV_KWARG] = {}
         if packed:
             kwargs[DOCUMENTS_KWARG] = DocumentBoundaries(((0, 1, spec.seq_len),))
 
