@@ -12,6 +12,7 @@ of tests/test_upipe_keys.py (all three routes) and the "auto" run of tests/test_
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -243,9 +244,9 @@ def measure_mixer_module(rank: int, world: int) -> dict[int, int]:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from ds_upipe.tools.memory import measure_peak
     from hf_patches import apply_upipe
     from hf_patches.architectures import find_decoder
-    from ds_upipe.tools.memory import measure_peak
 
     peaks = {}
     for u in MIXER_US:
@@ -255,7 +256,8 @@ def measure_mixer_module(rank: int, world: int) -> dict[int, int]:
         mixer = find_decoder(model).mixers[0][1]
         h = torch.randn(1, SEQ // world, MIXER["hidden"], requires_grad=True)
         dout = torch.randn(1, SEQ // world, MIXER["hidden"])
-        peaks[u] = measure_peak(lambda: mixer(h).backward(dout), [mixer, h, dout], torch.device("cpu"))
+        step = functools.partial(lambda m, x, g: m(x).backward(g), mixer, h, dout)
+        peaks[u] = measure_peak(step, [mixer, h, dout], torch.device("cpu"))
     return peaks
 
 

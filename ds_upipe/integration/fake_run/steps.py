@@ -535,10 +535,10 @@ def mixer_activations(*, model: str, options: dict[str, Any], **kwargs: Any) -> 
     one process.  ``model``: the JSON of the model's ``HFModelConfig``; ``options``: the run's ``UPipeOptions``
     as a dict; ``kwargs``: sp_size, seq_len, batch, dtype (``StepSpec``'s fields).  {} for a model without mixers
     of a kind with heads."""
+    from transformers import AutoModelForCausalLM
+
     from hf_patches.architectures import find_decoder
     from hf_patches.mixers import mixer_head_chunk_sizes
-
-    from transformers import AutoModelForCausalLM
 
     base = UPipeOptions(**options)
     for kind in HFModelConfig(model).layer_kinds():

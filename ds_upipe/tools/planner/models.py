@@ -330,15 +330,29 @@ def _hybrid_dims(config: dict, name: str) -> ModelDims:
     kinds = tuple(getattr(text, "layer_types", None) or getattr(text, "layers_block_type", ()))
     unknown = sorted(set(kinds) - {ATTENTION_LAYER, MIXER_LAYER, MLP_LAYER})
     if unknown:
-        raise ValueError(f"{name}: layer kinds {unknown}: the planner runs {ATTENTION_LAYER}, {MIXER_LAYER}, {MLP_LAYER}")
+        raise ValueError(
+            f"{name}: layer kinds {unknown}: the planner runs {ATTENTION_LAYER}, {MIXER_LAYER}, {MLP_LAYER}"
+        )
     heads = HeadLayout.from_config(text)
     if text.model_type == "nemotron_h":
-        mixer = MixerDims("mamba2", text.mamba_num_heads, text.n_groups, text.mamba_head_dim,
-                          state_size=text.ssm_state_size, conv_kernel=text.conv_kernel, chunk_size=text.chunk_size)
+        mixer = MixerDims(
+            "mamba2",
+            text.mamba_num_heads,
+            text.n_groups,
+            text.mamba_head_dim,
+            state_size=text.ssm_state_size,
+            conv_kernel=text.conv_kernel,
+            chunk_size=text.chunk_size,
+        )
     else:
-        mixer = MixerDims("gated_delta", text.linear_num_value_heads, text.linear_num_key_heads,
-                          text.linear_value_head_dim, key_head_dim=text.linear_key_head_dim,
-                          conv_kernel=text.linear_conv_kernel_dim)
+        mixer = MixerDims(
+            "gated_delta",
+            text.linear_num_value_heads,
+            text.linear_num_key_heads,
+            text.linear_value_head_dim,
+            key_head_dim=text.linear_key_head_dim,
+            conv_kernel=text.linear_conv_kernel_dim,
+        )
     experts = getattr(text, "num_experts", 0) or 0
     return ModelDims(
         name, heads.num_heads, heads.num_kv_heads, heads.head_dim, text.hidden_size,
