@@ -107,9 +107,7 @@ def check_mixers(
             "attention only; pass ring_group=None for models with such layers"
         )
     for layer, module in mixers:
-        kind = mixer_kind_of(type(module).__name__)
-        assert kind is not None, type(module).__name__  # find_decoder lists registered kinds only
-        kind.implementation().check(layer, module, group_size, head_chunk_size)
+        kind_module(module).check(layer, module, group_size, head_chunk_size)
 
 
 def mixer_head_chunk_sizes(mixers: list[tuple[int, nn.Module]], group_size: int) -> list[int]:
@@ -132,9 +130,8 @@ def patch_mixers(mixers: list[tuple[int, nn.Module]], state: UPipeState) -> list
     returns, per module, the parameters ZeRO-3 must gather with it (``zero3_params``)."""
     external = []
     for _, module in mixers:
-        kind = mixer_kind_of(type(module).__name__)
         module._upipe_state = state
-        module._upipe_mixer = kind.implementation()
+        module._upipe_mixer = kind_module(module)
         module.forward = types.MethodType(_sharded_mixer_forward, module)
         external.append((module, module._upipe_mixer.zero3_params(module)))
     return external
