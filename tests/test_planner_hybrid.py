@@ -124,6 +124,15 @@ def test_hybrid_dims_count_each_kind_of_layer():
     setup = planner.TrainSetup(gpus=2)
     with pytest.raises(ValueError, match="ALST cannot run"):
         planner.step_spec(bench_dims("mamba2"), setup, planner.AttentionScheme("ulysses"), 1024)
+    # the mixer layers' step does not depend on the attention's U: schemes differing only there share its fake run
+    one, all_heads = (planner.AttentionScheme.upipe(u, mixer_head_chunk_size=8) for u in (2, 4))
+    mamba = bench_dims("mamba2")
+    assert planner.step_spec(mamba, setup, one, 1024, MIXER_LAYER) == planner.step_spec(
+        mamba, setup, all_heads, 1024, MIXER_LAYER
+    )
+    assert planner.step_spec(mamba, setup, one, 1024, ATTENTION_LAYER) != planner.step_spec(
+        mamba, setup, all_heads, 1024, ATTENTION_LAYER
+    )
     with pytest.raises(ValueError, match="mixer_head_chunk_size=3 is not valid for 8 mixer heads"):
         planner.step_spec(
             bench_dims("mamba2"), setup, planner.AttentionScheme.upipe(None, mixer_head_chunk_size=3), 1024
