@@ -24,6 +24,14 @@ from .state import UPipeState
 
 logger = logging.getLogger("hf_patches")
 
+#: why ``overlap_comm`` leaves the mixers' stages sequential (said once per group when a hybrid is patched with it)
+MIXER_OVERLAP_NOTE = (
+    "overlap_comm overlaps softmax attention's stages only; the sequence mixers (gated delta net, Mamba-2) run "
+    "their stages one after another: each stage's exchange is inside that stage's checkpoint (replayed in "
+    "backward), so prefetching the next stage's exchange would keep a second stage's full-sequence buffers alive "
+    "outside the checkpoint, and the mixer's time is its recurrence, not the small per-head exchange"
+)
+
 
 def _unwrap(model: nn.Module) -> nn.Module:
     """The HF model inside a DeepSpeed engine or a PEFT wrapper (or the model itself)."""
@@ -125,6 +133,8 @@ def apply_upipe(
         if fused:
             attn.forward = types.MethodType(fused_attention_forward, attn)
             _register_zero3_external(attn, FusedProjections.of(attn).zero3_params())
+    if options.overlap_comm and found.mixers and dist.get_rank(process_group) == 0:  # one line per group
+        logger.warning("hf_patches: %s", MIXER_OVERLAP_NOTE)
     for mixer, params in patch_mixers(found.mixers, state):
         _register_zero3_external(mixer, params)
     hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -55,7 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--model",
         default="llama3-8b",
-        help="preset (llama3-8b, qwen3-32b, qwen3-30b-a3b, gpt-oss-20b) or a config.json path",
+        help=(
+            "a preset (planner.PRESETS: llama3-8b, qwen3-32b, ..., the hybrids qwen3.5-9b, qwen3.5-27b, ...) or the "
+            "path of a config.json (or its folder): a Llama-family, MoE or hybrid (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, "
+            "Nemotron-H) model"
+        ),
     )
     plan.add_argument("--gpus", type=int, default=None, help="sequence-parallel GPUs (default: the preset's, or 8)")
     plan.add_argument(
