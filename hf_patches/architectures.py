@@ -59,6 +59,21 @@ class DecoderModel:
     mixers: list[tuple[int, nn.Module]]
 
 
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The HF model inside a DeepSpeed engine or a PEFT wrapper (or the model itself)."""
+    inner = model
+    for _ in range(4):
+        if type(inner).__name__ == "DeepSpeedEngine" and hasattr(inner, "module"):
+            inner = inner.module
+            continue
+        get_base = getattr(inner, "get_base_model", None)
+        if callable(get_base) and type(inner).__module__.startswith("peft"):
+            inner = get_base()
+            continue
+        break
+    return inner
+
+
 def calls_attention_registry(module: nn.Module) -> bool:
     """Whether the module's class forward looks its attention function up in transformers' registry."""
     forward = inspect.unwrap(type(module).forward)  # through decorators such as deprecate_kwarg
