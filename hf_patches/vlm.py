@@ -205,8 +205,8 @@ def _local_slice(seq: int, state: UPipeState) -> slice:
     if seq % state.group_size:
         raise ValueError(
             f"a vision-language sample of {seq} tokens (after the model's merge) is no multiple of the "
-            f"sequence-parallel size {state.group_size}: pad input_ids, labels (-100) and attention_mask (0) at the end "
-            "to a multiple of it (every rank passes the whole sample)"
+            f"sequence-parallel size {state.group_size}: pad input_ids, labels (-100) and attention_mask (0) at the "
+            "end to a multiple of it (every rank passes the whole sample)"
         )
     local = seq // state.group_size
     rank = dist.get_rank(state.group)
