@@ -1,4 +1,4 @@
-"""Rank-side bodies of tests/test_vlm.py: tiny vision-language models (Qwen2.5-VL, LLaVA) patched by
+"""Rank-side bodies of tests/test_vlm.py: tiny vision-language models (Qwen2.5-VL, Qwen3-VL, LLaVA) patched by
 ``apply_upipe`` against the same model unpatched in one process, float64: logits, loss and every gradient
 (the vision tower's and projector's included), with images across the shard boundaries and shares of images
 that are uneven or empty.  One spawn of 4 ranks runs C = 4 and C = 2 (two pairs)."""
@@ -58,6 +58,35 @@ def build_qwen2_5_vl(seed: int = 0) -> torch.nn.Module:
     return Qwen2_5_VLForConditionalGeneration(config).double()
 
 
+def build_qwen3_vl(seed: int = 0) -> torch.nn.Module:
+    """Qwen3-VL: as Qwen2.5-VL's, with interleaved mrope and deepstack features of both vision blocks added to
+    the first two decoder layers' visual tokens."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    rope = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0, "mrope_interleaved": True}
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        patch_size=2,
+        temporal_patch_size=1,
+        spatial_merge_size=2,
+        out_hidden_size=64,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0, 1],
+    )
+    config = Qwen3VLConfig(
+        text_config={**TEXT, "head_dim": 8, "rope_parameters": rope},
+        vision_config=vision,
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=VISION_START,
+    )
+    torch.manual_seed(seed)
+    return Qwen3VLForConditionalGeneration(config).double()
+
+
 def build_llava(seed: int = 0) -> torch.nn.Module:
     """LLaVA: a 2-layer CLIP tower on 8x8 images, patch 2 (16 tokens an image, the CLS token dropped)."""
     from transformers import LlavaConfig, LlavaForConditionalGeneration
@@ -113,7 +142,11 @@ def llava_sample(seed: int) -> dict[str, torch.Tensor]:
     return sample
 
 
-MODELS = {"qwen2_5_vl": (build_qwen2_5_vl, qwen_sample), "llava": (build_llava, llava_sample)}
+MODELS = {
+    "qwen2_5_vl": (build_qwen2_5_vl, qwen_sample),
+    "qwen3_vl": (build_qwen3_vl, qwen_sample),
+    "llava": (build_llava, llava_sample),
+}
 
 
 def parity_case(name: str, group: dist.ProcessGroup, seed: int = 0) -> dict[str, float]:
