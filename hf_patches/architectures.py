@@ -101,9 +101,8 @@ def decoder_stack(hf_model: nn.Module, caller: str) -> nn.Module:
     for base in candidates:
         if isinstance(base, nn.Module) and hasattr(base, "language_model") and not hasattr(base, "layers"):
             raise ValueError(
-                f"{type(hf_model).__name__} is a multimodal model: patch its text model "
-                f"(e.g. {type(hf_model).__name__}.model.language_model, or a *ForCausalLM built from its text "
-                "config); its image tokens use masks UPipe's causal kernels do not implement"
+                f"{caller}: {type(hf_model).__name__} is a vision-language model: {caller} does not run one yet "
+                "(apply_upipe does: docs/vlm.md)"
             )
         if isinstance(base, PreTrainedModel) and _layers(base) is not None:
             return base

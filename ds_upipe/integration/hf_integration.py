@@ -70,6 +70,7 @@ from hf_patches.attention import upipe_attention_function
 from hf_patches.data import ShardedBatch, checked_loader, use_zigzag_shift_labels
 from hf_patches.inputs import check_and_prepare, global_sequence
 from hf_patches.state import DOCUMENTS_KWARG
+from hf_patches.vlm import vision_language_parts
 
 from ..heads import HeadLayout
 from . import trainer_sp
@@ -203,6 +204,12 @@ class Registration:
         Trainer / accelerate / ALST's recipe combine the ranks' losses) and activation checkpointing.
         Raises (the same on every rank) before any collective if the model cannot take them."""
         assert self.settings is not None and self.ds_config is not None
+        if self.upipe and vision_language_parts(model) is not None:
+            raise ValueError(
+                f"ds_upipe: {type(model).__name__} is a vision-language model: the Trainer / accelerate route shards "
+                "each batch in its data loader, while UPipe's vision-language forward takes the whole sample on every "
+                "rank (docs/vlm.md); train it with apply_upipe / ds_upipe.initialize and your own loop for now"
+            )
         check_model_settings(model, self.settings)
         prepare_for_run(
             model,
