@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import hf_patches
-from ds_upipe.tools.parity import compare, float64_internals
+from ds_upipe.tools.parity import GRADIENT_FLOOR, compare, float64_internals, relative_error
 
 IMAGE, VIDEO, VISION_START = 120, 121, 122
 TEXT = dict(
@@ -218,3 +218,125 @@ def vlm_suite(rank: int, world: int) -> dict[str, Any]:
             results[f"{name} C=4"] = parity_case(name, dist.group.WORLD)
             results[f"{name} C=2"] = parity_case(name, pair)
     return {"parity": results, "refusals": refusals(pair)}
+
+
+# ZeRO-3 through ds_upipe.initialize: SP 2 x DP 2, each replica's whole sample on both of its ranks, a few AdamW
+# steps == one process without SP (the tower's gradients averaged by ZeRO-3 over the group, as the text model's)
+SP, STEPS = 2, 3
+ADAMW = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+
+
+def _zero3_config() -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},  # every weight partitioned
+        "optimizer": {"type": "AdamW", "params": {**ADAMW, "torch_adam": True}},
+        "gradient_clipping": 1.0,
+        "sequence_parallel_size": SP,
+        "upipe": {"enabled": True},
+    }
+
+
+def _replica_sample(step: int, replica: int) -> dict[str, torch.Tensor]:
+    """One row of the Qwen sample per replica and step (equal label counts: the mean of the replicas' losses
+    is the mean token loss)."""
+    sample = qwen_sample(10 * step + replica)
+    grids = sample["image_grid_thw"]
+    first_row = int(grids[:2].prod(-1).sum())  # row 0 holds the first two images
+    return {
+        "input_ids": sample["input_ids"][:1],
+        "labels": sample["labels"][:1],
+        "mm_token_type_ids": sample["mm_token_type_ids"][:1],
+        "pixel_values": sample["pixel_values"][:first_row].float(),
+        "image_grid_thw": grids[:2],
+    }
+
+
+def zero3_case(rank: int, world: int) -> dict[str, Any]:
+    """ZeRO-3 SP 2 x DP 2 vs one process (float32): every step's loss, the first step's gradients (ZeRO-3's,
+    averaged over the 4 ranks, before clipping) and the tower's parameters after the steps."""
+    import deepspeed.comm as ds_dist
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    import ds_upipe
+
+    dp, replica = world // SP, rank // SP
+    model = build_qwen2_5_vl().float()
+    initial = copy.deepcopy(model.state_dict())
+    ref = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    ref_losses, ref_grads = [], {}
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        losses = [ref(**_replica_sample(step, d)).loss for d in range(dp)]
+        torch.stack(losses).mean().backward()
+        if step == 0:
+            ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        optimizer.step()
+        ref_losses.append(losses[replica].item())
+    engine, *_ = ds_upipe.initialize(model=model, model_parameters=model.parameters(), config=_zero3_config())
+    got, grads = [], {}
+    for step in range(STEPS):
+        loss = engine(**_replica_sample(step, replica)).loss
+        engine.backward(loss)
+        if step == 0:
+            grads = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
+            grads = {n: g.detach().clone() for n, g in grads.items() if g is not None}
+        engine.step()
+        got.append(loss.item())
+    params = {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    ds_dist.barrier()
+    want = dict(ref.named_parameters())
+    tower = [n for n in want if n.startswith("model.visual.")]
+    floor = GRADIENT_FLOOR * max(g.abs().max().item() for g in ref_grads.values())
+    return {
+        "losses": max(abs(a - b) / abs(b) for a, b in zip(got, ref_losses)),
+        "grads": max(relative_error(grads[n], ref_grads[n], floor) for n in ref_grads),
+        "tower_grads": max(relative_error(grads[n], ref_grads[n], floor) for n in ref_grads if n in tower),
+        "grad_names": float(not set(ref_grads) <= set(grads)),
+        # Adam's update of near-zero gradients (a key bias's) amplifies float32 rounding: reported, not compared
+        "tower_params": max(relative_error(params[n], want[n]) for n in tower),
+        "params": max(relative_error(params[n], want[n]) for n in want),
+        "tower_moved": max((want[n] - initial[n]).abs().max().item() for n in tower),
+    }
+
+
+def tower_memory(group: dist.ProcessGroup, images: int = 8) -> dict[str, int]:
+    """Bytes of activations the vision tower and projector keep for backward (saved tensors) on this rank while encoding
+    ``images`` 8x8-patch images: shared out over ``group`` vs every rank encoding all (the unpatched encoder)."""
+    model = build_qwen2_5_vl()
+    ref = copy.deepcopy(model)
+    hf_patches.apply_upipe(model, group)
+    grids = torch.tensor([[1, 8, 8]] * images)
+    pixels = torch.randn(int(grids.prod(-1).sum()), 12, dtype=torch.float64)
+    return {
+        "shared": _saved_bytes(model, lambda: model.model.get_image_features(pixels, grids)),
+        "all": _saved_bytes(ref, lambda: ref.model.get_image_features(pixels, grids)),
+    }
+
+
+def _saved_bytes(model: torch.nn.Module, encode: Any) -> int:
+    """Bytes of the distinct activations (tensors other than the model's parameters) autograd saves while
+    ``encode`` runs."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        encode()
+    return sum(seen.values())
+
+
+def spawn_body(rank: int, world: int) -> dict[str, Any]:
+    """The part of the shared spawn of 4 DeepSpeed ranks (tests/four_ranks.py): parity, refusals, ZeRO-3 and the
+    tower's memory."""
+    result = vlm_suite(rank, world)
+    result["memory"] = {"C=4": tower_memory(dist.group.WORLD)}
+    result["zero3"] = zero3_case(rank, world)
+    return result
