@@ -133,6 +133,19 @@ def qwen_sample(seed: int) -> dict[str, torch.Tensor]:
     return sample
 
 
+def qwen_video_sample(seed: int) -> dict[str, torch.Tensor]:
+    """``qwen_sample`` with a video of 2 frames (8 tokens) in row 1, across the C = 4 boundary 6 (Qwen2.5-VL:
+    one placeholder run per video)."""
+    sample = qwen_sample(seed)
+    sample["input_ids"][1, 3:11] = VIDEO
+    sample["labels"][1, 3:11] = -100
+    sample["mm_token_type_ids"][1, 3:11] = 2
+    sample["video_grid_thw"] = torch.tensor([[2, 4, 4]])
+    gen = torch.Generator().manual_seed(seed + 2)
+    sample["pixel_values_videos"] = torch.randn(32, 3 * 2 * 2, generator=gen, dtype=torch.float64)
+    return sample
+
+
 def llava_sample(seed: int) -> dict[str, torch.Tensor]:
     """One row of 48 tokens, two images of 16 tokens: the second crosses the C = 2 boundary (24), both cross
     a C = 4 one (12, 24)."""
@@ -143,18 +156,21 @@ def llava_sample(seed: int) -> dict[str, torch.Tensor]:
 
 
 MODELS = {
-    "qwen2_5_vl": (build_qwen2_5_vl, qwen_sample),
+    "qwen2_5_vl": (build_qwen2_5_vl, qwen_video_sample),
     "qwen3_vl": (build_qwen3_vl, qwen_sample),
     "llava": (build_llava, llava_sample),
 }
 
 
-def parity_case(name: str, group: dist.ProcessGroup, seed: int = 0) -> dict[str, float]:
+def parity_case(name: str, group: dist.ProcessGroup, seed: int = 0, checkpointing: bool = False) -> dict[str, float]:
     """The patched VLM given the whole sample on every rank == the unpatched VLM (float64).  The patched
     loss's gradients are for a group that averages them (``sequence_parallel_loss``'s "mean"): the sum over
     the group divided by its size is compared."""
     build, make = MODELS[name]
     model = build(seed)
+    if checkpointing:  # transformers' gradient checkpointing of the text layers and the vision blocks
+        model.gradient_checkpointing_enable()
+        model.train()
     ref_model = copy.deepcopy(model)
     sample = make(seed)
     ref_model.zero_grad(set_to_none=True)
@@ -217,6 +233,7 @@ def vlm_suite(rank: int, world: int) -> dict[str, Any]:
         for name in MODELS:
             results[f"{name} C=4"] = parity_case(name, dist.group.WORLD)
             results[f"{name} C=2"] = parity_case(name, pair)
+        results["qwen2_5_vl C=2 checkpointing"] = parity_case("qwen2_5_vl", pair, checkpointing=True)
     return {"parity": results, "refusals": refusals(pair)}
 
 
