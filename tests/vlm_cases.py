@@ -196,6 +196,54 @@ def parity_case(name: str, group: dist.ProcessGroup, seed: int = 0, checkpointin
     return errors
 
 
+def packed_case(name: str, group: dist.ProcessGroup, seed: int = 0) -> dict[str, float]:
+    """The two rows of the Qwen sample packed into one row of 48 tokens, with the positions transformers takes
+    for packed rows ([4, B, S]: the text positions restarting at the second sample, then each sample's mrope
+    positions from the model's own ``get_rope_index``) == each sample run alone by the unpatched model."""
+    build, _ = MODELS[name]
+    model = build(seed)
+    ref_model = copy.deepcopy(model)
+    rows = qwen_sample(seed)
+    grids = rows["image_grid_thw"]
+    patches = grids.prod(-1).tolist()
+    docs = []
+    for row, images in ((0, slice(0, 2)), (1, slice(2, 3))):
+        first = sum(patches[: images.start])
+        doc = {k: rows[k][row : row + 1] for k in ("input_ids", "labels", "mm_token_type_ids")}
+        doc["image_grid_thw"] = grids[images]
+        doc["pixel_values"] = rows["pixel_values"][first : first + sum(patches[images])]
+        docs.append(doc)
+    ref_model.zero_grad(set_to_none=True)
+    outs = [ref_model(**doc) for doc in docs]
+    counts = [int((hf_patches.shift_labels(doc["labels"]) != -100).sum()) for doc in docs]
+    ref_loss = sum(out.loss * n for out, n in zip(outs, counts)) / sum(counts)
+    ref_loss.backward()
+    ref_grads = {n: p.grad.detach().clone() for n, p in ref_model.named_parameters() if p.grad is not None}
+    ref_logits = torch.cat([out.logits.detach() for out in outs], dim=1)
+
+    positions = []
+    for doc in docs:
+        mrope, _ = ref_model.model.get_rope_index(
+            doc["input_ids"], doc["mm_token_type_ids"], image_grid_thw=doc["image_grid_thw"]
+        )
+        text = torch.arange(doc["input_ids"].shape[1]).view(1, 1, -1)
+        positions.append(torch.cat([text, mrope]))
+    packed = {k: torch.cat([doc[k] for doc in docs], dim=1) for k in ("input_ids", "labels", "mm_token_type_ids")}
+    packed["labels"][0, docs[0]["input_ids"].shape[1]] = -100  # no loss across the samples' boundary
+    packed.update(pixel_values=rows["pixel_values"], image_grid_thw=grids, position_ids=torch.cat(positions, dim=2))
+    hf_patches.apply_upipe(model, group)
+    out = model(**packed)
+    out.loss.backward()
+    grads = {}
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad.detach().clone()
+            dist.all_reduce(g, group=group)
+            grads[n] = g / dist.get_world_size(group)
+    logits = hf_patches.gather_sequence(out.logits.detach(), group)
+    return compare((ref_logits, ref_loss.detach(), ref_grads), (logits, out.loss.detach(), grads), 10**6)
+
+
 def refusals(group: dist.ProcessGroup) -> dict[str, str]:
     """apply_upipe's messages for VLMs it does not run exactly."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
@@ -234,6 +282,8 @@ def vlm_suite(rank: int, world: int) -> dict[str, Any]:
             results[f"{name} C=4"] = parity_case(name, dist.group.WORLD)
             results[f"{name} C=2"] = parity_case(name, pair)
         results["qwen2_5_vl C=2 checkpointing"] = parity_case("qwen2_5_vl", pair, checkpointing=True)
+        for name in ("qwen2_5_vl", "qwen3_vl"):
+            results[f"{name} C=4 packed"] = packed_case(name, dist.group.WORLD)
     return {"parity": results, "refusals": refusals(pair)}
 
 
