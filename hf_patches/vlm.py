@@ -101,9 +101,9 @@ def check_vision_language(ring: bool) -> None:
 def patch_vision_language(hf_model: nn.Module, parts: VisionLanguageModel, state: UPipeState) -> None:
     """Share the encoders out, shard the merged sequence before the text model, take the loss over the group."""
     for encoder in ENCODERS:
-        original = getattr(parts.inner, encoder, None)
-        if callable(original):
-            setattr(parts.inner, encoder, types.MethodType(_shared_encoder(original), parts.inner))
+        function = getattr(type(parts.inner), encoder, None)  # the class's: a copy.deepcopy encodes with its own
+        if callable(function):
+            setattr(parts.inner, encoder, types.MethodType(_shared_encoder(function), parts.inner))
     # before UPipe's own input check (registered earlier on the same module): it reads the shards
     parts.text._upipe_shard_hook = parts.text.register_forward_pre_hook(_shard_merged, with_kwargs=True, prepend=True)
     hf_model.forward = types.MethodType(_forward, hf_model)
@@ -132,13 +132,15 @@ def image_share(count: int, rank: int, size: int) -> tuple[int, int]:
     return rank * count // size, (rank + 1) * count // size
 
 
-def _shared_encoder(original: Any) -> Any:
-    """The inner model's encoder, each rank encoding its share of the images and gathering the features."""
-    signature = inspect.signature(original)
+def _shared_encoder(function: Any) -> Any:
+    """The inner model's encoder (its class's ``function``), each rank encoding its share of the images and
+    gathering the features."""
+    signature = inspect.signature(function)
 
     def encode(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        call = _arguments(signature, args, kwargs)
-        pixel_name = next(iter(signature.parameters))
+        call = _arguments(signature, (self, *args), kwargs)
+        call.pop(next(iter(signature.parameters)))  # self
+        pixel_name = list(signature.parameters)[1]
         state: UPipeState = self.language_model._upipe_state
         grid = next((call[k] for k in _GRIDS if call.get(k) is not None), None)
         count = int(grid.shape[0]) if grid is not None else int(call[pixel_name].shape[0])
@@ -146,7 +148,7 @@ def _shared_encoder(original: Any) -> Any:
         first, end = image_share(count, rank, state.group_size)
         empty = first == end
         encoded = range(first, end) if not empty else range(0, 1)  # an empty share runs the tower on image 0
-        out = original(**_slice_images(call, pixel_name, grid, encoded))
+        out = function(self, **_slice_images(call, pixel_name, grid, encoded))
         keep = 0 if empty else len(encoded)
         out.pooler_output = _gather_images(list(out.pooler_output), keep, first, count, state)
         if getattr(out, "deepstack_features", None) is not None:  # Qwen3-VL: per layer, per image

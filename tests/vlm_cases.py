@@ -244,6 +244,22 @@ def packed_case(name: str, group: dist.ProcessGroup, seed: int = 0) -> dict[str,
     return compare((ref_logits, ref_loss.detach(), ref_grads), (logits, out.loss.detach(), grads), 10**6)
 
 
+def deepcopy_case(group: dist.ProcessGroup) -> dict[str, float]:
+    """A copy.deepcopy of a patched VLM encodes with its own tower: its projector zeroed changes its loss, not the
+    original's."""
+    model = hf_patches.apply_upipe(build_llava(), group)
+    sample = llava_sample(0)
+    with torch.no_grad():
+        before = model(**sample).loss
+        clone = copy.deepcopy(model)
+        for p in clone.model.multi_modal_projector.parameters():
+            p.zero_()
+        return {
+            "copy_uses_own_tower": float(clone(**sample).loss == before),
+            "original_unchanged": float(model(**sample).loss != before),
+        }
+
+
 def refusals(group: dist.ProcessGroup) -> dict[str, str]:
     """apply_upipe's messages for VLMs it does not run exactly."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
@@ -284,6 +300,7 @@ def vlm_suite(rank: int, world: int) -> dict[str, Any]:
         results["qwen2_5_vl C=2 checkpointing"] = parity_case("qwen2_5_vl", pair, checkpointing=True)
         for name in ("qwen2_5_vl", "qwen3_vl"):
             results[f"{name} C=4 packed"] = packed_case(name, dist.group.WORLD)
+        results["llava C=2 deepcopy"] = deepcopy_case(pair)
     return {"parity": results, "refusals": refusals(pair)}
 
 
