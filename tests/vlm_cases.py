@@ -1,5 +1,5 @@
-"""Rank-side bodies of tests/test_vlm.py: tiny vision-language models (Qwen2.5-VL, Qwen3-VL, LLaVA) patched by
-``apply_upipe`` against the same model unpatched in one process, float64: logits, loss and every gradient
+"""Rank-side bodies of tests/test_vlm.py: tiny vision-language models (Qwen2.5-VL, Qwen3-VL, LLaVA, Mistral 3)
+patched by ``apply_upipe`` against the same model unpatched in one process, float64: logits, loss and every gradient
 (the vision tower's and projector's included), with images across the shard boundaries and shares of images
 that are uneven or empty.  One spawn of 4 ranks runs C = 4 and C = 2 (two pairs)."""
 
@@ -111,6 +111,32 @@ def build_llava(seed: int = 0) -> torch.nn.Module:
     return LlavaForConditionalGeneration(config).double()
 
 
+def build_mistral3(seed: int = 0) -> torch.nn.Module:
+    """Mistral 3: a 2-layer Pixtral tower (images of their own sizes, padded in one tensor), patch 2, its patch
+    merger (spatial merge 2: 4 patches a token)."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    vision = dict(
+        model_type="pixtral",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=16,
+        patch_size=2,
+        head_dim=8,
+    )
+    config = Mistral3Config(
+        text_config={"model_type": "mistral", **TEXT, "head_dim": 8, "sliding_window": None},
+        vision_config=vision,
+        image_token_index=IMAGE,
+        spatial_merge_size=2,
+        vision_feature_layer=-1,
+    )
+    torch.manual_seed(seed)
+    return Mistral3ForConditionalGeneration(config).double()
+
+
 def _tokens(batch: int, seq: int, images: list[tuple[int, int, int]], seed: int) -> dict[str, torch.Tensor]:
     """input_ids with image placeholders (row, first token, token count), labels ignoring them."""
     gen = torch.Generator().manual_seed(seed)
@@ -155,10 +181,22 @@ def llava_sample(seed: int) -> dict[str, torch.Tensor]:
     return sample
 
 
+def mistral3_sample(seed: int) -> dict[str, torch.Tensor]:
+    """One row of 24 tokens, an 8x8 image (4 tokens, across the C = 4 boundary 6) and an 8x16 one (8 tokens,
+    across the C = 2 boundary 12), padded into one [2, 3, 8, 16] tensor with their ``image_sizes``."""
+    sample = _tokens(1, 24, [(0, 3, 4), (0, 9, 8)], seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    pixels = torch.randn(2, 3, 8, 16, generator=gen, dtype=torch.float64)
+    pixels[0, :, :, 8:] = 0
+    sample.update(pixel_values=pixels, image_sizes=torch.tensor([[8, 8], [8, 16]]))
+    return sample
+
+
 MODELS = {
     "qwen2_5_vl": (build_qwen2_5_vl, qwen_video_sample),
     "qwen3_vl": (build_qwen3_vl, qwen_sample),
     "llava": (build_llava, llava_sample),
+    "mistral3": (build_mistral3, mistral3_sample),
 }
 
 
