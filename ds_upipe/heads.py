@@ -1,8 +1,12 @@
 """The head layout of a model and which group sizes and head chunk sizes it admits.
 
-``HeadLayout.from_config`` is the one place that reads head counts from a transformers config (an
-object or a config.json dict): ``head_dim`` falls back to ``hidden_size // num_attention_heads`` and a
-missing ``num_key_value_heads`` means plain multi-head attention.  The validity rules themselves live
+``layer_head_layouts`` is the one place that reads head counts from a transformers config (an object or a
+config.json dict), layer by layer: ``head_dim`` falls back to ``hidden_size // num_attention_heads``, a
+missing ``num_key_value_heads`` means plain multi-head attention, and a heterogeneous config (transformers'
+``per_layer_config``: Gemma 4's full-attention layers have their own head dim and may have their own key/value
+heads) is read per layer through transformers' per-layer view (its global ``head_dim`` raises there; a
+config.json dict is read as it stands: the planner, its one reader of dicts, does not plan Gemma 4).
+``HeadLayout.from_config`` is the model's one layout over its layers.  The validity rules themselves live
 in ``ds_upipe.schedule`` (the stage plan is built from them); the methods here only call them, so
 the config validation, the engine, ``hf_patches.apply_upipe``, the planner and the bench agree.
 Pure Python: importing this module loads no torch.
@@ -33,23 +37,20 @@ class HeadLayout:
 
     @classmethod
     def from_config(cls, config: Any) -> HeadLayout:
-        """From a transformers config object or a config.json dict; a multimodal config's text part."""
-        if isinstance(config, Mapping):
-            config = config.get("text_config", config)
-        elif hasattr(config, "get_text_config"):
-            config = config.get_text_config()
-        num_heads = _field(config, "num_attention_heads")
-        hidden = _field(config, "hidden_size")
-        if not num_heads or not hidden:
+        """The model's one layout (a config object or a config.json dict; a multimodal config's text part): its
+        layers' query and key/value head counts, which the one stage plan needs equal in every layer, and the
+        largest head dim of its layers (what bounds a stage's buffers; the plan does not depend on it)."""
+        layers = layer_head_layouts(config)
+        counts: dict[tuple[int, int], int] = {}  # head counts -> the first layer with them
+        for i, h in enumerate(layers):
+            counts.setdefault((h.num_heads, h.num_kv_heads), i)
+        if len(counts) > 1:
+            named = ", ".join(f"layer {i}: {h} query and {kv} key/value heads" for (h, kv), i in counts.items())
             raise ValueError(
-                f"config lacks num_attention_heads/hidden_size (got {num_heads}, {hidden}): "
-                "not a Llama-family transformers config"
+                f"the attention layers differ in head counts ({named}; e.g. Gemma 4's num_global_key_value_heads "
+                "with attention_k_eq_v): not supported yet, UPipe builds one stage plan for all of a model's layers"
             )
-        return cls(
-            num_heads=num_heads,
-            num_kv_heads=_field(config, "num_key_value_heads") or num_heads,
-            head_dim=_field(config, "head_dim") or hidden // num_heads,
-        )
+        return cls(layers[0].num_heads, layers[0].num_kv_heads, max(h.head_dim for h in layers))
 
     def check(self, group_size: int) -> None:
         """ValueError unless the heads can be split over a sequence-parallel group of ``group_size``."""
@@ -66,3 +67,34 @@ class HeadLayout:
     def resolve_head_chunk_size(self, group_size: int, head_chunk_size: int | None) -> int:
         """U itself (validated), or C for None."""
         return resolve_head_chunk_size(self.num_heads, self.num_kv_heads, group_size, head_chunk_size)
+
+
+def _text_config(config: Any) -> Any:
+    if isinstance(config, Mapping):
+        return config.get("text_config", config)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _layout(config: Any) -> HeadLayout:
+    num_heads = _field(config, "num_attention_heads")
+    hidden = _field(config, "hidden_size")
+    if not num_heads or not hidden:
+        raise ValueError(
+            f"config lacks num_attention_heads/hidden_size (got {num_heads}, {hidden}): "
+            "not a Llama-family transformers config"
+        )
+    return HeadLayout(
+        num_heads=num_heads,
+        num_kv_heads=_field(config, "num_key_value_heads") or num_heads,
+        head_dim=_field(config, "head_dim") or hidden // num_heads,
+    )
+
+
+def layer_head_layouts(config: Any) -> list[HeadLayout]:
+    """The head layout of each layer (one entry for a homogeneous config): a heterogeneous transformers config
+    (``is_heterogeneous``) is read through its own per-layer configs (``config.per_layer_config[i]``, what each
+    attention module reads), whose global per-layer attributes raise ``AmbiguousGlobalPerLayerAttributeError``."""
+    config = _text_config(config)
+    if not getattr(config, "is_heterogeneous", False):
+        return [_layout(config)]
+    return [_layout(layer) for layer in config.per_layer_config]

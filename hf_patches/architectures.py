@@ -10,8 +10,9 @@ such module, or a sequence mixer of a kind ``hf_patches.mixers`` shards by heads
 state-space, short convolutions), or, where its config says so, only position-wise blocks.  What UPipe
 cannot honour is refused here, naming the layer and the reason, before any collective: mixers of other
 kinds, bidirectional and
-encoder-decoder models, cross-attention, chunked attention, KV-shared layers, logit softcapping,
-attention dropout, multi-head latent attention.
+encoder-decoder models, cross-attention, chunked attention, KV-shared layers other than transformers'
+``shared_kv_states`` ones, layers that differ in head counts, logit softcapping, attention dropout, multi-head
+latent attention.
 
 Fused per-stage projections replace the module's ``forward`` by one that must compute exactly what it
 did, so they are limited to the forwards known to be Llama-shaped (``FUSED_ATTENTIONS``: plain
@@ -32,7 +33,9 @@ from typing import Any
 
 from torch import nn
 
-from .families import FUSED_ATTENTIONS, NORM_KINDS
+from ds_upipe.heads import HeadLayout
+
+from .families import FUSED_ATTENTIONS, NORM_KINDS, UNFUSED_ATTENTIONS
 from .mixers import MIXER_LAYER_TYPES, mixer_kind_of
 
 #: ``config.layer_types`` entries UPipe runs (each module's ``sliding_window`` gives the window)
@@ -133,12 +136,11 @@ def _refuse(layer: int, module: nn.Module, why: str) -> ValueError:
 
 def _check_config(config: Any) -> None:
     """Model-wide refusals read from the (text) config."""
-    per_layer = sorted(getattr(config, "per_layer_attributes", None) or ())
-    if per_layer:  # first: reading such an attribute from the global config raises inside transformers
-        raise ValueError(
-            f"apply_upipe: config.per_layer_attributes={per_layer} (settings that vary per layer, such as Gemma 4's "
-            "per-layer head dims) is not supported yet: UPipe plans every layer's heads from one head_dim"
-        )
+    if getattr(config, "is_heterogeneous", False):  # per-layer settings (Gemma 4's head dims), read layer by layer
+        try:
+            HeadLayout.from_config(config)  # one stage plan: layers that differ in head counts are refused there
+        except ValueError as err:
+            raise ValueError(f"apply_upipe: {err}") from None
     chunk = getattr(config, "attention_chunk_size", None)
     if chunk:
         raise ValueError(
@@ -153,18 +155,13 @@ def _check_config(config: Any) -> None:
                     f"apply_upipe: decoder layer {i} is {kind!r} (config.{key}): UPipe runs the layer types "
                     f"{', '.join(runs)} (hf_patches.mixers lists the sequence mixers it shards by heads)"
                 )
-    shared = getattr(config, "num_kv_shared_layers", 0)
-    if shared:
-        raise ValueError(
-            f"apply_upipe: config.num_kv_shared_layers={shared} (layers reusing another layer's keys and values) "
-            "is not supported"
-        )
     if getattr(config, "kv_lora_rank", None):
         raise ValueError(
             "apply_upipe: multi-head latent attention (config.kv_lora_rank) is not supported: its query/key and "
             "value head dims differ"
         )
-    v_head_dim, head_dim = getattr(config, "v_head_dim", None), getattr(config, "head_dim", None)
+    v_head_dim = getattr(config, "v_head_dim", None)  # head_dim read only then: a per-layer attribute raises globally
+    head_dim = None if v_head_dim is None else getattr(config, "head_dim", None)
     if v_head_dim is not None and head_dim is not None and v_head_dim != head_dim:
         raise ValueError(
             f"apply_upipe: config.v_head_dim={v_head_dim} differs from config.head_dim={head_dim}: UPipe's stages "
@@ -176,6 +173,18 @@ def _check_config(config: Any) -> None:
             f"apply_upipe: config.attn_logit_softcapping={softcap} (tanh capping of the attention logits) is not "
             "supported by UPipe's kernels (none computes it)"
         )
+
+
+#: the forward argument through which transformers' KV-shared layers (Gemma 3n, Gemma 4) take the keys and values
+#: of their layer type's producing layer: the producer's local (sequence-shard) keys and values, after its norms and
+#: RoPE on global positions, as autograd tensors.  The sharing layer's UPipe call exchanges them like its own, so it
+#: attends over the same keys and values as unpatched and their gradients reach the producer's projections
+SHARED_KV_KWARG = "shared_kv_states"
+
+
+def takes_shared_kv(module: nn.Module) -> bool:
+    """Whether the attention module's forward takes another layer's keys and values (``SHARED_KV_KWARG``)."""
+    return SHARED_KV_KWARG in inspect.signature(inspect.unwrap(type(module).forward)).parameters
 
 
 def _dropout(module: nn.Module, config: Any) -> float:
@@ -200,8 +209,13 @@ def _check_attention(layer: int, module: nn.Module, config: Any) -> None:
         raise _refuse(layer, module, "is_causal=False (bidirectional attention): UPipe's kernels are causal")
     if getattr(module, "is_cross_attention", False):
         raise _refuse(layer, module, "cross-attention is not supported (self-attention over one sequence only)")
-    if getattr(module, "is_kv_shared_layer", False):
-        raise _refuse(layer, module, "a KV-shared layer (keys and values of another layer) is not supported")
+    if getattr(module, "is_kv_shared_layer", False) and not takes_shared_kv(module):
+        raise _refuse(
+            layer,
+            module,
+            "a KV-shared layer that does not take the keys and values of another layer through its forward "
+            f"({SHARED_KV_KWARG}) is not supported",
+        )
     if getattr(module, "attn_logit_softcapping", None) is not None:
         raise _refuse(layer, module, "attention logit softcapping is not supported by UPipe's kernels")
     dropout = _dropout(module, config)
@@ -319,6 +333,8 @@ def fused_blocker(attn: nn.Module) -> str | None:
     """Why fused per-stage projections cannot reproduce this attention module (None when they can)."""
     cls = type(attn)
     name = cls.__name__
+    if name in UNFUSED_ATTENTIONS:
+        return UNFUSED_ATTENTIONS[name]
     if name not in FUSED_ATTENTIONS or not cls.__module__.startswith("transformers.models."):
         return (
             f"{name} is not one of the Llama-shaped attention forwards fused mode reproduces "

@@ -13,6 +13,7 @@ refused (the model-level input check has already turned an honourable mask into 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -104,6 +105,25 @@ def module_sliding_window(module: nn.Module) -> int | None:
     return check_window(window, f"{type(module).__name__}.sliding_window")
 
 
+def _code_names(fn: Any) -> set[str]:
+    """The global, attribute and keyword names and the string constants of a function's code."""
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    if code is None:
+        return set()
+    consts = [c for t in code.co_consts if isinstance(t, tuple) for c in t] + list(code.co_consts)
+    return {*code.co_names, *(c for c in consts if isinstance(c, str))}
+
+
+def mask_window(base: nn.Module, module: nn.Module) -> int | None:
+    """The sliding window a module's model applies through its mask alone: a model whose forward builds a
+    sliding-window mask (``create_sliding_window_causal_mask``) while the module's forward passes no
+    ``sliding_window`` to its attention function (PhiMoE) means the module's window, which UPipe's kernels,
+    taking no mask, apply themselves."""
+    if "create_sliding_window_causal_mask" not in _code_names(type(base).forward):
+        return None
+    return None if "sliding_window" in _code_names(type(module).forward) else module_sliding_window(module)
+
+
 def upipe_attention_function(
     module: nn.Module,
     query: Tensor,
@@ -125,6 +145,7 @@ def upipe_attention_function(
     _check_call(module, attention_mask, None, dropout)
     _check_unhonoured(module, kwargs)
     _check_heads(module, state, query, key, value)
+    _check_shared_kv(module, query, key)
     # one dtype for the kernel: under autocast RoPE promotes q/k to float32 while v stays 16-bit, and
     # the kernel's aten op is not autocast-listed, so cast as autocast would for transformers' sdpa
     device_type = query.device.type
@@ -137,6 +158,8 @@ def upipe_attention_function(
     sinks = kwargs.get("s_aux")
     if sinks is not None:
         check_sinks(sinks, query.shape[1])
+    if sliding_window is None:  # a window its model means through the mask UPipe drops (``mask_window``)
+        sliding_window = getattr(module, "_upipe_mask_window", None)
     window = check_window(sliding_window, "sliding_window")
     ctx = state.context(q.device, kwargs.get(DOCUMENTS_KWARG), window, sinks, scale=scaling)
     if sinks is None:
@@ -173,6 +196,22 @@ def _check_heads(module: nn.Module, state: UPipeState, query: Tensor, key: Tenso
             "grouped-query attention with the config's heads (num_attention_heads, num_key_value_heads), the query "
             "heads a multiple of the key/value heads, queries, keys and values of one head dim"
         )
+
+
+def _check_shared_kv(module: nn.Module, query: Tensor, key: Tensor) -> None:
+    """A KV-shared layer (``architectures.SHARED_KV_KWARG``) whose keys carry no gradient while its queries do: its
+    producing layer ran without autograd (reentrant activation checkpointing keeps what a layer leaves in
+    ``shared_kv_states`` from its no-grad forward), so the producer would miss this layer's gradient, unpatched
+    too.  Refused rather than trained wrong (same on every rank, before this call's collectives)."""
+    if getattr(module, "is_kv_shared_layer", False) and torch.is_grad_enabled() and query.requires_grad:
+        if not key.requires_grad:
+            raise ValueError(
+                f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) is a KV-shared layer whose "
+                "keys and values, taken from its producing layer, carry no gradient while its queries do: they were "
+                "computed without autograd (reentrant activation checkpointing: gradient_checkpointing_kwargs="
+                "{'use_reentrant': True}, DeepSpeed's activation checkpointing), so the producing layer's projections "
+                "would miss this layer's gradient. Use non-reentrant checkpointing (use_reentrant=False) or none"
+            )
 
 
 def _check_unhonoured(module: nn.Module, kwargs: dict[str, Any]) -> None:

@@ -4,14 +4,17 @@
 transformers' attention registry runs unfused UPipe, found from its modules (``architectures``). An
 entry says what holds beyond that, for the families the tests build (tests/family_cases.py):
 
-- ``attention``: the attention class whose forward fused per-stage projections reproduce exactly (plain
-  ``nn.Linear`` q/k/v/o, rotate-half RoPE, the registry call; ``architectures.fused_blocker`` checks the
-  module against it);
+- ``attention``: its attention class; unless ``unfused`` says why not, one whose forward fused per-stage
+  projections reproduce exactly (plain ``nn.Linear`` q/k/v/o, rotate-half RoPE, the registry call;
+  ``architectures.fused_blocker`` checks the module against it);
 - ``qk_norm``: its per-head q/k norm, (the norm's class, its kind in ``fused.NormSpec``: ``"rms"`` or
   ``"gemma"``), or None;
 - ``moe``: a sparse mixture-of-experts MLP (the planner counts every expert's parameters);
 - ``planner_layer``: the dense model type whose layer the planner's fake step builds for it (None: not
-  planned).
+  planned);
+- ``unfused``: why fused per-stage projections cannot reproduce its attention forward (None: they can); such a
+  family runs unfused (its module's own forward, the core attention through the registry) and its entry says what
+  else holds for it (its case in tests/family_cases.py runs it unfused).
 
 Everything that asks "which family" reads the views below; none keeps a table of its own.  Adding a
 family: one entry here and a case in tests/family_cases.py.
@@ -30,7 +33,16 @@ class Family:
     qk_norm: tuple[str, str] | None = None
     moe: bool = False
     planner_layer: str | None = None
+    unfused: str | None = None
 
+
+#: Gemma 4: per-layer head dims (full-attention layers: global_head_dim), KV-shared layers (their keys and values are
+#: the producing layer's, through the forward's shared_kv_states: architectures.SHARED_KV_KWARG), scaling 1
+_GEMMA4_UNFUSED = (
+    "Gemma4TextAttention's forward takes the keys and values of its KV-shared layers from another layer "
+    "(shared_kv_states), RMS-normalizes values (v_norm) and may reuse the key projection as values "
+    "(attention_k_eq_v): fused per-stage projections compute none of these"
+)
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f
@@ -52,13 +64,16 @@ FAMILIES: dict[str, Family] = {
         Family("gemma3_text", "Gemma3ForCausalLM", "Gemma3Attention", ("Gemma3RMSNorm", "gemma")),
         # GPT-OSS: the same rotate-half RoPE on half-dim cos/sin, and its sinks (s_aux)
         Family("gpt_oss", "GptOssForCausalLM", "GptOssAttention", moe=True, planner_layer="llama"),
+        Family("gemma4_text", "Gemma4ForCausalLM", "Gemma4TextAttention", unfused=_GEMMA4_UNFUSED),
     )
 }
 
 #: attention class -> the q/k norm kind fused mode applies (None: no q/k norm)
 FUSED_ATTENTIONS: dict[str, str | None] = {
-    f.attention: None if f.qk_norm is None else f.qk_norm[1] for f in FAMILIES.values()
+    f.attention: None if f.qk_norm is None else f.qk_norm[1] for f in FAMILIES.values() if f.unfused is None
 }
+#: attention class -> why fused mode cannot reproduce it (the registered families that run unfused)
+UNFUSED_ATTENTIONS: dict[str, str] = {f.attention: f.unfused for f in FAMILIES.values() if f.unfused is not None}
 #: the per-head norm classes fused mode reproduces -> their kind
 NORM_KINDS: dict[str, str] = dict(f.qk_norm for f in FAMILIES.values() if f.qk_norm is not None)
 #: model type -> the dense model type whose layer the planner's fake step builds

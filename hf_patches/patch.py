@@ -14,7 +14,7 @@ from ds_upipe.heads import HeadLayout
 from ds_upipe.options import UPipeOptions
 
 from .architectures import _unwrap, find_decoder, fused_blocker_of
-from .attention import ATTN_IMPLEMENTATION, fused_attention_forward, register_attention_function
+from .attention import ATTN_IMPLEMENTATION, fused_attention_forward, mask_window, register_attention_function
 from .families import FAMILIES
 from .fused import FusedProjections
 from .inputs import GENERATION_UNSUPPORTED, check_and_prepare
@@ -24,6 +24,14 @@ from .state import UPipeState
 from .vlm import check_vision_language, patch_vision_language, vision_language_parts
 
 logger = logging.getLogger("hf_patches")
+
+#: why ``overlap_comm`` leaves the mixers' stages sequential (said once per group when a hybrid is patched with it)
+MIXER_OVERLAP_NOTE = (
+    "overlap_comm overlaps softmax attention's stages only; the sequence mixers (gated delta net, Mamba-2) run "
+    "their stages one after another: each stage's exchange is inside that stage's checkpoint (replayed in "
+    "backward), so prefetching the next stage's exchange would keep a second stage's full-sequence buffers alive "
+    "outside the checkpoint, and the mixer's time is its recurrence, not the small per-head exchange"
+)
 
 
 def supported_model_classes() -> list[str]:
@@ -111,9 +119,12 @@ def apply_upipe(
     register_attention_function()
     for attn in attentions:
         attn._upipe_state = state
+        attn._upipe_mask_window = mask_window(base, attn)
         if fused:
             attn.forward = types.MethodType(fused_attention_forward, attn)
             _register_zero3_external(attn, FusedProjections.of(attn).zero3_params())
+    if options.overlap_comm and found.mixers and dist.get_rank(process_group) == 0:  # one line per group
+        logger.warning("hf_patches: %s", MIXER_OVERLAP_NOTE)
     for mixer, params in patch_mixers(found.mixers, state):
         _register_zero3_external(mixer, params)
     text_model.set_attn_implementation(ATTN_IMPLEMENTATION)  # a vision tower's attention keeps its own

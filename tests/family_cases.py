@@ -26,6 +26,18 @@ COMMON: dict[str, Any] = sweep.COMMON
 _MOE = dict(num_experts_per_tok=2, output_router_logits=False, experts_implementation="eager")  # grouped_mm: no float64
 _SLIDING_FULL = ["sliding_attention", "full_attention"]
 
+_GEMMA4: dict[str, Any] = dict(
+    num_hidden_layers=4,
+    layer_types=_SLIDING_FULL * 2,
+    sliding_window=4,
+    global_head_dim=16,
+    num_kv_shared_layers=2,
+    vocab_size_per_layer_input=101,
+    hidden_size_per_layer_input=8,
+    final_logit_softcapping=None,
+    pad_token_id=0,
+)
+
 #: family -> (model_type, overrides, runs fused)
 FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
     "llama": ("llama", {}, True),
@@ -41,10 +53,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
         True,
     ),
     "gpt_oss": ("gpt_oss", dict(num_local_experts=4, sliding_window=4, layer_types=_SLIDING_FULL, **_MOE), True),
+    # Gemma 4: sliding layers of head_dim 8 and full layers of global_head_dim 16 (RoPE on a quarter of it), q/k/v
+    # norms, scaling 1; layers 2 and 3 reuse the keys and values of layers 0 and 1 (num_kv_shared_layers)
+    "gemma4": ("gemma4_text", _GEMMA4, False),
     "phi3": ("phi3", dict(sliding_window=None, pad_token_id=0), False),
     "olmo2": ("olmo2", {}, False),
     "glm4": ("glm4", dict(pad_token_id=0), False),
     "smollm3": ("smollm3", dict(no_rope_layer_interval=2, pad_token_id=0), False),
+    # differential attention: two registry calls per layer (the halves of V), then head i paired with head
+    # i + H/2, the lambda combination and the group norm on the rank's tokens with every head (stages need
+    # not keep pairs together); its lambda is a float32 sum (sweep.TOLERANCES)
+    "diffllama": ("diffllama", {}, False),
 }
 
 
@@ -63,8 +82,20 @@ def build_family(family: str, dtype=torch.float64, seed: int = 0, **overrides):
     return model
 
 
+#: families whose norms upcast with ``x.float()`` (Gemma4RMSNorm), run with those casts kept float64
+#: (``hf_cases.float64_internals``, reference and patched alike) so that their parity holds at 1e-10
+FLOAT64_INTERNALS = ("gemma4",)
+
+
 def family_case(family, fused, world, u=None, seq=None, seed=0, checkpointing=None, packed=False, **overrides):
     """One family, patched, on sequence shards == unpatched on the whole sequence (float64)."""
+    if family in FLOAT64_INTERNALS:
+        with hf_cases.float64_internals():
+            return _family_case(family, fused, world, u, seq, seed, checkpointing, packed, **overrides)
+    return _family_case(family, fused, world, u, seq, seed, checkpointing, packed, **overrides)
+
+
+def _family_case(family, fused, world, u, seq, seed, checkpointing, packed, **overrides):
     group = dist.group.WORLD
     seq = seq or 6 * world
     model = build_family(family, seed=seed, **overrides)
@@ -81,6 +112,17 @@ def family_case(family, fused, world, u=None, seq=None, seed=0, checkpointing=No
         ref = hf_cases.reference_step(ref_model, batch)
     errors.update(hf_cases.compare(ref, hf_cases.sharded_step(model, batch, group), seq))
     return errors
+
+
+def shared_kv_reentrant_case(world) -> dict[str, float]:
+    """Gemma 4 under reentrant HF checkpointing: its KV-shared layers would get the producer's keys and values
+    without autograd (and the producer none of their gradient): refused by name at backward, on every rank."""
+    words = ("Gemma4TextAttention (layer 3) is a KV-shared layer", "Use non-reentrant checkpointing")
+    try:
+        family_case("gemma4", False, world, checkpointing="reentrant")
+    except ValueError as err:
+        return {"refused": float(not all(w in str(err) for w in words))}
+    return {"refused": 1.0}
 
 
 def family_ring_case(family, fused, layout, u=None, **overrides):
@@ -114,10 +156,16 @@ def _cases(world: int) -> dict[str, tuple]:
     cases["qwen3_moe_fused_U=H"] = (family_case, ("qwen3_moe", True, world), dict(u=h))
     cases["granite_unfused_U=H"] = (family_case, ("granite", False, world), dict(u=h))
     cases["phi3_unfused_W5"] = (family_case, ("phi3", False, world), dict(sliding_window=5))
+    # Gemma 4 at U = H; fused requested falls back to unfused (its entry's reason), still exact
+    cases["gemma4_unfused_U=H"] = (family_case, ("gemma4", False, world), dict(u=h))
     if world == 4:  # packing and checkpointing at C = 2 only
         return {**cases, **_ring_cases(h)}
     cases["gpt_oss_fused_packed"] = (family_case, ("gpt_oss", True, world), dict(packed=True))
     cases["gemma3_unfused_packed"] = (family_case, ("gemma3", False, world), dict(packed=True))
+    cases["gemma4_fused_requested"] = (family_case, ("gemma4", True, world), {})
+    cases["gemma4_unfused_packed"] = (family_case, ("gemma4", False, world), dict(packed=True))
+    cases["gemma4_unfused_checkpointing"] = (family_case, ("gemma4", False, world), dict(checkpointing="non_reentrant"))
+    cases["gemma4_reentrant_refused"] = (shared_kv_reentrant_case, (world,), {})
     cases["mixtral_fused_packed_W5"] = (family_case, ("mixtral", True, world), dict(packed=True, sliding_window=5))
     cases["gpt_oss_fused_checkpointing"] = (family_case, ("gpt_oss", True, world), dict(checkpointing="reentrant"))
     cases["gemma3_fused_checkpointing"] = (family_case, ("gemma3", True, world), dict(checkpointing="non_reentrant"))
@@ -166,6 +214,10 @@ def refused_models() -> dict[str, Any]:
             "minimax", layer_types=["linear_attention", "full_attention"], num_local_experts=2
         ),
         "refuse_chunked": lambda: _tiny("llama4_text", attention_chunk_size=8),
+        # Gemma 4's full-attention layers with their own key/value heads (one stage plan per model)
+        "refuse_layer_kv_heads": lambda: _tiny(
+            "gemma4_text", **{**_GEMMA4, "attention_k_eq_v": True, "num_global_key_value_heads": 1}
+        ),
         "refuse_hybrid_ssm": lambda: _tiny("falcon_h1"),
         "refuse_encoder_decoder": lambda: transformers.T5ForConditionalGeneration(
             transformers.T5Config(d_model=32, d_ff=32, num_layers=1, num_heads=2, vocab_size=50, d_kv=16)

@@ -151,7 +151,13 @@ def zero3_case(family: str, checkpointing: bool, world: int, **upipe: Any) -> di
 #: name -> (family, checkpointing, upipe keys)
 ZERO3_CASES: dict[str, tuple[str, bool, dict[str, Any]]] = {
     "qwen3_5": ("qwen3_5", False, {}),
-    "qwen3_5_checkpointing_u=H": ("qwen3_5", True, {"mixer_head_chunk_size": 8}),
+    # "auto" resolved by the engine route (a child process measures the mixer layer): a budget every U fits picks
+    # U = all 8 value heads, trained at that U
+    "qwen3_5_checkpointing_u=auto": (
+        "qwen3_5",
+        True,
+        {"mixer_head_chunk_size": "auto", "memory_budget_gib": 1, "seq_length": SEQ},
+    ),
     "nemotron_h": ("nemotron_h", False, {}),
     "nemotron_h_checkpointing": ("nemotron_h", True, {}),
 }

@@ -12,6 +12,7 @@ of tests/test_upipe_keys.py (all three routes) and the "auto" run of tests/test_
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -219,3 +220,85 @@ def test_every_kind_of_layer_is_measured():
     per_kind = [_need(model=k.config(1)) for k in kinds]  # one layer: of that kind only
     assert per_kind[0] != per_kind[1], per_kind  # the two kinds need different memory (else this tests nothing)
     assert _need(model=mixed) == {u: max(need[u] for need in per_kind) for u in VALID}
+
+
+def test_gemma4_measures_each_kind_with_its_head_dim():
+    """Gemma 4 (tests/family_cases.py's: sliding layers of head dim 8, full of 16, KV-shared layers): "auto" builds
+    a layer of each kind with its own head dim (per-layer settings rotated with ``layer_types``; one full layer more
+    where its config would turn the last, measured, sliding layer into a full one) and runs its attention as the
+    decoder layer calls it (``shared_kv_states``, the rotary embedding of its layer type).  Mutation: the kinds
+    built without their per-layer settings give both layers one head dim and fail."""
+    from tests.family_cases import build_family
+
+    config = build_family("gemma4").config
+    built = [k.config(1) for k in fake_run.HFModelConfig.of(config).layer_kinds()]
+    assert [(c.layer_types[0], c.per_layer_config[0].head_dim) for c in built] == [
+        ("sliding_attention", 8),
+        ("full_attention", 16),
+    ]
+    need = attention_stage_bytes_by_u([2], **{**DIMS, "head_dim": 16}, seq_length=64, model_config=config)
+    assert list(need) == [2] and need[2] > 0, need
+
+
+# -- mixer_head_chunk_size: "auto" ----------------------------------------------------------------
+
+#: the bench's tiny gated delta net (``bench.mixer_config``): 8 value heads on 4 key heads of 16, hidden 64, over
+#: C = 2 ranks: U in (2, 4, 8)
+MIXER = dict(heads=8, kv_heads=4, head_dim=16, ssm_state=16, ssm_chunk=16, hidden=64, intermediate=128)
+MIXER_US = (2, 4, 8)
+
+
+def _mixer_config() -> Any:
+    from ds_upipe.tools.bench import BenchSpec, mixer_config
+
+    spec = BenchSpec(world=2, seq_lens=[SEQ], levels=("mixer",), dtype="float32", repeats=0, **MIXER)
+    return mixer_config(spec, "gated_delta")
+
+
+def measure_mixer_module(rank: int, world: int) -> dict[int, int]:
+    """The patched gated delta net's forward + backward on real tensors on this gloo rank (torch's MemTracker via
+    ``tools.memory.measure_peak``), at each U: the step ``mixer_head_chunk_size: "auto"`` predicts on fake ones."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from ds_upipe.tools.memory import measure_peak
+    from hf_patches import apply_upipe
+    from hf_patches.architectures import find_decoder
+
+    peaks = {}
+    for u in MIXER_US:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(_mixer_config()).float()
+        apply_upipe(model, dist.group.WORLD, mixer_head_chunk_size=u)
+        mixer = find_decoder(model).mixers[0][1]
+        h = torch.randn(1, SEQ // world, MIXER["hidden"], requires_grad=True)
+        dout = torch.randn(1, SEQ // world, MIXER["hidden"])
+        step = functools.partial(lambda m, x, g: m(x).backward(g), mixer, h, dout)
+        peaks[u] = measure_peak(step, [mixer, h, dout], torch.device("cpu"))
+    return peaks
+
+
+def test_mixer_auto_predicts_a_real_run_and_picks_by_attentions_rule():
+    """``mixer_head_chunk_size: "auto"``: the fake-tensor measurement of the model's mixer layer (``fake_run.
+    mixer_step``, what ``mixer_stage_bytes_by_u`` runs) against the same step on real tensors on C = 2 gloo ranks
+    (MemTracker, worst rank): within 5% at every U; then the choice at budgets around each U's measured need is
+    the largest U that fits (C where none does), the rule attention's "auto" applies (``largest_fitting``).
+    Mutation: ``choose_mixer_head_chunk_size`` taking the smallest fitting U fails the choice."""
+    from ds_upipe.integration.auto_chunk import choose_mixer_head_chunk_size, mixer_stage_bytes_by_u
+    from ds_upipe.tools.ranks import run_ranks
+
+    config = _mixer_config()
+    measured = run_ranks(measure_mixer_module, 2)
+    model = fake_run.HFModelConfig.of(config)
+    for u in MIXER_US:
+        spec = fake_run.StepSpec(model, "upipe", 2, SEQ, options=UPipeOptions(mixer_head_chunk_size=u), dtype="fp32")
+        predicted, real = fake_run.mixer_step(spec).total, max(r[u] for r in measured)
+        assert abs(predicted / real - 1) <= 0.05, (u, predicted, real)
+    need = mixer_stage_bytes_by_u(model_config=config, group_size=2, seq_length=SEQ, micro_batch_size=1, dtype_bytes=4)
+    assert sorted(need) == list(MIXER_US) and need[2] < need[4] < need[8], need
+    for budget, expected in ((need[2] - 1, 2), (need[4], 4), (need[8] - 1, 4), (need[8], 8)):
+        block = UPipeConfig(mixer_head_chunk_size="auto", memory_budget_gib=budget / 2**30, seq_length=SEQ)
+        got = choose_mixer_head_chunk_size(block, model_config=config, group_size=2, micro_batch_size=1, dtype_bytes=4)
+        assert got == expected, (budget, got, need)
+    print(f"mixer stage bytes by U {need}; measured (real) peaks {measured}")

@@ -61,7 +61,7 @@ def test_unknown_key_names_key_and_allowed_keys():
         ("head_chunk_size", True),
         ("head_chunk_size", 0),
         ("head_chunk_size", -4),
-        ("mixer_head_chunk_size", "auto"),
+        ("mixer_head_chunk_size", "big"),
         ("mixer_head_chunk_size", 0),
         ("fused_projections", "true"),
         ("kernel", "flash"),
@@ -99,6 +99,10 @@ def test_auto_needs_budget_and_length():
         parse_upipe_block({"head_chunk_size": "auto", "memory_budget_gib": 4})
     cfg = parse_upipe_block({"head_chunk_size": "auto", "memory_budget_gib": 4, "seq_length": 1024})
     assert cfg.head_chunk_size == "auto"
+    with pytest.raises(ValueError, match=r"upipe.mixer_head_chunk_size=\"auto\" needs upipe.memory_budget_gib"):
+        parse_upipe_block({"mixer_head_chunk_size": "auto", "seq_length": 1024})
+    cfg = parse_upipe_block({"mixer_head_chunk_size": "auto", "memory_budget_gib": 4, "seq_length": 1024})
+    assert cfg.mixer_head_chunk_size == "auto" and cfg.options(2, 4).mixer_head_chunk_size == 4
 
 
 def test_block_must_be_object():

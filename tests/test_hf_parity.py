@@ -4,6 +4,7 @@ save/reload, HF gradient checkpointing, PEFT LoRA fallback, right-padding masks,
 
 import pytest
 
+from ds_upipe.tools import sweep
 from ds_upipe.tools.ranks import run_ranks
 from tests import family_cases, hf_cases, rl_cases
 
@@ -21,6 +22,8 @@ REFUSALS = {  # case -> words its message must contain (the offending value and 
         "MiniMaxLightningAttention is a sequence mixer",
     ],
     "refuse_chunked": ["config.attention_chunk_size=8", "chunked attention"],
+    "refuse_layer_kv_heads": ["layer 0: 8 query and 2 key/value heads, layer 1: 8 query and 1 key/value heads"]
+    + ["num_global_key_value_heads", "one stage plan"],
     "refuse_hybrid_ssm": ["decoder layer 0 is 'hybrid'", "UPipe runs the layer types"],
     "refuse_encoder_decoder": ["T5ForConditionalGeneration is an encoder-decoder model"],
     "refuse_dropout_gpt2": ["decoder layer 0 (GPT2Attention)", "attention dropout 0.1 (config.attn_pdrop)"]
@@ -69,7 +72,7 @@ FLOAT32_NORM_FAMILIES = ("gemma3",)
 
 
 def _check_families(results, world):
-    """tests/family_cases.py: 13 families, fused and unfused, U = C and H, windows, packing, checkpointing, a
+    """tests/family_cases.py: 14 families, fused and unfused, U = C and H, windows, packing, checkpointing, a
     2 x 2 ring (C = 4): logits, loss and every gradient (sinks, routers) equal the unpatched model."""
     for rank, cases in enumerate(results):
         assert len(cases) == family_cases.num_family_cases(world)
@@ -77,6 +80,8 @@ def _check_families(results, world):
             tol = hf_cases.TOLERANCE[
                 hf_cases.torch.float32 if case.startswith(FLOAT32_NORM_FAMILIES) else hf_cases.torch.float64
             ]
+            # a family computing a part in float32 on purpose: the sweep's tolerance for it (one table)
+            tol = next((t for f, (t, _) in sweep.TOLERANCES.items() if case.startswith(f"{f}_")), tol)
             assert max(errors.values()) <= tol, f"C={world} rank {rank} {case}: {errors}"
 
 

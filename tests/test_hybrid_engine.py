@@ -36,7 +36,8 @@ def test_zero3_training_equals_one_process(four_deepspeed_ranks):
             assert r["moved"] > 1e-3, where
             family, checkpointing, upipe = cases.ZERO3_CASES[name]
             assert r["checkpointing"] == ("reentrant" if checkpointing else None), where
-            assert r["mixer_u"] == upipe.get("mixer_head_chunk_size"), where
+            expected_u = upipe.get("mixer_head_chunk_size")
+            assert r["mixer_u"] == (8 if expected_u == "auto" else expected_u), where  # "auto": every U fits
 
 
 def test_mixer_weights_registered_with_zero3(four_deepspeed_ranks):

@@ -103,6 +103,20 @@ def test_hybrid_dims_count_each_kind_of_layer():
     )
     assert nemo.kind_params(MLP_LAYER) == 2 * 4096 * 21504 + 4096  # up, down (relu2: no gate), its norm
     assert nemo.params_per_layer == max(nemo.kind_params(k) for k in nemo.layer_counts)
+    big = planner.PRESETS["qwen3.5-27b"]
+    assert abs(big.total_params / 27e9 - 1) < 0.01, big.total_params  # Qwen3.5-27B: "27B" (26.90B counted, text only)
+    # a hybrid's config.json (Qwen3.5's composite one, Nemotron-H's) read back into the same dims
+    from transformers import AutoConfig
+
+    for preset in (big, nemo):
+        values = preset.hf_values(MIXER_LAYER, layers=preset.num_layers, stand_in=False)
+        model_type, kinds = values.pop("model_type"), list(preset.layer_types)
+        values.update({"layers_block_type" if model_type == "nemotron_h" else "layer_types": kinds})
+        if model_type == "nemotron_h":
+            values.pop("layer_types")
+        text = AutoConfig.for_model(model_type, num_hidden_layers=preset.num_layers, **values).to_dict()
+        config = {"model_type": "qwen3_5", "text_config": text} if model_type == "qwen3_5_text" else text
+        assert planner.ModelDims.from_config(config, name=preset.name) == preset
     moe = planner.PRESETS["qwen3-next-80b-a3b"]
     assert abs(moe.total_params / 80e9 - 1) < 0.01, moe.total_params  # Qwen3-Next-80B-A3B: 80B (79.67B counted)
     with pytest.raises(ValueError, match="layer_types has 2 entries for num_layers=3"):
@@ -110,6 +124,15 @@ def test_hybrid_dims_count_each_kind_of_layer():
     setup = planner.TrainSetup(gpus=2)
     with pytest.raises(ValueError, match="ALST cannot run"):
         planner.step_spec(bench_dims("mamba2"), setup, planner.AttentionScheme("ulysses"), 1024)
+    # the mixer layers' step does not depend on the attention's U: schemes differing only there share its fake run
+    one, all_heads = (planner.AttentionScheme.upipe(u, mixer_head_chunk_size=8) for u in (2, 4))
+    mamba = bench_dims("mamba2")
+    assert planner.step_spec(mamba, setup, one, 1024, MIXER_LAYER) == planner.step_spec(
+        mamba, setup, all_heads, 1024, MIXER_LAYER
+    )
+    assert planner.step_spec(mamba, setup, one, 1024, ATTENTION_LAYER) != planner.step_spec(
+        mamba, setup, all_heads, 1024, ATTENTION_LAYER
+    )
     with pytest.raises(ValueError, match="mixer_head_chunk_size=3 is not valid for 8 mixer heads"):
         planner.step_spec(
             bench_dims("mamba2"), setup, planner.AttentionScheme.upipe(None, mixer_head_chunk_size=3), 1024

@@ -1,5 +1,6 @@
-"""``"head_chunk_size": "auto"``: the largest U whose attention memory, measured on fake tensors, fits
-the budget.  Apart from ``config`` (whose rules are pure) because it measures: one fake-tensor run in a
+"""``"head_chunk_size": "auto"`` and ``"mixer_head_chunk_size": "auto"``: the largest U whose stage memory
+(the attention's; the sequence mixers'), measured on fake tensors, fits the budget (``largest_fitting``, the one
+rule of both).  Apart from ``config`` (whose rules are pure) because it measures: one fake-tensor run in a
 child process (``fake_run.isolated``).
 """
 
@@ -130,8 +131,82 @@ def choose_head_chunk_size(
         model_config=model_config,
         options=options,
     )
+    return largest_fitting(need, budget, group_size)
+
+
+def largest_fitting(need: dict[int, int], budget: float, fallback: int) -> int:
+    """The rule of every "auto": the largest U whose measured bytes ``need[U]`` fit ``budget`` (bytes), else
+    ``fallback`` (C: the least memory, which runs even where the budget is too small)."""
     fits = [u for u, size in need.items() if size <= budget]
-    return max(fits) if fits else group_size
+    return max(fits) if fits else fallback
+
+
+def mixer_stage_bytes_by_u(
+    *,
+    model_config: Any,
+    group_size: int,
+    seq_length: int,
+    micro_batch_size: int,
+    dtype_bytes: int,
+    options: UPipeOptions | None = None,
+) -> dict[int, int]:
+    """Per-rank memory of the model's sequence mixer layer at each U its mixers run with, in bytes: the
+    intermediate peak of its forward + backward (``fake_run.mixer_activations``: the mixer module patched by
+    ``hf_patches.apply_upipe`` with ``options``, on unpacked and packed rows), measured on fake tensors as rank 0
+    of the group, every U in one run (a child process where this one has a process group).  {} for a model
+    without mixers that have heads (short convolutions take no U)."""
+    built = fake_run.HFModelConfig.of(model_config)
+    if built is None:
+        raise ValueError(
+            f'upipe.mixer_head_chunk_size="auto": transformers cannot build model type '
+            f"{getattr(model_config, 'model_type', None)!r} from its name (remote code); give an int"
+        )
+    seq = max(group_size, seq_length - seq_length % group_size)
+    dtype = {2: "bf16", 4: "fp32", 8: "fp64"}[dtype_bytes]
+    peaks = fake_run.isolated(
+        "mixer_activations",
+        model=built.json_text,
+        options=asdict(options or UPipeOptions()),
+        sp_size=group_size,
+        seq_len=seq,
+        batch=micro_batch_size,
+        dtype=dtype,
+    )
+    return {int(u): int(b) for u, b in peaks.items()}
+
+
+def choose_mixer_head_chunk_size(
+    upipe: UPipeConfig, *, model_config: Any, group_size: int, micro_batch_size: int, dtype_bytes: int
+) -> int | None:
+    """The mixers' U: the configured int or None (validated where the mixers are known: ``check_mixer_settings``),
+    and for "auto" the largest U whose measured mixer memory (``mixer_stage_bytes_by_u``) fits
+    ``memory_budget_gib`` (C when none fits; None for a model whose mixers take no U), by attention's rule
+    (``largest_fitting``).  The budget is the same per-layer figure as attention's: a layer is either kind."""
+    if upipe.mixer_head_chunk_size != "auto":
+        return upipe.mixer_head_chunk_size
+    need = mixer_stage_bytes_by_u(
+        model_config=model_config,
+        group_size=group_size,
+        seq_length=upipe.seq_length,
+        micro_batch_size=micro_batch_size,
+        dtype_bytes=dtype_bytes,
+        options=upipe.options(None),
+    )
+    return largest_fitting(need, upipe.memory_budget_gib * 2**30, group_size) if need else None
+
+
+def run_mixer_head_chunk_size(settings: SPSettings, model: Any, micro_batch_size: int) -> int | None:
+    """The mixers' U a run uses for a model (``choose_mixer_head_chunk_size`` with the run's settings and the
+    model's text config; the one call, ``sp_setup.prepare_for_run``)."""
+    config = model.config if hasattr(model, "config") else model
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return choose_mixer_head_chunk_size(
+        settings.upipe,
+        model_config=text,
+        group_size=settings.ulysses_size,
+        micro_batch_size=micro_batch_size,
+        dtype_bytes=settings.dtype_bytes,
+    )
 
 
 def run_head_chunk_size(settings: SPSettings, model: Any, micro_batch_size: int) -> int:

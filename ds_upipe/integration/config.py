@@ -42,8 +42,8 @@ ALLOWED: dict[str, str] = {
         "sequence_parallel_size and divides the model's num_attention_heads"
     ),
     "mixer_head_chunk_size": (
-        "null (= sequence_parallel_size) or an int that is a multiple of sequence_parallel_size and divides the "
-        "heads of the model's linear-attention / state-space mixers"
+        'null (= sequence_parallel_size), "auto", or an int that is a multiple of sequence_parallel_size and '
+        "divides the heads of the model's linear-attention / state-space mixers"
     ),
     "fused_projections": "true or false",
     "kernel": '"sdpa", "math" or "flash_attn"',
@@ -89,7 +89,7 @@ class UPipeConfig(BaseModel):
     enabled: StrictBool = True
     head_chunk_size: StrictInt | Literal["auto"] | None = None
     #: U of the model's other sequence mixers (hf_patches.mixers), in their heads
-    mixer_head_chunk_size: StrictInt | None = None
+    mixer_head_chunk_size: StrictInt | Literal["auto"] | None = None
     fused_projections: StrictBool = True
     kernel: Literal[KERNEL_NAMES] = "sdpa"
     memory_budget_gib: StrictFloat | StrictInt | None = None
@@ -107,12 +107,15 @@ class UPipeConfig(BaseModel):
     tiled_norm: TiledSetting = False
     tiled_mlp: TiledSetting = False
 
-    def options(self, head_chunk_size: int | None) -> UPipeOptions:
+    def options(self, head_chunk_size: int | None, mixer_head_chunk_size: int | None = None) -> UPipeOptions:
         """The run's ``UPipeOptions``: the one translation of the block's keys (``head_chunk_size``: U as
-        resolved for the model, ``auto_chunk.choose_head_chunk_size``; "auto" is not a U)."""
+        resolved for the model, ``auto_chunk.choose_head_chunk_size``; "auto" is not a U).  The mixers' U is
+        the block's, or where it says "auto" ``mixer_head_chunk_size`` as resolved for the model
+        (``auto_chunk.run_mixer_head_chunk_size``; None where only attention is built from these options)."""
+        mixer = self.mixer_head_chunk_size
         return UPipeOptions(
             head_chunk_size=head_chunk_size,
-            mixer_head_chunk_size=self.mixer_head_chunk_size,
+            mixer_head_chunk_size=mixer_head_chunk_size if mixer == "auto" else mixer,
             kernel=self.kernel,
             fused_projections=self.fused_projections,
             overlap_comm=self.overlap_comm,
@@ -130,7 +133,7 @@ class UPipeConfig(BaseModel):
         problems = []
         if isinstance(self.head_chunk_size, int) and self.head_chunk_size < 1:
             problems.append("head_chunk_size")
-        if self.mixer_head_chunk_size is not None and self.mixer_head_chunk_size < 1:
+        if isinstance(self.mixer_head_chunk_size, int) and self.mixer_head_chunk_size < 1:
             problems.append("mixer_head_chunk_size")
         if self.memory_budget_gib is not None and not self.memory_budget_gib > 0:
             problems.append("memory_budget_gib")
@@ -142,11 +145,12 @@ class UPipeConfig(BaseModel):
             problems.append("checkpoint_pairs")
         if problems:
             raise ValueError("|".join(problems))
-        if self.head_chunk_size == "auto" and (self.memory_budget_gib is None or self.seq_length is None):
-            raise ValueError(
-                'upipe.head_chunk_size="auto" needs upipe.memory_budget_gib (GiB per rank) and upipe.seq_length '
-                "(global tokens per sequence) to predict attention memory; set both, or give head_chunk_size as an int"
-            )
+        for key in ("head_chunk_size", "mixer_head_chunk_size"):
+            if getattr(self, key) == "auto" and (self.memory_budget_gib is None or self.seq_length is None):
+                raise ValueError(
+                    f'upipe.{key}="auto" needs upipe.memory_budget_gib (GiB per rank) and upipe.seq_length '
+                    f"(global tokens per sequence) to predict its stage memory; set both, or give {key} as an int"
+                )
         return self
 
 

@@ -25,6 +25,7 @@ from hf_patches.mixers import mixer_kind_of
 from hf_patches.packing import per_document_attention
 
 from ..heads import HeadLayout
+from .auto_chunk import run_mixer_head_chunk_size
 from .checkpoint_pairs import check_pairs_fit, install_checkpoint_pairs
 from .checkpointing import install_exact_pinned_pool, releasing
 from .config import SPSettings, UPipeConfig, tiled
@@ -145,12 +146,15 @@ def prepare_for_run(
     Ulysses and ring groups; None: no UPipe patching, i.e. no sequence parallelism or ALST's registration),
     then the block's long-context stack (``long_context``; ``forward_loss``: ``prepare_model``'s)."""
     upipe = settings.upipe
-    ulysses_group, ring_group = (None, None)
+    ulysses_group, ring_group, options = None, None, None
     if sequence_group is not None:
         ulysses_group, ring_group = upipe_groups(sequence_group, settings)
+        # "auto" measures this model's mixer layer (the micro-batch as given, else 1 row)
+        mixer_u = run_mixer_head_chunk_size(settings, model, settings.micro_batch_size or 1)
+        options = upipe.options(head_chunk_size, mixer_u)
     prepare_model(
         model,
-        upipe=upipe.options(head_chunk_size) if sequence_group is not None else None,
+        upipe=options,
         group=ulysses_group,
         ring_group=ring_group,
         stack=long_context_options(upipe) if long_context and upipe.long_context else None,
@@ -215,8 +219,9 @@ def _check_mixer_settings(model: torch.nn.Module, settings: SPSettings) -> None:
 
     upipe = settings.upipe
     key = "ring_size" if upipe.ring_size > 1 else "mixer_head_chunk_size"
+    u = None if upipe.mixer_head_chunk_size == "auto" else upipe.mixer_head_chunk_size  # "auto": C must run
     try:
-        check_mixer_settings(model, settings.ulysses_size, upipe.mixer_head_chunk_size, upipe.ring_size > 1)
+        check_mixer_settings(model, settings.ulysses_size, u, upipe.ring_size > 1)
     except ValueError as err:
         raise ValueError(f"invalid ds_config: upipe.{key}={getattr(upipe, key)}: {err}") from None
 

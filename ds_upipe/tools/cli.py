@@ -55,7 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--model",
         default="llama3-8b",
-        help="preset (llama3-8b, qwen3-32b, qwen3-30b-a3b, gpt-oss-20b) or a config.json path",
+        help=(
+            "a preset (planner.PRESETS: llama3-8b, qwen3-32b, ..., the hybrids qwen3.5-9b, qwen3.5-27b, ...) or the "
+            "path of a config.json (or its folder): a Llama-family, MoE or hybrid (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, "
+            "Nemotron-H) model"
+        ),
     )
     plan.add_argument("--gpus", type=int, default=None, help="sequence-parallel GPUs (default: the preset's, or 8)")
     plan.add_argument(
@@ -215,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="For each model type of transformers' causal-LM auto mapping (or those given), a tiny float64 "
         "model patched by apply_upipe on 2 gloo ranks against the same model unpatched on the whole sequence "
         "(logits, loss, every gradient), fused and unfused: one row each, exact-fused / exact-unfused / refused "
-        "(ds_upipe's message) / failed / not-built.  Exits 1 if any row failed.",
+        "(ds_upipe's message) / failed / not-built; beside it DeepSpeed ALST on the same model and shards: "
+        "exact / wrong / crashed.  Exits 1 if any UPipe row failed.",
     )
     sweep.add_argument(
         "--model-type", action="append", dest="model_types", help="a model type (repeatable; default: all)"
@@ -235,7 +240,8 @@ def _sweep(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     table = sweep.format_table(rows)
     print(table)
-    print(", ".join(f"{n} {status}" for status, n in sweep.counts(rows).items()) + f"; {seconds:.0f} s")
+    print("UPipe: " + ", ".join(f"{n} {status}" for status, n in sweep.counts(rows).items()) + f"; {seconds:.0f} s")
+    print("DeepSpeed ALST: " + ", ".join(f"{n} {status}" for status, n in sweep.alst_counts(rows).items()))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {"command": "ds-upipe " + " ".join(args.argv), "seconds": seconds, "rows": [vars(r) for r in rows]}

@@ -13,6 +13,12 @@ projections apply and unfused.  Every model type gets one row:
 - ``failed``: anything else (an exception from elsewhere, or an error above the tolerance);
 - ``not-built``: its tiny config or model cannot be built, or the unpatched model does not run on CPU.
 
+Beside it, the peer baseline: DeepSpeed ALST (DeepSpeed-Ulysses for HF models) as a plain ALST user runs it
+(the model in sdpa, ``UlyssesSPAttentionHF.register_with_transformers`` with the model object), on the same
+tiny model, the same shards, loss and gradient sum (``parity.sharded_step``) and against the same unpatched
+reference: ``exact`` (within the family's tolerance), ``wrong`` (silently: no error, numbers above it; the
+largest error kept) or ``crashed`` (the exception's first line).
+
 All families run in one spawn of two ranks; each family gets its own process group with a short timeout,
 so that a family failing on one rank only (the other then waits in a collective) costs that timeout and
 not the sweep.
@@ -78,6 +84,11 @@ SMALL: dict[str, Any] = dict(
     vocab_size_per_layer_input=101,
     hidden_size_per_layer_input=8,
     pad_token_id=0,
+    sliding_window=4,  # below the sweep's 12 tokens, so that a sliding-window layer differs from full attention
+)
+
+_KV_SHARED: dict[str, Any] = dict(
+    num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2
 )
 
 #: model type -> what its tiny config changes over ``COMMON`` and ``SMALL`` (the one table of per-family
@@ -99,8 +110,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     ),
     "dots3_note": dict(num_key_value_heads=8),  # its validator: no GQA
     "dots3_note_text": dict(num_key_value_heads=8),
-    "gemma3n": dict(num_kv_shared_layers=0),
-    "gemma3n_text": dict(num_kv_shared_layers=0),
+    # Gemma 3n: 4 layers, the last two KV-shared (they take layers 0 and 1's keys and values: shared_kv_states)
+    **{t: dict(_KV_SHARED, activation_sparsity_pattern=[0.0] * 4) for t in ("gemma3n", "gemma3n_text")},
+    # Gemma 4: the same, and full layers of their own head dim (global_head_dim: per-layer settings)
+    **{
+        t: dict(_KV_SHARED, global_head_dim=16)
+        for t in ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
+    },
     "codegen": dict(rotary_dim=8),  # at most head_dim
     "gptj": dict(rotary_dim=8),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], num_layers=2),
@@ -134,6 +150,8 @@ TOLERANCES: dict[str, tuple[float, str]] = {
 OWN_MESSAGES: tuple[str, ...] = ("apply_upipe", "invalid ds_config", "hf_patches")
 
 STATUSES = ("exact-fused", "exact-unfused", "refused", "failed", "not-built")
+#: DeepSpeed ALST's column ("" where it was not run: the family not built, or not among ``alst_types``)
+ALST_STATUSES = ("exact", "wrong", "crashed")
 
 
 @dataclass
@@ -145,6 +163,9 @@ class Row:
     detail: str = ""
     errors: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
+    alst: str = ""
+    alst_detail: str = ""
+    alst_errors: dict[str, float] = field(default_factory=dict)
 
 
 class NotBuilt(Exception):
@@ -181,10 +202,10 @@ def causal_lm_class(model_type: str, config: Any) -> type:
     return getattr(transformers, names.get(config.model_type, names[model_type]))
 
 
-def build_model(model_type: str, seed: int = 0) -> torch.nn.Module:
+def build_model(model_type: str, seed: int = 0, refuse_early: bool = True) -> torch.nn.Module:
     """The family's tiny causal LM in float64 (random weights from ``seed``; sinks random so that they matter).
-    ``apply_upipe``'s structural refusals (``find_decoder``) are raised on a parameter-free copy first, so a
-    refused family costs no real model."""
+    ``refuse_early``: ``apply_upipe``'s structural refusals (``find_decoder``) are raised on a parameter-free copy
+    first, so a refused family costs no real model (off where ALST's column needs the model anyway)."""
     from hf_patches.architectures import find_decoder
 
     try:
@@ -194,7 +215,8 @@ def build_model(model_type: str, seed: int = 0) -> torch.nn.Module:
             skeleton = cls(config)
     except Exception as err:  # noqa: BLE001 - any failure of transformers' classes is the row's reason
         raise NotBuilt(f"{type(err).__name__}: {_first_line(err)}") from err
-    find_decoder(skeleton)
+    if refuse_early:
+        find_decoder(skeleton)
     size = sum(p.numel() for p in skeleton.parameters())
     if size > MAX_PARAMETERS:
         raise NotBuilt(f"{size} parameters, not tiny (a size key of its config is not overridden)")
@@ -242,42 +264,105 @@ def _patched_errors(model, ref, batch, group, fused: bool) -> tuple[dict[str, fl
     return errors, state.fallback_reason if fused and not state.fused_projections else None
 
 
-def sweep_family(model_type: str, group) -> Row:
-    """One model type's row (run by every rank of ``group``)."""
+def alst_step(model, batch, group) -> tuple:
+    """DeepSpeed ALST's sharded step of ``model`` (changed: its attention implementation, sdpa), as a plain ALST
+    user runs it: ``register_with_transformers`` with the model object (it replaces sdpa in transformers'
+    attention registry and builds DeepSpeed's sequence-parallel groups of ``WORLD`` ranks); both are undone after."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    saved = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
+    try:
+        if model.config._attn_implementation != "sdpa":
+            model.set_attn_implementation("sdpa")  # ALST runs flash, flex or sdpa; CPU: sdpa
+        UlyssesSPAttentionHF.register_with_transformers(
+            model, "sdpa", WORLD, micro_batch_size=batch["input_ids"].shape[0], seq_length_is_variable=True
+        )
+        return parity.sharded_step(model, batch, group)
+    finally:
+        # both ranks done with DeepSpeed's groups before either tears them down (gloo: a peer still connecting
+        # to a group the other has destroyed fails in connectFullMesh)
+        dist.barrier(group=group)
+        ALL_ATTENTION_FUNCTIONS._local_mapping.clear()
+        ALL_ATTENTION_FUNCTIONS._local_mapping.update(saved)
+        for sp_group in {parallel_state_sp._SEQUENCE_PARALLEL_GROUP, parallel_state_sp._SEQUENCE_DATA_PARALLEL_GROUP}:
+            if sp_group is not None:
+                dist.destroy_process_group(sp_group)
+        parallel_state_sp._release_sequence_parallel_groups()
+
+
+def alst_column(model, ref, batch, group, tolerance: float) -> tuple[str, str, dict[str, float]]:
+    """ALST's (status, detail, errors) on a copy of ``model`` against ``ref`` (``ALST_STATUSES``)."""
+    try:
+        with parity.float64_internals():  # as for UPipe's rows
+            errors = parity.compare(ref, alst_step(copy.deepcopy(model), batch, group), batch["input_ids"].shape[1])
+    except Exception as err:  # noqa: BLE001 - every exception is ALST's crash
+        return "crashed", f"{type(err).__name__}: {_first_line(err)} ({_where(err)})", {}
+    worst = max(errors.values())
+    if worst > tolerance:
+        return "wrong", f"error {worst:.1e}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()), errors
+    return "exact", "", errors
+
+
+def _model_and_reference(model_type: str, refuse_early: bool = True) -> tuple:
+    """(model, batch, the unpatched reference step); ``NotBuilt`` where the model does not build or run."""
+    model = build_model(model_type, refuse_early=refuse_early)
+    batch = parity.make_batch(0, 2, 6 * WORLD)
+    try:
+        with parity.float64_internals():
+            return model, batch, parity.reference_step(model, batch)
+    except Exception as err:  # noqa: BLE001
+        raise NotBuilt(f"unpatched model on CPU: {type(err).__name__}: {_first_line(err)}") from err
+
+
+def sweep_family(model_type: str, group, alst: bool = True) -> Row:
+    """One model type's row (run by every rank of ``group``); ``alst``: with DeepSpeed ALST's column."""
     start = time.perf_counter()
     tolerance = TOLERANCES.get(model_type, (TOLERANCE, ""))[0]
     try:
-        model = build_model(model_type)
-        patched = copy.deepcopy(model)
-        batch = parity.make_batch(0, 2, 6 * WORLD)
-        try:
-            with parity.float64_internals():
-                ref = parity.reference_step(model, batch)
-        except Exception as err:  # noqa: BLE001
-            raise NotBuilt(f"unpatched model on CPU: {type(err).__name__}: {_first_line(err)}") from err
+        model, batch, ref = _model_and_reference(model_type)
+    except NotBuilt as err:
+        return Row(model_type, "not-built", str(err), seconds=time.perf_counter() - start)
+    except Exception as err:  # noqa: BLE001 - a structural refusal (find_decoder on the parameter-free copy)
+        row = _refused_or_failed(model_type, err, start)
+        if alst:  # ALST's column needs the model all the same
+            try:
+                model, batch, ref = _model_and_reference(model_type, refuse_early=False)
+                row.alst, row.alst_detail, row.alst_errors = alst_column(model, ref, batch, group, tolerance)
+            except NotBuilt:
+                pass
+        row.seconds = time.perf_counter() - start
+        return row
+    columns = {}
+    if alst:
+        columns = dict(zip(("alst", "alst_detail", "alst_errors"), alst_column(model, ref, batch, group, tolerance)))
+    try:
         with parity.float64_internals():  # transformers' float32 casts: split sums would differ by ~1e-7
-            errors, fallback = _patched_errors(patched, ref, batch, group, fused=True)
+            errors, fallback = _patched_errors(copy.deepcopy(model), ref, batch, group, fused=True)
             results = {"fused" if fallback is None else "unfused": errors}
             if fallback is None:
                 results["unfused"] = _patched_errors(copy.deepcopy(model), ref, batch, group, fused=False)[0]
-    except NotBuilt as err:
-        return Row(model_type, "not-built", str(err), seconds=time.perf_counter() - start)
     except Exception as err:  # noqa: BLE001 - every family gets a row
-        status = "refused" if is_own_refusal(err) else "failed"
-        detail = str(err) if status == "refused" else f"{type(err).__name__}: {_first_line(err)} ({_where(err)})"
-        return Row(model_type, status, detail, seconds=time.perf_counter() - start)
+        return _refused_or_failed(model_type, err, start, columns)
     flat = {f"{mode}.{k}": v for mode, errs in results.items() for k, v in errs.items()}
     worst = max(flat.values())
     if worst > tolerance:
         detail = f"error {worst:.2e} above the tolerance {tolerance:.0e}: " + ", ".join(
             f"{k} {v:.1e}" for k, v in flat.items() if v > tolerance
         )
-        return Row(model_type, "failed", detail, flat, time.perf_counter() - start)
+        return Row(model_type, "failed", detail, flat, time.perf_counter() - start, **columns)
     status = "exact-fused" if "fused" in results else "exact-unfused"
     notes = [f"unfused: {_short_fallback(fallback)}"] if fallback is not None else []
     if model_type in TOLERANCES:
         notes.append(f"within {tolerance:.0e}: {TOLERANCES[model_type][1]}")
-    return Row(model_type, status, "; ".join(notes), flat, time.perf_counter() - start)
+    return Row(model_type, status, "; ".join(notes), flat, time.perf_counter() - start, **columns)
+
+
+def _refused_or_failed(model_type: str, err: Exception, start: float, columns: dict[str, Any] | None = None) -> Row:
+    status = "refused" if is_own_refusal(err) else "failed"
+    detail = str(err) if status == "refused" else f"{type(err).__name__}: {_first_line(err)} ({_where(err)})"
+    return Row(model_type, status, detail, seconds=time.perf_counter() - start, **(columns or {}))
 
 
 def _short_fallback(reason: str) -> str:
@@ -302,60 +387,90 @@ def _quiet() -> None:
 
 
 def _merge(rows: list[Row]) -> Row:
-    """The ranks' rows of one family as one: the first rank's unless another's is worse."""
+    """The ranks' rows of one family as one: the first rank's unless another's is worse (ALST's column alike)."""
     order = {s: i for i, s in enumerate(("failed", "refused", "not-built", "exact-unfused", "exact-fused"))}
-    return min(rows, key=lambda r: order[r.status])
+    row = copy.copy(min(rows, key=lambda r: order[r.status]))
+    alst_order = {s: i for i, s in enumerate(("crashed", "wrong", "exact", ""))}
+    worst = min(rows, key=lambda r: alst_order[r.alst])
+    row.alst, row.alst_detail, row.alst_errors = worst.alst, worst.alst_detail, worst.alst_errors
+    return row
 
 
-def sweep_ranks(rank: int, world: int, model_types: list[str], verbose: bool) -> list[dict[str, Any]]:
-    """Inside a rank: every family's row, each on its own process group (``verbose``: rank 0 prints each row)."""
+def sweep_ranks(
+    rank: int, world: int, model_types: list[str], alst_types: list[str], verbose: bool
+) -> list[dict[str, Any]]:
+    """Inside a rank: every family's row, each on its own process group (``verbose``: rank 0 prints each row);
+    the families of ``alst_types`` with ALST's column."""
     _quiet()
     rows = []
     for i, model_type in enumerate(model_types):
         group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=FAMILY_TIMEOUT_S))
-        row = sweep_family(model_type, group)
+        row = sweep_family(model_type, group, alst=model_type in alst_types)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, row)  # the default group: both ranks meet here whatever happened
         rows.append(asdict(_merge(gathered)))
         if verbose and rank == 0:
             row = rows[-1]
-            print(f"[{i + 1}/{len(model_types)}] {model_type}: {row['status']} ({row['seconds']:.1f} s)", flush=True)
+            alst = f", ALST {row['alst']}" if row["alst"] else ""
+            print(
+                f"[{i + 1}/{len(model_types)}] {model_type}: {row['status']}{alst} ({row['seconds']:.1f} s)", flush=True
+            )
         dist.destroy_process_group(group)
     return rows
 
 
-def run_sweep(model_types: list[str] | None = None, timeout: float = 3600, verbose: bool = False) -> list[Row]:
-    """Every family of ``model_types`` (default: the whole causal-LM mapping) on ``WORLD`` ranks, one spawn."""
+def run_sweep(
+    model_types: list[str] | None = None,
+    timeout: float = 3600,
+    verbose: bool = False,
+    alst_types: list[str] | None = None,
+) -> list[Row]:
+    """Every family of ``model_types`` (default: the whole causal-LM mapping) on ``WORLD`` ranks, one spawn (with
+    DeepSpeed's communication up: ALST builds its groups through it); ALST's column for ``alst_types`` (default:
+    all of them)."""
     types = model_types or causal_lm_types()
-    unknown = sorted(set(types) - set(causal_lm_types()))
+    alst = types if alst_types is None else alst_types
+    unknown = sorted((set(types) | set(alst)) - set(causal_lm_types()))
     if unknown:
         raise ValueError(f"model types {unknown} are not in transformers' causal-LM auto mapping")
-    return [Row(**r) for r in run_ranks(sweep_ranks, WORLD, types, verbose, timeout=timeout)[0]]
+    results = run_ranks(sweep_ranks, WORLD, types, list(alst), verbose, timeout=timeout, use_deepspeed=True)
+    return [Row(**r) for r in results[0]]
 
 
 def counts(rows: list[Row]) -> dict[str, int]:
     return {s: sum(r.status == s for r in rows) for s in STATUSES}
 
 
+def alst_counts(rows: list[Row]) -> dict[str, int]:
+    return {s: sum(r.alst == s for r in rows) for s in ALST_STATUSES}
+
+
 def format_table(rows: list[Row]) -> str:
-    """The markdown table of ``rows`` (docs/families.md's body)."""
-    lines = ["| model type | result | why / details |", "|---|---|---|"]
+    """The markdown table of ``rows`` (docs/families.md's body): ours, then DeepSpeed ALST's."""
+    lines = ["| model type | UPipe | why / details | DeepSpeed ALST | ALST details |", "|---|---|---|---|---|"]
     for r in rows:
-        detail = r.detail.replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| `{r.model_type}` | {r.status} | {detail} |")
+        detail, alst_detail = (d.replace("|", "\\|").replace("\n", " ") for d in (r.detail, r.alst_detail))
+        lines.append(f"| `{r.model_type}` | {r.status} | {detail} | {r.alst or '-'} | {alst_detail} |")
     return "\n".join(lines)
 
 
 def markdown_page(rows: list[Row], command: str, seconds: float) -> str:
     """docs/families.md: how it was made, the counts, the table."""
     tally = ", ".join(f"{n} {status}" for status, n in counts(rows).items())
+    alst_tally = ", ".join(f"{n} {status}" for status, n in alst_counts(rows).items())
     return (
-        "# Every causal decoder family of transformers under UPipe\n\n"
+        "# Every causal decoder family of transformers under UPipe, and under DeepSpeed ALST\n\n"
         f"Written by `{command}` (ds_upipe/tools/sweep.py; {seconds:.0f} s on 2 CPU ranks): each model type of "
         "transformers' causal-LM auto mapping, a tiny float64 model patched by `apply_upipe` on 2 ranks against "
         f"the same model unpatched on the whole sequence (logits, loss, every gradient; relative {TOLERANCE:.0e}), "
-        "fused where fused projections apply and unfused.  `exact-fused`: both modes exact; `exact-unfused`: "
+        "fused where fused projections apply and unfused; 2 rows of 12 tokens, sliding windows of 4 where the config "
+        "has one.  `exact-fused`: both modes exact; `exact-unfused`: "
         "fused projections do not apply (the reason shown), unfused exact; `refused`: ds_upipe's own message; "
         "`not-built`: the tiny config or the unpatched model does not build or run on CPU.\n\n"
-        f"{tally}.\n\n{format_table(rows)}\n"
+        "The peer baseline, DeepSpeed ALST (DeepSpeed-Ulysses for HF models, "
+        "`UlyssesSPAttentionHF.register_with_transformers` with the model object, sdpa), runs the same model on "
+        "the same shards with the same loss and gradient sum, against the same reference: `exact` (within the "
+        "family's tolerance), `wrong` (no error raised, the numbers off: the largest relative errors shown) or "
+        "`crashed` (the exception's first line and where); `-`: the model does not build or run unpatched.\n\n"
+        f"UPipe: {tally}.\n\nDeepSpeed ALST: {alst_tally}.\n\n{format_table(rows)}\n"
     )

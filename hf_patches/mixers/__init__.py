@@ -6,6 +6,8 @@ A kind's module (``hf_patches.mixers.<module>``) provides:
 - ``check(layer: int, module: nn.Module, group_size: int, head_chunk_size: int | None) -> None``: raise a
   ValueError naming the layer (``apply_upipe: decoder layer {layer} ({class}): ...``) and the rule for what
   it cannot run, before any collective (same answer on every rank: reads the module and the sizes only);
+- ``head_count(module: nn.Module) -> int | None``: the heads its U counts (None: a kind without heads, which
+  takes no U);
 - ``zero3_params(module: nn.Module) -> list[nn.Parameter]``: the parameters its sharded forward reads
   outside their own submodule's forward (ZeRO-3 must gather them with the mixer module);
 - ``sharded_forward(module, hidden_states, *, group, head_chunk_size, documents) -> Tensor``: the
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor, nn
 
 from ..state import DOCUMENTS_KWARG
+from .common import valid_head_chunk_sizes
 
 if TYPE_CHECKING:
     from ..state import UPipeState
@@ -104,9 +107,22 @@ def check_mixers(
             "attention only; pass ring_group=None for models with such layers"
         )
     for layer, module in mixers:
-        kind = mixer_kind_of(type(module).__name__)
-        assert kind is not None, type(module).__name__  # find_decoder lists registered kinds only
-        kind.implementation().check(layer, module, group_size, head_chunk_size)
+        kind_module(module).check(layer, module, group_size, head_chunk_size)
+
+
+def mixer_head_chunk_sizes(mixers: list[tuple[int, nn.Module]], group_size: int) -> list[int]:
+    """The U every mixer of the model runs with over ``group_size`` ranks (``common.valid_head_chunk_sizes`` of
+    each kind's ``head_count``; kinds without heads take none): what ``mixer_head_chunk_size: "auto"`` picks from."""
+    counts = {kind_module(m).head_count(m) for _, m in mixers} - {None}
+    valid = [set(valid_head_chunk_sizes(n, group_size)) for n in counts]
+    return sorted(set.intersection(*valid)) if valid else []
+
+
+def kind_module(module: nn.Module) -> ModuleType:
+    """The implementation of a registered mixer module's kind."""
+    kind = mixer_kind_of(type(module).__name__)
+    assert kind is not None, type(module).__name__  # find_decoder lists registered kinds only
+    return kind.implementation()
 
 
 def patch_mixers(mixers: list[tuple[int, nn.Module]], state: UPipeState) -> list[tuple[nn.Module, list[nn.Parameter]]]:
@@ -114,9 +130,8 @@ def patch_mixers(mixers: list[tuple[int, nn.Module]], state: UPipeState) -> list
     returns, per module, the parameters ZeRO-3 must gather with it (``zero3_params``)."""
     external = []
     for _, module in mixers:
-        kind = mixer_kind_of(type(module).__name__)
         module._upipe_state = state
-        module._upipe_mixer = kind.implementation()
+        module._upipe_mixer = kind_module(module)
         module.forward = types.MethodType(_sharded_mixer_forward, module)
         external.append((module, module._upipe_mixer.zero3_params(module)))
     return external

@@ -113,6 +113,11 @@ def check(layer: int, module: nn.Module, group_size: int, head_chunk_size: int |
     check_head_chunk_size(layer, module, "linear_num_value_heads", hv, group_size, head_chunk_size)
 
 
+def head_count(module: nn.Module) -> int:
+    """What U counts: the value heads."""
+    return module.num_v_heads
+
+
 def zero3_params(module: nn.Module) -> list[nn.Parameter]:
     """The projections read by rows and the conv read by channels (z's projection too when sliced)."""
     layout = _layout(module)

@@ -82,6 +82,11 @@ def check(layer: int, module: nn.Module, group_size: int, head_chunk_size: int |
     check_head_chunk_size(layer, module, "num_heads", heads, group_size, head_chunk_size)
 
 
+def head_count(module: nn.Module) -> int:
+    """What U counts: the SSM heads."""
+    return module.num_heads
+
+
 def zero3_params(module: nn.Module) -> list[nn.Parameter]:
     """in_proj and conv1d are read by slices, outside their own forwards (norm and out_proj run as modules; A_log,
     dt_bias and D are the mixer's own)."""

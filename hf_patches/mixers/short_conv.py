@@ -53,6 +53,11 @@ def check(layer: int, module: nn.Module, group_size: int, head_chunk_size: int |
         )
 
 
+def head_count(module: nn.Module) -> None:
+    """No heads: U does not apply (``mixer_head_chunk_size`` stays None)."""
+    return None
+
+
 def zero3_params(module: nn.Module) -> list[nn.Parameter]:
     """The conv's weight and bias: read by the conv function, outside ``module.conv``'s forward (as the
     unpatched module does); in_proj and out_proj run as modules."""

@@ -44,6 +44,8 @@ from .steps import (
     intermediate,
     layer_step,
     loss_step,
+    mixer_activations,
+    mixer_step,
     model_step,
 )
 from .tracker import KERNELS, NoModuleTracking, Peak, PeakTracker, kernel_workspace_bytes, track
@@ -70,6 +72,8 @@ __all__ = [
     "kernel_workspace_bytes",
     "layer_step",
     "loss_step",
+    "mixer_activations",
+    "mixer_step",
     "model_step",
     "track",
 ]

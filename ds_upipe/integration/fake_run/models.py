@@ -41,6 +41,10 @@ class ModelShape:
         )
 
 
+#: model types whose config forces the last layer to full attention (Gemma 4's ``__post_init__``)
+_LAST_LAYER_FULL = ("gemma4_text",)
+
+
 @dataclass(frozen=True)
 class HFModelConfig:
     """A real model's transformers (text) config, as JSON: the fake run builds its decoder layer from
@@ -76,10 +80,13 @@ class HFModelConfig:
         kinds = values.get("layer_types")
         if not isinstance(kinds, list) or len(set(kinds)) <= 1:
             return [self]
+        overrides = values.get("per_layer_config")  # a heterogeneous config's (Gemma 4's head dims), by layer
         configs = []
         for kind in dict.fromkeys(kinds):
             first = kinds.index(kind)
             values["layer_types"] = [*kinds[first:], *kinds[:first]]  # same length, ``kind`` first
+            if isinstance(overrides, dict):  # rotated with the layers: each layer keeps its own settings
+                values["per_layer_config"] = {str((int(i) - first) % len(kinds)): v for i, v in overrides.items()}
             configs.append(HFModelConfig(json.dumps(values, sort_keys=True, default=str)))
         return configs
 
@@ -90,5 +97,13 @@ class HFModelConfig:
         model_type = values.pop("model_type")
         if isinstance(values.get("layer_types"), list):  # per-layer attention types: those of the first layers
             values["layer_types"] = values["layer_types"][:layers]
+        if isinstance(values.get("per_layer_config"), dict):  # per-layer settings: those of the first layers
+            values["per_layer_config"] = {i: v for i, v in values["per_layer_config"].items() if int(i) < layers}
+        if values.get("num_kv_shared_layers"):  # the layers built compute their own keys and values (a KV-shared
+            values["num_kv_shared_layers"] = 0  # layer's UPipe call runs on the same shapes)
         values.update(num_hidden_layers=layers, use_cache=False, attn_implementation="sdpa")
+        kinds = values.get("layer_types")
+        if model_type in _LAST_LAYER_FULL and isinstance(kinds, list) and kinds[-1] != "full_attention":
+            # its config turns a last sliding layer into a full one: one full layer more keeps the measured ones
+            values.update(layer_types=[*kinds, "full_attention"], num_hidden_layers=layers + 1)
         return AutoConfig.for_model(model_type, **values)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -425,7 +427,7 @@ def attention_step(spec: StepSpec, packed: bool = False) -> Peak:
     whole row beside the row's buffers (the most that per-document path holds).  ``activations``:
     ``intermediate``."""
 
-    from hf_patches.architectures import find_decoder
+    from hf_patches.architectures import SHARED_KV_KWARG, find_decoder, takes_shared_kv
     from hf_patches.state import DOCUMENTS_KWARG
 
     from ...packing import DocumentBoundaries
@@ -438,9 +440,13 @@ def attention_step(spec: StepSpec, packed: bool = False) -> Peak:
         dout = torch.empty(spec.batch, s, hidden, dtype=dtype)
         pos = torch.arange(s).expand(spec.batch, s)
         rotary = getattr(model.model, "rotary_emb", None)
+        # per layer type where the rotary embedding takes it (Gemma 3 / 4: sliding and full layers rotate differently)
+        by_type = rotary is not None and "layer_type" in inspect.signature(type(rotary).forward).parameters
         with torch.no_grad():
-            cos_sin = rotary(h, pos) if rotary is not None else None
+            cos_sin = None if rotary is None else rotary(h, pos, **({"layer_type": attn.layer_type} if by_type else {}))
         kwargs: dict[str, Any] = {"position_ids": pos}
+        if takes_shared_kv(attn):  # Gemma 3n / 4: where a producing layer leaves its keys and values
+            kwargs[SHARED_KV_KWARG] = {}
         if packed:
             kwargs[DOCUMENTS_KWARG] = DocumentBoundaries(((0, 1, spec.seq_len),))
 
@@ -489,3 +495,64 @@ def attention_activations(
         packings = (False, True) if specs[0].ring_size == 1 else (False,)
         out[str(u)] = max(attention_step(spec, packed).activations for spec in specs for packed in packings)
     return out
+
+
+@functools.lru_cache(maxsize=512)
+def mixer_step(spec: StepSpec, packed: bool = False) -> Peak:
+    """Rank 0's peak over the first sequence mixer (``hf_patches.mixers``: gated delta net, Mamba-2) of
+    ``spec.model``, forward + backward, run as the model runs it: patched by ``hf_patches.apply_upipe`` with
+    ``spec.options`` (its ``mixer_head_chunk_size``), called with the decoder layer's hidden states (and this
+    forward's documents: ``packed``, two documents, one token and the rest, which the torch fallbacks run one at a
+    time).  ``activations``: ``intermediate`` (the stages' projections, exchanges, conv and recurrence buffers and
+    what the checkpointed stages keep: the mixer's share of the budget)."""
+    from hf_patches.architectures import find_decoder
+    from hf_patches.state import DOCUMENTS_KWARG
+
+    from ...packing import DocumentBoundaries
+
+    dtype = DTYPES[spec.dtype]
+    s, hidden = spec.local_tokens, spec.model.hidden_size
+    with _fake_model(spec) as (model, _):
+        mixers = find_decoder(model).mixers
+        if not mixers:
+            raise ValueError(f"{json.loads(spec.model.json_text)['model_type']}: the first layer holds no mixer")
+        mixer = mixers[0][1]
+        h = torch.empty(spec.batch, s, hidden, dtype=dtype).requires_grad_(True)
+        dout = torch.empty(spec.batch, s, hidden, dtype=dtype)
+        kwargs = {DOCUMENTS_KWARG: DocumentBoundaries(((0, 1, spec.seq_len),))} if packed else {}
+
+        def forward() -> torch.Tensor:
+            return mixer(h, **kwargs)
+
+        def backward(out: torch.Tensor) -> None:
+            out.backward(dout)
+
+        weights = list(mixer.parameters())
+        peak = track(backward, {"hidden states h": [h], "dout": [dout]}, weights, forward=forward)
+    params = sum(w.untyped_storage().nbytes() for w in {id(w): w for w in weights}.values())
+    return intermediate(peak, 2 * params + 4 * h.untyped_storage().nbytes())  # h dh out dout
+
+
+def mixer_activations(*, model: str, options: dict[str, Any], **kwargs: Any) -> dict[str, int]:
+    """``mixer_head_chunk_size: "auto"``'s measurement: the intermediate peak (``intermediate``) of the model's
+    mixer layer (``HFModelConfig.layer_kinds``: the kind whose first layer holds a mixer) at every U its mixers
+    run with (``hf_patches.mixers.mixer_head_chunk_sizes``), on unpacked and packed rows (the larger counts), in
+    one process.  ``model``: the JSON of the model's ``HFModelConfig``; ``options``: the run's ``UPipeOptions``
+    as a dict; ``kwargs``: sp_size, seq_len, batch, dtype (``StepSpec``'s fields).  {} for a model without mixers
+    of a kind with heads."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_patches.architectures import find_decoder
+    from hf_patches.mixers import mixer_head_chunk_sizes
+
+    base = UPipeOptions(**options)
+    for kind in HFModelConfig(model).layer_kinds():
+        with torch.device("meta"):
+            mixers = find_decoder(AutoModelForCausalLM.from_config(kind.config(1))).mixers
+        if mixers:
+            break
+    else:
+        return {}
+    us = mixer_head_chunk_sizes(mixers, kwargs["sp_size"])
+    specs = {u: StepSpec(kind, "upipe", options=replace(base, mixer_head_chunk_size=u), **kwargs) for u in us}
+    return {str(u): max(mixer_step(spec, packed).activations for packed in (False, True)) for u, spec in specs.items()}

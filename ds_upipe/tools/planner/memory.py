@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ...schedule import valid_head_chunk_sizes
-from .models import ModelDims
+from .models import MIXER_LAYER, ModelDims
 from .setup import AttentionScheme, TrainSetup
 from .units import DTYPE_BYTES, GiB
 
@@ -147,12 +147,18 @@ def step_spec(dims: ModelDims, setup: TrainSetup, scheme: AttentionScheme, seq_l
         valid = valid_head_chunk_sizes(dims.num_heads, dims.num_kv_heads, setup.ulysses_size)
         if u not in valid:
             raise ValueError(f"head_chunk_size={u} is not valid here; valid: {valid}")
+    options = scheme.options
+    if kind == MIXER_LAYER:
+        # a step of mixer layers holds no softmax attention: its attention U cannot change it, so the schemes that
+        # differ only there share one fake run (``fake_run.model_step``'s cache; a gated delta net's torch fallback
+        # loops over S / 64 chunks a stage: minutes at a million tokens)
+        options = replace(options, head_chunk_size=None)
     return StepSpec(
         model=dims.shape(kind),
         attention="alst" if scheme.kind == "ulysses" else "upipe",
         sp_size=setup.gpus,
         seq_len=seq_len,
-        options=scheme.options,
+        options=options,
         batch=setup.batch,
         dtype=setup.dtype,
         tiled_norm=setup.tiled_norm,

@@ -274,9 +274,11 @@ class ModelDims:
 
     @staticmethod
     def from_config(config: dict, name: str = "config") -> ModelDims:
-        """From a transformers config dict (config.json of a Llama/Mistral/Qwen2/Qwen3 model, or of the
-        sparse MoE Qwen3-MoE / Mixtral / GPT-OSS)."""
+        """From a transformers config dict (config.json of a Llama/Mistral/Qwen2/Qwen3 model, of the
+        sparse MoE Qwen3-MoE / Mixtral / GPT-OSS, or of a hybrid of ``HYBRID_TYPES``: ``_hybrid_dims``)."""
         cfg = config.get("text_config", config)
+        if cfg.get("model_type") in HYBRID_TYPES:
+            return _hybrid_dims(config, name)
         missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers") if k not in cfg]
         if missing:
             raise ValueError(f"config lacks {missing}: not a Llama-family transformers config")
@@ -316,6 +318,51 @@ class ModelDims:
     @staticmethod
     def from_file(path: str | Path) -> ModelDims:
         return ModelDims.from_config(json.loads(Path(path).read_text()), name=str(path))
+
+
+def _hybrid_dims(config: dict, name: str) -> ModelDims:
+    """A hybrid's dims (``HYBRID_TYPES``) from its config.json, read by transformers' own config class (which maps
+    legacy keys, e.g. Nemotron-H's ``hybrid_override_pattern``, to ``layers_block_type``)."""
+    from transformers import AutoConfig
+
+    values = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version")}
+    text = AutoConfig.for_model(values.pop("model_type"), **values).get_text_config()
+    kinds = tuple(getattr(text, "layer_types", None) or getattr(text, "layers_block_type", ()))
+    unknown = sorted(set(kinds) - {ATTENTION_LAYER, MIXER_LAYER, MLP_LAYER})
+    if unknown:
+        raise ValueError(
+            f"{name}: layer kinds {unknown}: the planner runs {ATTENTION_LAYER}, {MIXER_LAYER}, {MLP_LAYER}"
+        )
+    heads = HeadLayout.from_config(text)
+    if text.model_type == "nemotron_h":
+        mixer = MixerDims(
+            "mamba2",
+            text.mamba_num_heads,
+            text.n_groups,
+            text.mamba_head_dim,
+            state_size=text.ssm_state_size,
+            conv_kernel=text.conv_kernel,
+            chunk_size=text.chunk_size,
+        )
+    else:
+        mixer = MixerDims(
+            "gated_delta",
+            text.linear_num_value_heads,
+            text.linear_num_key_heads,
+            text.linear_value_head_dim,
+            key_head_dim=text.linear_key_head_dim,
+            conv_kernel=text.linear_conv_kernel_dim,
+        )
+    experts = getattr(text, "num_experts", 0) or 0
+    return ModelDims(
+        name, heads.num_heads, heads.num_kv_heads, heads.head_dim, text.hidden_size,
+        getattr(text, "moe_intermediate_size", None) if experts else text.intermediate_size,
+        text.num_hidden_layers, text.vocab_size, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qk_norm=text.model_type != "nemotron_h", model_type=text.model_type, num_experts=experts,
+        experts_per_token=getattr(text, "num_experts_per_tok", 0) if experts else 0,
+        shared_expert_intermediate=getattr(text, "shared_expert_intermediate_size", 0) if experts else 0,
+        layer_types=kinds, mixer=mixer if MIXER_LAYER in kinds else None,
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)
@@ -371,9 +418,16 @@ HYBRID_PRESETS = {
     "nemotron-h-8b": ModelDims("nemotron-h-8b", 32, 8, 128, 4096, 21504, 52, 131072, model_type="nemotron_h",
                                layer_types=_nemotron_pattern("M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"),
                                mixer=MixerDims("mamba2", 128, 8, 64, state_size=128, conv_kernel=4, chunk_size=128)),
+    # Qwen/Qwen3.5-27B (dense): 64 layers (full_attention_interval 4), hidden 5120, intermediate 17408, 24 heads / KV 4
+    # of 256, vocabulary 248320 (the model card; a GPTQ card's architecture table, hugingapi.com/TevunahAi/
+    # Qwen3.5-27B-TevunahAi-GPTQ); its gated delta net: 48 value heads on 16 key heads (three value heads a key head),
+    # dims 128, conv 4 (a third-party write-up of the Qwen3.6-27B config.json, which shares the architecture; not
+    # checked against the checkpoint's config.json: plan with its path to be sure); untied as the 9B
+    "qwen3.5-27b": ModelDims("qwen3.5-27b", 24, 4, 256, 5120, 17408, 64, 248320, qk_norm=True,
+                             model_type="qwen3_5_text", layer_types=_every_fourth_attention(64),
+                             mixer=MixerDims("gated_delta", 48, 16, 128, key_head_dim=128, conv_kernel=4)),
 }  # fmt: skip
-#: not a preset: Qwen3.5-27B (64 layers, hidden 5120, 24 heads / KV 4 of 256, intermediate 17408 are published, its
-#: gated delta heads were not found in a source at hand) and Granite-4.0-H-Small (an MoE Mamba-2 hybrid)
+#: not a preset: Granite-4.0-H-Small (an MoE Mamba-2 hybrid)
 
 PRESETS = {
     "llama3-8b": ModelDims("llama3-8b", 32, 8, 128, 4096, 14336, 32, 128256),
