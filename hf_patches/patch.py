@@ -115,6 +115,7 @@ def apply_upipe(
         fused_projections=fused,
         fallback_reason=fallback,
         architecture=arch,
+        kwargs_dropped_by=found.kwargs_dropped_by,
     )
     register_attention_function()
     for attn in attentions:

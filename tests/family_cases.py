@@ -64,6 +64,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
     # i + H/2, the lambda combination and the group norm on the rank's tokens with every head (stages need
     # not keep pairs together); its lambda is a float32 sum (sweep.TOLERANCES)
     "diffllama": ("diffllama", {}, False),
+    # its decoder layer names each argument of the attention call (no **kwargs passed on): one document per row
+    # runs exactly; packed rows are refused (``stablelm_packed_refused``)
+    "stablelm": ("stablelm", {}, False),
 }
 
 
@@ -139,6 +142,17 @@ def family_ring_case(family, fused, layout, u=None, **overrides):
     return hf_cases.compare(hf_cases.reference_step(ref_model, data), got, seq)
 
 
+def kwargs_dropped_packed_case(world) -> dict[str, float]:
+    """StableLM with packed rows: its layers do not pass the documents' boundaries on to their attention, so the
+    forward is refused by name on every rank (never attention across documents)."""
+    words = ("packed documents", "decoder layer 0 (StableLmDecoderLayer)", "pass one document per row")
+    try:
+        family_case("stablelm", False, world, packed=True)
+    except ValueError as err:
+        return {"refused": float(not all(w in str(err) for w in words))}
+    return {"refused": 1.0}
+
+
 def _cases(world: int) -> dict[str, tuple]:
     """name -> (function, args, kwargs).  Every family fused (where it applies) and unfused at U = C (at C = 4
     once, fused where it applies); at U = H and with windows smaller than / equal to / larger than a shard of
@@ -166,6 +180,7 @@ def _cases(world: int) -> dict[str, tuple]:
     cases["gemma4_unfused_packed"] = (family_case, ("gemma4", False, world), dict(packed=True))
     cases["gemma4_unfused_checkpointing"] = (family_case, ("gemma4", False, world), dict(checkpointing="non_reentrant"))
     cases["gemma4_reentrant_refused"] = (shared_kv_reentrant_case, (world,), {})
+    cases["stablelm_packed_refused"] = (kwargs_dropped_packed_case, (world,), {})
     cases["mixtral_fused_packed_W5"] = (family_case, ("mixtral", True, world), dict(packed=True, sliding_window=5))
     cases["gpt_oss_fused_checkpointing"] = (family_case, ("gpt_oss", True, world), dict(checkpointing="reentrant"))
     cases["gemma3_fused_checkpointing"] = (family_case, ("gemma3", True, world), dict(checkpointing="non_reentrant"))
