@@ -61,6 +61,25 @@ class DecoderModel:
     base: nn.Module
     attentions: list[nn.Module]
     mixers: list[tuple[int, nn.Module]]
+    #: the first decoder layer whose forward does not pass its ``**kwargs`` on (None: every layer does): packed
+    #: documents' boundaries cannot reach its attention, so such a model runs unpacked rows only (the forward's
+    #: input check refuses restarting positions, ``hf_patches.inputs``)
+    kwargs_dropped_by: str | None = None
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The HF model inside a DeepSpeed engine or a PEFT wrapper (or the model itself)."""
+    inner = model
+    for _ in range(4):
+        if type(inner).__name__ == "DeepSpeedEngine" and hasattr(inner, "module"):
+            inner = inner.module
+            continue
+        get_base = getattr(inner, "get_base_model", None)
+        if callable(get_base) and type(inner).__module__.startswith("peft"):
+            inner = get_base()
+            continue
+        break
+    return inner
 
 
 def calls_attention_registry(module: nn.Module) -> bool:
@@ -90,9 +109,8 @@ def decoder_stack(hf_model: nn.Module, caller: str) -> nn.Module:
     for base in candidates:
         if isinstance(base, nn.Module) and hasattr(base, "language_model") and not hasattr(base, "layers"):
             raise ValueError(
-                f"{type(hf_model).__name__} is a multimodal model: patch its text model "
-                f"(e.g. {type(hf_model).__name__}.model.language_model, or a *ForCausalLM built from its text "
-                "config); its image tokens use masks UPipe's causal kernels do not implement"
+                f"{caller}: {type(hf_model).__name__} is a vision-language model: {caller} does not run one yet "
+                "(apply_upipe does: docs/vlm.md)"
             )
         if isinstance(base, PreTrainedModel) and _layers(base) is not None:
             return base
@@ -248,8 +266,10 @@ def find_decoder(hf_model: nn.Module, caller: str = "apply_upipe") -> DecoderMod
         _check_attention(i, found[0], config)
         attentions.append(found[0])
         run.add(i)
-    _check_kwargs_path(base, caller, [(i, layer) for i, layer in enumerate(_layers(base)) if i in run], attentions)
-    return DecoderModel(getattr(config, "model_type", "") or type(base).__name__, base, attentions, mixers)
+    dropped_by = _check_kwargs_path(
+        base, caller, [(i, layer) for i, layer in enumerate(_layers(base)) if i in run], attentions
+    )
+    return DecoderModel(getattr(config, "model_type", "") or type(base).__name__, base, attentions, mixers, dropped_by)
 
 
 def passes_kwargs(module: nn.Module) -> bool:
@@ -273,20 +293,25 @@ def _takes_kwargs(module: nn.Module) -> bool:
 
 def _check_kwargs_path(
     base: nn.Module, caller: str, layers: list[tuple[int, nn.Module]], attentions: list[nn.Module]
-) -> None:
+) -> str | None:
     """The one rule beside the registry call: the per-call inputs UPipe threads through the forward's kwargs
     (packed-sequence boundaries, as transformers threads its own ``cu_seq_lens_*``) must reach every attention
-    module and mixer, so the base model and each decoder layer UPipe runs pass their ``**kwargs`` on, and each
-    attention module takes them.  A model that drops them would attend across documents without an error."""
-    why = "does not pass its forward's **kwargs on to its layers"
+    module and mixer, so the base model passes its ``**kwargs`` on and each attention module takes them (else
+    refused).  A decoder layer that drops them (StableLM, Nemotron: their layers name each argument of the
+    attention call) still runs one document per row exactly, since nothing else travels there: the first such
+    layer is returned, and a forward with packed documents is refused by name (``hf_patches.inputs``) instead of
+    attending across documents without an error."""
     if not passes_kwargs(base):
-        raise ValueError(f"{caller}: {type(base).__name__} {why}: {_KWARGS_RULE}")
-    for i, layer in layers:
-        if not passes_kwargs(layer):
-            raise _refuse(i, layer, f"its forward does not pass its **kwargs on to its attention: {_KWARGS_RULE}")
+        raise ValueError(
+            f"{caller}: {type(base).__name__} does not pass its forward's **kwargs on to its layers: {_KWARGS_RULE}"
+        )
     for attn in attentions:
         if not _takes_kwargs(attn):
             raise ValueError(f"{caller}: {type(attn).__name__}.forward takes no **kwargs: {_KWARGS_RULE}")
+    for i, layer in layers:
+        if not passes_kwargs(layer):
+            return f"decoder layer {i} ({type(layer).__name__})"
+    return None
 
 
 _KWARGS_RULE = (

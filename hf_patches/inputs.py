@@ -126,6 +126,12 @@ def check_and_prepare(model: nn.Module, args: tuple, kwargs: dict, state: UPipeS
     full = global_sequence(torch.stack([pos, keep.to(device)]), state)  # [2, b, S] in sequence order
     _check_positions_and_mask(full[0], full[1], state.ring_size)
     documents = documents_from_positions(full[0], full[1])
+    if documents is not None and state.kwargs_dropped_by is not None:  # the same gathered positions on every rank
+        raise ValueError(
+            f"packed documents (position_ids that restart inside a row) cannot reach the attention of "
+            f"{state.kwargs_dropped_by}: its forward does not pass its **kwargs on, where UPipe threads the documents' "
+            "boundaries; pass one document per row (unpacked rows run exactly) or pad instead of packing"
+        )
     if documents is not None:
         _warn_if_local_positions(documents, seq, state.layout.sp_size)
     set_last_position(model, full[0].max())  # RoPE scaling decided by the whole sequence, as unsharded

@@ -27,9 +27,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .architectures import _unwrap
 from .data import IGNORE_INDEX
 from .loss import _check_grad_reduction, _lm_head_and_shared
-from .patch import _unwrap
 from .tiling import (
     TiledPerToken,
     _grad_input,

@@ -32,11 +32,11 @@ from typing import Any, Literal
 import torch.distributed as dist
 from torch import nn
 
-from .architectures import POSITIONWISE_LAYER_TYPES, decoder_stack, layer_type
+from .architectures import POSITIONWISE_LAYER_TYPES, _unwrap, decoder_stack, layer_type
 from .data import IGNORE_INDEX
 from .loss import tiled_causal_lm_loss, tiled_sequence_parallel_loss
 from .moe_tiling import find_router, mark_zero3_leaf, tiled_moe
-from .patch import _unwrap, supported_model_classes
+from .patch import supported_model_classes
 from .tiling import _forward_function, tiled_mlp, tiled_norm
 
 ForwardLoss = Literal["local", "sequence_parallel"]

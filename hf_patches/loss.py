@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .architectures import _unwrap
 from .data import IGNORE_INDEX
-from .patch import _unwrap
 from .tiling import tiled_loss_sum
 
 

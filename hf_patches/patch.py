@@ -13,7 +13,7 @@ from torch import nn
 from ds_upipe.heads import HeadLayout
 from ds_upipe.options import UPipeOptions
 
-from .architectures import find_decoder, fused_blocker_of
+from .architectures import _unwrap, find_decoder, fused_blocker_of
 from .attention import ATTN_IMPLEMENTATION, fused_attention_forward, mask_window, register_attention_function
 from .families import FAMILIES
 from .fused import FusedProjections
@@ -21,6 +21,7 @@ from .inputs import GENERATION_UNSUPPORTED, check_and_prepare
 from .mixers import check_mixers, mixer_kind_of, patch_mixers
 from .rope import rotary_embedding, use_global_positions
 from .state import UPipeState
+from .vlm import check_vision_language, patch_vision_language, vision_language_parts
 
 logger = logging.getLogger("hf_patches")
 
@@ -31,21 +32,6 @@ MIXER_OVERLAP_NOTE = (
     "backward), so prefetching the next stage's exchange would keep a second stage's full-sequence buffers alive "
     "outside the checkpoint, and the mixer's time is its recurrence, not the small per-head exchange"
 )
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The HF model inside a DeepSpeed engine or a PEFT wrapper (or the model itself)."""
-    inner = model
-    for _ in range(4):
-        if type(inner).__name__ == "DeepSpeedEngine" and hasattr(inner, "module"):
-            inner = inner.module
-            continue
-        get_base = getattr(inner, "get_base_model", None)
-        if callable(get_base) and type(inner).__module__.startswith("peft"):
-            inner = get_base()
-            continue
-        break
-    return inner
 
 
 def supported_model_classes() -> list[str]:
@@ -96,7 +82,11 @@ def apply_upipe(
     hf_model = _unwrap(model)
     if getattr(hf_model, "_upipe_state", None) is not None:
         raise ValueError(f"{type(hf_model).__name__} is already patched by apply_upipe")
-    found = find_decoder(hf_model)
+    vlm = vision_language_parts(hf_model)  # a vision-language model: UPipe runs its text model (hf_patches.vlm)
+    if vlm is not None:
+        check_vision_language(ring=ring_group is not None)
+    text_model = hf_model if vlm is None else vlm.text
+    found = find_decoder(text_model)
     arch, base, attentions = found.model_type, found.base, found.attentions
     config = base.config
 
@@ -125,6 +115,7 @@ def apply_upipe(
         fused_projections=fused,
         fallback_reason=fallback,
         architecture=arch,
+        kwargs_dropped_by=found.kwargs_dropped_by,
     )
     register_attention_function()
     for attn in attentions:
@@ -137,11 +128,13 @@ def apply_upipe(
         logger.warning("hf_patches: %s", MIXER_OVERLAP_NOTE)
     for mixer, params in patch_mixers(found.mixers, state):
         _register_zero3_external(mixer, params)
-    hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    text_model.set_attn_implementation(ATTN_IMPLEMENTATION)  # a vision tower's attention keeps its own
     if rotary_embedding(base) is not None:  # models without RoPE have nothing to make global
         use_global_positions(base)
     base._upipe_state = hf_model._upipe_state = state
     base._upipe_input_hook = base.register_forward_pre_hook(_check_inputs, with_kwargs=True)
+    if vlm is not None:
+        patch_vision_language(hf_model, vlm, state)
     if hasattr(hf_model, "router_aux_loss_coef"):  # a mixture-of-experts causal LM (Qwen3-MoE, Mixtral, GPT-OSS)
         hf_model._upipe_aux_loss_hook = hf_model.register_forward_pre_hook(_refuse_shard_aux_loss, with_kwargs=True)
     if hasattr(hf_model, "generate"):

@@ -35,6 +35,9 @@ class UPipeState(UPipeRuntime):
     #: documents per batch row of the last attention call (None: one per row): a report for examples
     #: and tests only; the computation takes each call's boundaries from its forward (DOCUMENTS_KWARG)
     last_documents_per_row: tuple[int, ...] | None = None
+    #: the first decoder layer that does not pass its forward's kwargs on to its attention (None: all do;
+    #: ``architectures.DecoderModel.kwargs_dropped_by``): packed documents are refused for such a model
+    kwargs_dropped_by: str | None = None
 
     def context(
         self,

@@ -15,6 +15,7 @@ PARTS = {
     "test_hf_memory.py": "hf_cases.memory_case",
     "test_core_vs_deepspeed.py": "core_cases.deepspeed_parity",
     "test_hybrid_engine.py": "hybrid_engine_cases.spawn_body",
+    "test_vlm.py": "vlm_cases.spawn_body",
 }
 
 

@@ -70,6 +70,7 @@ from hf_patches.attention import upipe_attention_function
 from hf_patches.data import ShardedBatch, checked_loader, use_zigzag_shift_labels
 from hf_patches.inputs import check_and_prepare, global_sequence
 from hf_patches.state import DOCUMENTS_KWARG
+from hf_patches.vlm import vision_language_parts
 
 from ..heads import HeadLayout
 from . import trainer_sp
@@ -203,6 +204,7 @@ class Registration:
         Trainer / accelerate / ALST's recipe combine the ranks' losses) and activation checkpointing.
         Raises (the same on every rank) before any collective if the model cannot take them."""
         assert self.settings is not None and self.ds_config is not None
+        refuse_vision_language(model, self.settings)
         check_model_settings(model, self.settings)
         prepare_for_run(
             model,
@@ -393,7 +395,8 @@ def _register_for_accelerate(args: dict[str, Any]) -> Any:
     # disable_in_eval=True because without enable() the Trainer's eval batches are not sharded)
     args = {**args, "disable_in_eval": False}
     model = args["model_name_or_path"]  # accelerate passes the model object
-    check_model_settings(model, settings)  # before the registration's collectives (group creation)
+    refuse_vision_language(model, settings)  # before the registration's collectives (group creation)
+    check_model_settings(model, settings)
     if settings.upipe.enabled:
         mpu, head_chunk_size = _register_upipe(args, settings)
     else:  # ALST from the ds_config: exact on packed rows with sdpa too
@@ -419,7 +422,8 @@ def _register_direct(args: dict[str, Any]) -> Any:
     model = args["model_name_or_path"]
     is_module = isinstance(model, torch.nn.Module)
     if settings is not None and is_module:
-        check_model_settings(model, settings)  # before the registration's collectives
+        refuse_vision_language(model, settings)  # before the registration's collectives
+        check_model_settings(model, settings)
     if settings is not None and settings.upipe.enabled:
         _init_deepspeed_comm()
         mpu, head_chunk_size = _register_upipe(args, settings)
@@ -446,6 +450,19 @@ def _register_direct(args: dict[str, Any]) -> Any:
     if not settings.upipe.enabled and registration.model_keys():
         _guard_alst_function(registration)
     return mpu
+
+
+def refuse_vision_language(model: Any, settings: SPSettings) -> None:
+    """A vision-language model under UPipe through this route: refused (the same on every rank, from the model's
+    structure).  The route's loaders shard each batch, while UPipe's vision-language forward takes the whole
+    sample on every rank (``hf_patches.vlm``)."""
+    sequence_parallel = settings.sequence_parallel_size > 1 and settings.upipe.enabled
+    if sequence_parallel and isinstance(model, torch.nn.Module) and vision_language_parts(model) is not None:
+        raise ValueError(
+            f"ds_upipe: {type(model).__name__} is a vision-language model: the Trainer / accelerate route shards "
+            "each batch in its data loader, while UPipe's vision-language forward takes the whole sample on every "
+            "rank (docs/vlm.md); train it with ds_upipe.initialize (or apply_upipe) and your own loop for now"
+        )
 
 
 def _guard_alst_function(registration: Registration) -> None:

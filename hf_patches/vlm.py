@@ -1,0 +1,265 @@
+"""Vision-language models (``...ForConditionalGeneration``) under UPipe: images encoded once across the group,
+the merged sequence sharded, positions of the whole sequence.
+
+Every rank of the sequence-parallel group passes the FULL sample (``input_ids``, ``pixel_values``, the image
+grids or sizes, ``labels``, ...); the model's own forward then runs as without sequence parallelism, with
+three instance-level changes (transformers has no hook between its merge and its text model):
+
+- ``get_image_features`` / ``get_video_features`` of the inner model: each rank encodes only its share of
+  the images (videos): contiguous blocks of whole images in sample order, rank r gets images
+  ``[r * n // C, (r + 1) * n // C)`` (uneven shares differ by one image).  A rank whose share is empty
+  (fewer images than ranks) encodes the first image and keeps none of its rows, so every rank runs the same
+  modules (ZeRO-3 gathers the tower's parameters collectively) and its tower gradients are zeros.  The
+  shares' features are gathered by ``ShareGather`` (an all-reduce of each rank's rows placed at their
+  offsets; backward: the all-reduce of the gradient, this rank's rows), and returned per image as the
+  original returns them (``pooler_output``; Qwen3-VL's ``deepstack_features`` too).
+- a forward pre-hook on the text model, after the model's own merge and its position ids (mrope ``[3, B, S]``
+  from the model's ``get_rope_index`` on the whole sequence; plain positions where the model passes none)
+  are computed: ``inputs_embeds``, the positions (text positions prepended as transformers' ``[4, B, S]``
+  convention, so UPipe's input check reads them), ``attention_mask`` and Qwen3-VL's deepstack rows are cut
+  to this rank's contiguous shard.
+- the causal LM's ``forward``: ``labels`` (the whole sample's) become this rank's shifted labels and the loss
+  is ``sequence_parallel_loss`` of the shard's logits (the whole sample's token mean on every rank,
+  gradients for a group that averages them, as DDP and ZeRO do); the logits are this rank's shard.
+
+Gradients: the text loss's gradient on a rank covers its tokens scaled by C (``loss.py``); the gathered
+features' gradient summed over the group is the whole sample's gradient of the features, scaled by C, and each
+rank keeps its own images' rows, so the tower's and projector's gradients averaged over the group are the
+unsharded ones, as the text model's are.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .data import IGNORE_INDEX, shift_labels
+from .inputs import _as_kwargs
+from .loss import sequence_parallel_loss
+from .state import UPipeState
+
+#: model types whose attention mask is not causal over the image span (image tokens attend to each other both
+#: ways: Gemma 3's and Gemma 4's ``token_type_ids`` overlay, PaliGemma's bidirectional prefix); UPipe's kernels
+#: are causal, so they are refused rather than run with another mask than the unsharded model's
+NON_CAUSAL_IMAGE_MASKS = ("gemma3", "gemma4", "gemma4_unified", "paligemma")
+
+#: the encoders of the inner model whose inputs are shared out by image (video)
+ENCODERS = ("get_image_features", "get_video_features")
+#: per-image arguments of the encoders, split with the images: grids (one row per image, its patches the
+#: product of the row) and sizes
+_GRIDS = ("image_grid_thw", "video_grid_thw")
+_PER_IMAGE = (*_GRIDS, "image_sizes")
+
+
+@dataclass(frozen=True)
+class VisionLanguageModel:
+    """A multimodal model's parts: its inner model (the merge, the encoders) and its text model."""
+
+    inner: nn.Module
+    text: nn.Module
+
+
+def vision_language_parts(hf_model: nn.Module) -> VisionLanguageModel | None:
+    """The parts of a vision-language model (None: not one; ValueError: one UPipe cannot run exactly)."""
+    inner = hf_model if _has_text_model(hf_model) else getattr(hf_model, "model", None)
+    if not isinstance(inner, nn.Module) or not _has_text_model(inner):
+        return None
+    model_type = getattr(hf_model.config, "model_type", type(hf_model).__name__)
+    name = type(hf_model).__name__
+    if model_type in NON_CAUSAL_IMAGE_MASKS:
+        raise ValueError(
+            f"apply_upipe: {name} (model_type {model_type!r}) attends bidirectionally over image tokens (its mask "
+            "lets an image's tokens see each other both ways): UPipe's kernels are causal over the whole sequence, "
+            "so it would compute another model. Vision-language models with a causal mask run (docs/vlm.md)"
+        )
+    if not callable(getattr(inner, "get_image_features", None)) or not callable(getattr(hf_model, "lm_head", None)):
+        raise ValueError(
+            f"apply_upipe: {name} has a language_model but no get_image_features / lm_head: UPipe runs "
+            "vision-language models laid out as transformers' ...ForConditionalGeneration (docs/vlm.md)"
+        )
+    return VisionLanguageModel(inner, inner.language_model)
+
+
+def _has_text_model(module: Any) -> bool:
+    return isinstance(getattr(module, "language_model", None), nn.Module) and not hasattr(module, "layers")
+
+
+def check_vision_language(ring: bool) -> None:
+    if ring:
+        raise ValueError(
+            "apply_upipe: a vision-language model with ring_group: not supported yet (its merged sequence is cut "
+            "into contiguous shards); run UPipe without a ring"
+        )
+
+
+def patch_vision_language(hf_model: nn.Module, parts: VisionLanguageModel, state: UPipeState) -> None:
+    """Share the encoders out, shard the merged sequence before the text model, take the loss over the group."""
+    for encoder in ENCODERS:
+        function = getattr(type(parts.inner), encoder, None)  # the class's: a copy.deepcopy encodes with its own
+        if callable(function):
+            setattr(parts.inner, encoder, types.MethodType(_shared_encoder(function), parts.inner))
+    # before UPipe's own input check (registered earlier on the same module): it reads the shards
+    parts.text._upipe_shard_hook = parts.text.register_forward_pre_hook(_shard_merged, with_kwargs=True, prepend=True)
+    hf_model.forward = types.MethodType(_forward, hf_model)
+
+
+class ShareGather(torch.autograd.Function):
+    """Every rank's rows of a [rows, ...] tensor, at their offsets of the whole [total, ...] one."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, start: int, total: int, group: dist.ProcessGroup | None) -> Tensor:
+        ctx.start, ctx.rows, ctx.group = start, local.shape[0], group
+        full = local.new_zeros(total, *local.shape[1:])
+        full[start : start + local.shape[0]] = local
+        dist.all_reduce(full, group=group)  # the other ranks' zeros add nothing: exact
+        return full
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)  # each row's gradient comes from the rank holding its token
+        return grad[ctx.start : ctx.start + ctx.rows], None, None, None
+
+
+def image_share(count: int, rank: int, size: int) -> tuple[int, int]:
+    """[first, end) of the images rank ``rank`` of ``size`` encodes: contiguous blocks, sizes differing by one."""
+    return rank * count // size, (rank + 1) * count // size
+
+
+def _shared_encoder(function: Any) -> Any:
+    """The inner model's encoder (its class's ``function``), each rank encoding its share of the images and
+    gathering the features."""
+    signature = inspect.signature(function)
+
+    def encode(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        call = _arguments(signature, (self, *args), kwargs)
+        call.pop(next(iter(signature.parameters)))  # self
+        pixel_name = list(signature.parameters)[1]
+        state: UPipeState = self.language_model._upipe_state
+        grid = next((call[k] for k in _GRIDS if call.get(k) is not None), None)
+        count = int(grid.shape[0]) if grid is not None else int(call[pixel_name].shape[0])
+        rank = dist.get_rank(state.group)
+        first, end = image_share(count, rank, state.group_size)
+        empty = first == end
+        encoded = range(first, end) if not empty else range(0, 1)  # an empty share runs the tower on image 0
+        out = function(self, **_slice_images(call, pixel_name, grid, encoded))
+        keep = 0 if empty else len(encoded)
+        out.pooler_output = _gather_images(list(out.pooler_output), keep, first, count, state)
+        if getattr(out, "deepstack_features", None) is not None:  # Qwen3-VL: per layer, per image
+            out.deepstack_features = [
+                _gather_images(list(layer), keep, first, count, state) for layer in out.deepstack_features
+            ]
+        for field in ("last_hidden_state", "hidden_states", "attentions"):
+            if getattr(out, field, None) is not None:
+                setattr(out, field, None)  # this rank's share only: not the whole sample's
+        return out
+
+    return encode
+
+
+def _arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by name, the ``**kwargs`` flattened in."""
+    bound = signature.bind(*args, **kwargs).arguments
+    varkw = [p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD]
+    extra = bound.pop(varkw[0], {}) if varkw else {}
+    return {**bound, **extra}
+
+
+def _slice_images(call: dict[str, Any], pixel_name: str, grid: Tensor | None, images: range) -> dict[str, Any]:
+    """The encoder's arguments for ``images`` only: pixel rows (a grid's patches per image, else one
+    entry of dim 0 per image) and every per-image argument."""
+    out = dict(call)
+    pixels = call[pixel_name]
+    if grid is not None:
+        bounds = torch.cat([grid.new_zeros(1), grid.prod(-1).cumsum(0)]).tolist()
+        out[pixel_name] = pixels[bounds[images.start] : bounds[images.stop]]
+    else:
+        out[pixel_name] = pixels[images.start : images.stop]
+    for key in _PER_IMAGE:
+        if call.get(key) is not None:
+            out[key] = call[key][images.start : images.stop]
+    return out
+
+
+def _gather_images(encoded: list[Tensor], keep: int, first: int, count: int, state: UPipeState) -> tuple[Tensor, ...]:
+    """Every image's [tokens, hidden] features from each rank's share: this rank's first ``keep`` encoded
+    images (images ``first``...; an empty share keeps none of its stand-in but stays in the graph, so the
+    tower's backward runs with zeros), one all-reduce of the row counts, one ``ShareGather`` of the rows."""
+    local = torch.cat(encoded)
+    rows = torch.zeros(count, dtype=torch.long, device=local.device)
+    rows[first : first + keep] = torch.tensor([f.shape[0] for f in encoded[:keep]], dtype=torch.long)
+    dist.all_reduce(rows, group=state.group)
+    sizes = rows.tolist()
+    start = sum(sizes[:first])
+    full = ShareGather.apply(local[: sum(sizes[first : first + keep])], start, sum(sizes), state.group)
+    return torch.split(full, sizes)
+
+
+def _local_slice(seq: int, state: UPipeState) -> slice:
+    """This rank's contiguous shard of a ``seq``-token sequence (ValueError, on every rank alike, when the
+    whole sample's length is no multiple of the group size)."""
+    if seq % state.group_size:
+        raise ValueError(
+            f"a vision-language sample of {seq} tokens (after the model's merge) is no multiple of the "
+            f"sequence-parallel size {state.group_size}: pad input_ids, labels (-100) and attention_mask (0) at the "
+            "end to a multiple of it (every rank passes the whole sample)"
+        )
+    local = seq // state.group_size
+    rank = dist.get_rank(state.group)
+    return slice(rank * local, (rank + 1) * local)
+
+
+def _shard_merged(text: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook of the text model: the merged whole-sample inputs cut to this rank's shard."""
+    call = _as_kwargs(text.forward, args, kwargs)
+    state: UPipeState = text._upipe_state
+    tokens = call.get("inputs_embeds")
+    tokens = call.get("input_ids") if tokens is None else tokens
+    batch, seq = int(tokens.shape[0]), int(tokens.shape[1])
+    local = _local_slice(seq, state)
+    positions = call.get("position_ids")
+    # the text positions of the whole sample, as the unsharded text model makes them where none are passed
+    text_positions = torch.arange(seq, device=tokens.device).expand(batch, seq)
+    if positions is None:
+        positions = text_positions
+    elif positions.dim() == 3 and positions.shape[0] == 3:  # mrope: transformers' [4, B, S], text positions first
+        positions = torch.cat([text_positions.unsqueeze(0).to(positions.dtype), positions])
+    call["position_ids"] = positions[..., local]
+    for key in ("inputs_embeds", "input_ids", "attention_mask"):
+        if torch.is_tensor(call.get(key)):
+            call[key] = call[key][:, local]
+    visual = call.get("visual_pos_masks")
+    if visual is not None:  # Qwen3-VL's deepstack: the rows of this shard's visual tokens
+        mine = torch.zeros_like(visual)
+        mine[:, local] = True
+        rows = mine[visual]
+        call["deepstack_visual_embeds"] = [embeds[rows] for embeds in call["deepstack_visual_embeds"]]
+        call["visual_pos_masks"] = visual[:, local]
+    return (), call
+
+
+def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The causal LM's forward on the whole sample: logits of this rank's shard, the loss over the group."""
+    call = _arguments(inspect.signature(type(self).forward), (self, *args), kwargs)
+    call.pop("self")
+    labels = call.pop("labels", None)
+    if call.get("shift_labels") is not None:
+        raise ValueError(
+            f"{type(self).__name__} under UPipe takes the whole sample's labels (it shifts and shards them), "
+            "not shift_labels"
+        )
+    out = type(self).forward(self, **call)
+    if labels is not None:
+        state: UPipeState = self._upipe_state
+        mask = call.get("attention_mask")
+        if mask is not None:
+            labels = labels.masked_fill(mask == 0, IGNORE_INDEX)
+        shifted = shift_labels(labels)[:, _local_slice(labels.shape[1], state)]
+        out.loss = sequence_parallel_loss(out.logits, shifted, state.group)
+    return out

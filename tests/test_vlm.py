@@ -1,0 +1,75 @@
+"""Vision-language models under UPipe (hf_patches/vlm.py), in the shared spawn of 4 DeepSpeed ranks
+(tests/four_ranks.py, tests/vlm_cases.py): float64 parity with the unpatched model at C = 4 and C = 2, the
+refusals, ZeRO-3 training through ds_upipe.initialize (SP 2 x DP 2) against one process, the tower's saved
+activations shared out vs every rank encoding all; and the share of images each rank encodes."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_patches.vlm import image_share
+from tests import vlm_cases
+
+F64 = 1e-10
+F32 = 1e-5
+
+REFUSALS = {
+    "gemma3": ("Gemma3ForConditionalGeneration", "bidirectionally", "causal"),
+    "ring": ("ring_group", "vision-language"),
+    "length": ("47 tokens", "multiple of the sequence-parallel size 2"),
+}
+
+
+@pytest.mark.parametrize(("count", "size"), [(3, 2), (3, 4), (8, 4), (0, 2), (1, 4)])
+def test_image_shares_cover_every_image_once(count, size):
+    shares = [image_share(count, r, size) for r in range(size)]
+    assert [i for first, end in shares for i in range(first, end)] == list(range(count))
+    assert max(e - f for f, e in shares) - min(e - f for f, e in shares) <= 1
+
+
+def test_trainer_route_refuses_vision_language_models():
+    """The Trainer / accelerate route's registration refuses a VLM before its collectives (its loaders shard
+    batches; the VLM forward takes whole samples)."""
+    from ds_upipe.integration import hf_integration
+
+    settings = hf_integration.upipe_settings({"upipe": {"enabled": True}, "zero_optimization": {"stage": 3}}, 2)
+    with pytest.raises(ValueError, match="LlavaForConditionalGeneration is a vision-language model: the Trainer"):
+        hf_integration.refuse_vision_language(vlm_cases.build_llava(), settings)
+    hf_integration.refuse_vision_language(vlm_cases.build_llava(), hf_integration.upipe_settings({}, 1))  # no SP
+
+
+def _ranks(four_deepspeed_ranks):
+    return four_deepspeed_ranks["test_vlm.py"]
+
+
+def test_vlm_parity_c4_and_c2(four_deepspeed_ranks):
+    results = _ranks(four_deepspeed_ranks)
+    for rank, result in enumerate(results):
+        assert len(result["parity"]) == 2 * len(vlm_cases.MODELS) + 4
+        for case, errors in result["parity"].items():
+            assert max(errors.values()) <= F64, f"rank {rank} {case}: {errors}"
+
+
+def test_vlm_refusals(four_deepspeed_ranks):
+    results = _ranks(four_deepspeed_ranks)
+    for rank, result in enumerate(results):
+        messages = result["refusals"]
+        assert messages == results[rank // 2 * 2]["refusals"], "both ranks of a pair raise the same errors"
+        for case, words in REFUSALS.items():
+            for word in words:
+                assert word in messages[case], f"{case}: {messages[case]!r} lacks {word!r}"
+
+
+def test_vlm_zero3_training_equals_one_process(four_deepspeed_ranks):
+    for rank, result in enumerate(_ranks(four_deepspeed_ranks)):
+        r = result["zero3"]
+        assert max(r["losses"], r["grads"], r["tower_grads"]) <= F32, f"rank {rank}: {r}"
+        assert r["grad_names"] == 0, f"rank {rank}: {r}"
+        assert r["tower_moved"] > 1e-4, f"rank {rank}: the steps must move the tower: {r}"
+
+
+def test_vlm_tower_memory_shared_out(four_deepspeed_ranks):
+    """8 equal images over 4 ranks: each rank's tower keeps a quarter of what encoding all of them keeps."""
+    for rank, result in enumerate(_ranks(four_deepspeed_ranks)):
+        memory = result["memory"]["C=4"]
+        assert memory["shared"] * 4 == pytest.approx(memory["all"], rel=0.05), f"rank {rank}: {memory}"
