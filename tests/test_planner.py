@@ -136,7 +136,7 @@ def test_planner_reads_the_runtimes_validated_settings():
         setup, scheme, _ = planner.from_ds_config(given)
         assert (setup.loss_tile_tokens, setup.norm_tile_tokens, setup.mlp_tile_tokens) == (1024, 2048, 4096)
         assert (setup.tiled_loss, setup.tiled_norm, setup.tiled_mlp) == (True, True, True)
-        assert (setup.gpus, setup.ring_size, setup.checkpoint_pairs) == (8, 2, 2)
+        assert (setup.gpus, setup.ring_size, setup.checkpoint_groups, setup.checkpoint_group_size) == (8, 2, 2, 2)
         assert (setup.checkpointing, setup.offload_checkpoints, setup.checkpoint_pinning) == (True, True, "exact")
         assert (setup.offload_optimizer, setup.offload_pin_memory, setup.offload_param) == (True, True, False)
         assert (setup.dtype, setup.zero_stage) == ("bf16", 3)
@@ -479,44 +479,50 @@ def test_exact_pinned_pool_pins_what_the_planner_counts():
     assert engine.pinned_bytes == 0 and not engine.registered
 
 
-def test_checkpoint_pairs_are_planned_from_what_the_stores_keep():
-    """upipe.checkpoint_pairs N: the host term is the bytes the pairs' stores really hold in a CPU run
-    of the real pairs (one exact buffer per pair), DeepSpeed's engine pins layers - 2N - 1; on the GPU
-    (no offload) N layer inputs fewer; the config key reaches the plan; N beyond L/2 is refused."""
+@pytest.mark.parametrize("groups,size", [(2, 2), (1, 4)])
+def test_checkpoint_groups_are_planned_from_what_the_stores_keep(groups, size):
+    """upipe.checkpoint_groups N of k (pairs: k = 2): the host term is the bytes the groups' pools really hold
+    in a CPU run of the real groups (one exact buffer per group, k - 2 inner ones in the shared pool),
+    DeepSpeed's engine pins layers - N k - 1; on the GPU (no offload) N (k - 1) layer inputs fewer and k - 2
+    inner ones; the config key reaches the plan; N k beyond L is refused."""
     import functools
 
     import torch
     import transformers
 
-    from ds_upipe.integration.checkpoint_pairs import install_checkpoint_pairs
+    from ds_upipe.integration.checkpoint_groups import install_checkpoint_groups
     from ds_upipe.tools.models import tiny_config
 
-    dims = planner.ModelDims("pairs", 8, 2, 8, 64, 64, 5, 101)
+    dims = planner.ModelDims("groups", 8, 2, 8, 64, 64, 5, 101)
     setup = planner.TrainSetup(gpus=2, gpus_per_node=1, checkpoint_pinning="exact", host_os_gib=0.0, dtype="fp32")
-    setup = replace(setup, host_per_rank_gib=0.0, checkpoint_pairs=2)
+    setup = replace(setup, host_per_rank_gib=0.0, checkpoint_groups=groups, checkpoint_group_size=size)
     seq = 64
     config = tiny_config("llama", num_hidden_layers=5, hidden_size=64, intermediate_size=64, vocab_size=101)
     model = transformers.LlamaForCausalLM(config).train()
     checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True)
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint)
     model.enable_input_require_grads()
-    pairs = install_checkpoint_pairs(model, 2, offload=True)
+    installed = install_checkpoint_groups(model, groups, size, offload=True)
     ids = torch.randint(0, 101, (1, seq // 2))  # this rank's shard of seq tokens
     model(input_ids=ids, labels=ids).loss.backward()
     terms = planner.host_terms(dims, setup, seq)
     x = planner.hidden_state_bytes(dims, setup, seq)
-    assert terms["checkpoint pairs (2 layer inputs/rank, exact pinned)"] == sum(p.store.allocated_bytes for p in pairs)
-    assert terms["checkpoints (0 layer inputs/rank, exact pinned)"] == 0  # layer 4: DeepSpeed keeps it on the GPU
-    plain = planner.host_terms(dims, replace(setup, checkpoint_pairs=0), seq)
-    assert sum(plain.values()) - sum(terms.values()) == 2 * x
+    pinned = sum(g.store.allocated_bytes for g in installed) + installed[0].inner_store.allocated_bytes
+    label = f"checkpoint groups of {size} ({groups} saved + {size - 2} inner layer inputs/rank, exact pinned)"
+    assert terms[label] == pinned == (groups + size - 2) * x
+    engine = 5 - groups * size - 1  # the top layer's input: DeepSpeed keeps it on the GPU
+    assert terms[f"checkpoints ({engine} layer inputs/rank, exact pinned)"] == engine * x
+    plain = planner.host_terms(dims, replace(setup, checkpoint_groups=0), seq)
+    assert sum(plain.values()) - sum(terms.values()) == (groups * (size - 1) - (size - 2)) * x
     on_gpu = replace(setup, offload_checkpoints=False)
-    # on the GPU: 5 layers, 2 pairs -> besides the two measured layers' inputs, 3 - 2 = 1 more kept below the top
+    # on the GPU: 5 layers -> besides the two measured layers' inputs 3, less N (k - 1), plus k - 2 inner ones
+    below = (max(0, 3 - groups * (size - 1)) + size - 2) * x
     others = planner.other_layers(dims, on_gpu, seq, 0)
-    assert {k: v[0] for k, v in others.items()} == {"forward": x, "loss": x, "top layer": x, "bottom layer": 0}
+    assert {k: v[0] for k, v in others.items()} == {"forward": below, "loss": below, "top layer": below, "bottom layer": 0}
     cfg = json.loads(open("ds_configs/upipe_llama3_8b_8m.json").read())
-    assert planner.from_ds_config(cfg)[0].checkpoint_pairs == 3
-    with pytest.raises(ValueError, match="checkpoint_pairs=3: pairs has 5 layers, so at most 2"):
-        planner.host_terms(dims, replace(setup, checkpoint_pairs=3), seq)
+    assert planner.from_ds_config(cfg)[0].checkpoint_groups > 0
+    with pytest.raises(ValueError, match=f"checkpoint_groups={groups + 1} of {size}: groups has 5 layers"):
+        planner.host_terms(dims, replace(setup, checkpoint_groups=groups + 1), seq)
 
 
 def test_moe_presets_count_every_expert_and_plan_a_step(tmp_path):
