@@ -68,7 +68,9 @@ def plan(name: str, model: str, gpus: int, gpu_gib: float, host_gib: float, ring
                 "host_gib": p.host_gib if p else None,
                 "gpu_reserve_gib": best.reserve_gib,
                 "host_reserve_gib": best.host_os_gib,
-                "per_k": [{"k": r[0], "groups": r[1].checkpoint_groups, "max_context": r[2], "binds": r[3]} for r in table],
+                "per_k": [
+                    {"k": r[0], "groups": r[1].checkpoint_groups, "max_context": r[2], "binds": r[3]} for r in table
+                ],
                 "seconds": round(time.perf_counter() - t0, 1),
             }
         )

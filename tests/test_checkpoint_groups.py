@@ -185,7 +185,9 @@ def test_refusals():
     with pytest.raises(ValueError, match=r"partition_activations=true"):
         parse_config({"upipe": {"checkpoint_pairs": 1}, "activation_checkpointing": {"partition_activations": True}})
     settings = parse_config({"upipe": {"checkpoint_pairs": 2}, "activation_checkpointing": {}})
-    with pytest.raises(ValueError, match=r"got 2 groups of 2 layers for a model with 3 checkpointable decoder layers; "):
+    with pytest.raises(
+        ValueError, match=r"got 2 groups of 2 layers for a model with 3 checkpointable decoder layers; "
+    ):
         check_model_settings(build(3), settings)
     check_model_settings(build(4), settings)
     groups = {"checkpoint_groups": 1, "checkpoint_group_size": 4}

@@ -246,7 +246,9 @@ def test_fake_run_at_paper_scale_is_the_plan_less_the_analytic_terms():
     assert set(run.phases) == set(fake_run.STEP_PHASES)
     assert p.peak_phase == max(run.phases, key=run.phases.get) and p.phase_gib * GiB == run.total - run.weights
     assert p.other_layers_gib == 0  # offloaded checkpoints: the other layers keep nothing on the GPU
-    analytic = planner.model_state_bytes(LLAMA, setup) + planner.zero_buffer_bytes(LLAMA, setup) + 4 * GiB
+    analytic = (
+        planner.model_state_bytes(LLAMA, setup) + planner.zero_buffer_bytes(LLAMA, setup) + setup.reserve_gib * GiB
+    )
     assert p.total_gib * GiB == analytic + run.total - run.weights
     # without offload each of the other 30 layers keeps its input on the GPU, in every phase above it
     kept = planner.predict(LLAMA, replace(setup, offload_checkpoints=False), method, seq)
@@ -518,7 +520,12 @@ def test_checkpoint_groups_are_planned_from_what_the_stores_keep(groups, size):
     # on the GPU: 5 layers -> besides the two measured layers' inputs 3, less N (k - 1), plus k - 2 inner ones
     below = (max(0, 3 - groups * (size - 1)) + size - 2) * x
     others = planner.other_layers(dims, on_gpu, seq, 0)
-    assert {k: v[0] for k, v in others.items()} == {"forward": below, "loss": below, "top layer": below, "bottom layer": 0}
+    assert {k: v[0] for k, v in others.items()} == {
+        "forward": below,
+        "loss": below,
+        "top layer": below,
+        "bottom layer": 0,
+    }
     cfg = json.loads(open("ds_configs/upipe_llama3_8b_8m.json").read())
     assert planner.from_ds_config(cfg)[0].checkpoint_groups > 0
     with pytest.raises(ValueError, match=f"checkpoint_groups={groups + 1} of {size}: groups has 5 layers"):

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 from .memory import (
     HOST_BASIS,
     RESERVE_BASIS,
+    group_recompute_fraction,
     host_terms,
     kept_checkpoints,
     model_state_bytes,
-    group_recompute_fraction,
     predict,
     ranks_per_node,
     zero_buffer_bytes,
