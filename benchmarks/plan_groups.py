@@ -2,7 +2,8 @@
 and ALST under the same rules (the offload config's stack, optimizer offloaded, checkpoints offloaded in the
 exact pool); one process, results to JSON and a markdown table.
 
-python benchmarks/plan_groups.py --out benchmarks/results/plan_groups.json [--only NAME]
+python benchmarks/plan_groups.py --out benchmarks/results/plan_groups.json [--only 0 1 ...]
+python benchmarks/plan_groups.py --out - --table benchmarks/results/plan_groups*.json
 """
 
 from __future__ import annotations
@@ -100,14 +101,18 @@ def markdown(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--only", default=None, help="run the setups whose name contains this")
+    parser.add_argument("--only", type=int, nargs="*", default=None, help="the setups to run (indices in SETUPS)")
+    parser.add_argument("--table", type=Path, nargs="*", default=None, help="print the table of these JSON files")
     args = parser.parse_args()
+    if args.table:
+        print(markdown([r for path in args.table for r in json.loads(path.read_text())]))
+        return
     rows = []
-    for setup in SETUPS:
-        if args.only is None or args.only in setup[0]:
-            rows += plan(*setup)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    for i, setup in enumerate(SETUPS):
+        if args.only is None or i in args.only:
+            rows += plan(*setup)
+            args.out.write_text(json.dumps(rows, indent=1) + "\n")  # each setup as it is done
     print(markdown(rows))
 
 

@@ -94,9 +94,11 @@ def context_step(setup: TrainSetup, granularity: int = 2**14) -> int:
     return math.lcm(granularity, setup.seq_multiple)
 
 
-def binding_limit(dims: ModelDims, setup: TrainSetup, method: AttentionScheme, max_len: int) -> str:
+def binding_limit(
+    dims: ModelDims, setup: TrainSetup, method: AttentionScheme, max_len: int, granularity: int = 2**14
+) -> str:
     """What stops the next length after ``max_len``: "GPU", "host" or "both"."""
-    nxt = max_len + context_step(setup)
+    nxt = max_len + context_step(setup, granularity)
     gpu_over = predict(dims, setup, method, nxt).total_gib > setup.gpu_memory_gib
     host_over = sum(host_terms(dims, setup, nxt).values()) > setup.host_memory_gib * GiB
     return "both" if gpu_over and host_over else "host" if host_over else "GPU"
@@ -302,7 +304,11 @@ def grouped(dims: ModelDims, setup: TrainSetup, k: int, groups: int | None = Non
 
 
 def group_size_rows(
-    dims: ModelDims, setup: TrainSetup, method: AttentionScheme, sizes: Iterable[int] | None = None
+    dims: ModelDims,
+    setup: TrainSetup,
+    method: AttentionScheme,
+    sizes: Iterable[int] | None = None,
+    granularity: int = 2**14,
 ) -> list[tuple[int, TrainSetup, int, str, float]]:
     """Per group size k (1: no groups; default 1 .. 2 sqrt(L)): (k, the setup with the fewest groups that reach
     the longest context k allows, that max context on both memories, what binds the next length, the extra
@@ -310,10 +316,18 @@ def group_size_rows(
     fewest groups are found by bisection."""
     sizes = list(sizes) if sizes is not None else list(range(1, 2 * math.isqrt(dims.num_layers) + 1))
     # offloaded checkpoints: the groups change only the host terms, so the GPU's limit is searched once
-    gpu = max_context(dims, replace(setup, host_memory_gib=math.inf), method) if setup.offload_checkpoints else None
+    gpu = (
+        max_context(dims, replace(setup, host_memory_gib=math.inf), method, granularity)
+        if setup.offload_checkpoints
+        else None
+    )
 
     def reach(s: TrainSetup) -> int:
-        return max_context(dims, s, method) if gpu is None else min(gpu, host_max_context(dims, s))
+        return (
+            max_context(dims, s, method, granularity)
+            if gpu is None
+            else min(gpu, host_max_context(dims, s, granularity))
+        )
 
     rows = []
     for k in sizes:
@@ -324,7 +338,8 @@ def group_size_rows(
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if reach(grouped(dims, setup, k, mid)) >= mc else (mid, hi)
         s = grouped(dims, setup, k, hi)
-        rows.append((k, s, mc, binding_limit(dims, s, method, mc) if mc else "-", group_recompute_fraction(dims, s)))
+        binds = binding_limit(dims, s, method, mc, granularity) if mc else "-"
+        rows.append((k, s, mc, binds, group_recompute_fraction(dims, s)))
     return rows
 
 
@@ -345,9 +360,8 @@ def group_size_report(dims: ModelDims, setup: TrainSetup, method: AttentionSchem
     ]
     for k, s, mc, binds, extra in group_size_rows(dims, setup, method):
         engine, saved, inner = kept_checkpoints(dims, s) if s.checkpointing else (0, 0, 0)
-        lines.append(
-            f"{k:>3}{s.checkpoint_groups:>8}{engine + saved + inner:>18}{fmt_tokens(mc):>13}{binds:>7}{100 * extra:>14.1f}%"
-        )
+        kept = engine + saved + inner
+        lines.append(f"{k:>3}{s.checkpoint_groups:>8}{kept:>18}{fmt_tokens(mc):>13}{binds:>7}{100 * extra:>14.1f}%")
     return "\n".join(lines)
 
 
