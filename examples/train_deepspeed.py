@@ -398,8 +398,8 @@ def train(opts: argparse.Namespace) -> dict[str, Any]:
         else list(state.last_documents_per_row),
         long_context=long_context_record(model),
         checkpointing=engine.upipe_checkpointing,
-        # upipe.checkpoint_pairs: the pairs installed and how many pair backwards ran
-        checkpoint_pairs=[pair.backward_runs for pair in getattr(model, "upipe_checkpoint_pairs", [])],
+        # upipe.checkpoint_groups / checkpoint_pairs: the groups installed and how many group backwards ran
+        checkpoint_pairs=[group.backward_runs for group in getattr(model, "upipe_checkpoint_groups", [])],
         init_s=init_s,
         wall_s=time.perf_counter() - t_run,
         resumed_from=start,

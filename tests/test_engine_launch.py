@@ -129,8 +129,8 @@ def two_procs_launch(tmp_path_factory, port):
         run("upipe_z3_stack", "upipe_long_context", sp=2, gas=2, extra=STACK),
         run("alst_z2_stack", "ulysses_alst_long_context", sp=2, gas=2, stage=2, extra=STACK),
         run("alst_z3_stack", "ulysses_alst_long_context", sp=2, gas=2, extra=STACK),
-        # both layers as one checkpoint pair (upipe.checkpoint_pairs), UPipe and ALST
-        run("upipe_z3_pairs", "upipe_long_context", sp=2, gas=2, extra=(*STACK, "upipe.checkpoint_pairs=1")),
+        # both layers as one checkpoint group of 2 (upipe.checkpoint_groups; checkpoint_pairs under ALST)
+        run("upipe_z3_pairs", "upipe_long_context", sp=2, gas=2, extra=(*STACK, "upipe.checkpoint_groups=1")),
         run("alst_z2_pairs", "ulysses_alst_long_context", sp=2, gas=2, stage=2, extra=("upipe.checkpoint_pairs=1",)),
     ]
     # bf16 with float32 gradient accumulation at ZeRO-1: DeepSpeed's BF16_Optimizer, not a ZeRO optimizer

@@ -136,7 +136,7 @@ def test_planner_reads_the_runtimes_validated_settings():
         setup, scheme, _ = planner.from_ds_config(given)
         assert (setup.loss_tile_tokens, setup.norm_tile_tokens, setup.mlp_tile_tokens) == (1024, 2048, 4096)
         assert (setup.tiled_loss, setup.tiled_norm, setup.tiled_mlp) == (True, True, True)
-        assert (setup.gpus, setup.ring_size, setup.checkpoint_pairs) == (8, 2, 2)
+        assert (setup.gpus, setup.ring_size, setup.checkpoint_groups, setup.checkpoint_group_size) == (8, 2, 2, 2)
         assert (setup.checkpointing, setup.offload_checkpoints, setup.checkpoint_pinning) == (True, True, "exact")
         assert (setup.offload_optimizer, setup.offload_pin_memory, setup.offload_param) == (True, True, False)
         assert (setup.dtype, setup.zero_stage) == ("bf16", 3)
@@ -246,7 +246,9 @@ def test_fake_run_at_paper_scale_is_the_plan_less_the_analytic_terms():
     assert set(run.phases) == set(fake_run.STEP_PHASES)
     assert p.peak_phase == max(run.phases, key=run.phases.get) and p.phase_gib * GiB == run.total - run.weights
     assert p.other_layers_gib == 0  # offloaded checkpoints: the other layers keep nothing on the GPU
-    analytic = planner.model_state_bytes(LLAMA, setup) + planner.zero_buffer_bytes(LLAMA, setup) + 4 * GiB
+    analytic = (
+        planner.model_state_bytes(LLAMA, setup) + planner.zero_buffer_bytes(LLAMA, setup) + setup.reserve_gib * GiB
+    )
     assert p.total_gib * GiB == analytic + run.total - run.weights
     # without offload each of the other 30 layers keeps its input on the GPU, in every phase above it
     kept = planner.predict(LLAMA, replace(setup, offload_checkpoints=False), method, seq)
@@ -417,6 +419,29 @@ def test_host_memory_is_planned_and_bounds_the_max_context():
     assert planner.max_context(SMALL, replace(roomy, checkpoint_pinning="exact"), method, granularity=1024) == 2 * 10240
 
 
+def test_the_planner_chooses_the_group_size():
+    """Host-bound (a roomy GPU, 10 MiB of host for 2 ranks, exact pinning) with 8 layers: without groups 7 layer
+    inputs per rank; 3 pairs keep 4 (1 in DeepSpeed's pool below the top layer, 3 saved), as do 2 groups of 3 or 4
+    (at more compute), so the planner picks 3 pairs, and the context grows by 7/4; 2 pairs (5 inputs) would not
+    reach it."""
+    dims = planner.ModelDims("small8", 8, 2, 32, 256, 512, 8, 1024)
+    roomy = planner.TrainSetup(
+        gpus=2, gpu_memory_gib=1.0, reserve_gib=0.0, kernel="none", host_memory_gib=10 / 1024, host_os_gib=0.0
+    )
+    roomy = replace(roomy, host_per_rank_gib=0.0, checkpoint_pinning="exact")
+    method = planner.AttentionScheme.upipe(2)
+    rows = {k: (s, mc, binds) for k, s, mc, binds, _ in planner.group_size_rows(dims, roomy, method, granularity=256)}
+    token_inputs = 10 * 2**20 // 2 // (256 * 2)  # per rank: 10,240 tokens x layer inputs
+    assert rows[1][1] == 2 * (token_inputs // 7) // 256 * 256 and rows[1][2] == "host"
+    assert rows[2][1] == 2 * (token_inputs // 4) // 256 * 256 == rows[3][1] == rows[4][1]
+    assert rows[2][0].checkpoint_groups == 3 and rows[2][2] == "host"
+    assert rows[3][0].checkpoint_groups == 2  # 8 - 6 - 1 + 2 + 1 = 4 inputs
+    best = max(planner.group_size_rows(dims, roomy, method, granularity=256), key=lambda r: (r[2], -r[4]))
+    assert (best[0], best[1].checkpoint_groups, best[4]) == (2, 3, 3 / 32)
+    two = planner.grouped(dims, roomy, 2, 2)
+    assert planner.max_context(dims, two, method, granularity=256) < rows[2][1]
+
+
 def test_offload_settings_are_planned_or_refused_by_name():
     cfg = json.loads(open("ds_configs/upipe_zero3.json").read())
     zero = cfg["zero_optimization"]
@@ -479,44 +504,55 @@ def test_exact_pinned_pool_pins_what_the_planner_counts():
     assert engine.pinned_bytes == 0 and not engine.registered
 
 
-def test_checkpoint_pairs_are_planned_from_what_the_stores_keep():
-    """upipe.checkpoint_pairs N: the host term is the bytes the pairs' stores really hold in a CPU run
-    of the real pairs (one exact buffer per pair), DeepSpeed's engine pins layers - 2N - 1; on the GPU
-    (no offload) N layer inputs fewer; the config key reaches the plan; N beyond L/2 is refused."""
+@pytest.mark.parametrize("groups,size", [(2, 2), (1, 4)])
+def test_checkpoint_groups_are_planned_from_what_the_stores_keep(groups, size):
+    """upipe.checkpoint_groups N of k (pairs: k = 2): the host term is the bytes the groups' pools really hold
+    in a CPU run of the real groups (one exact buffer per group, k - 2 inner ones in the shared pool),
+    DeepSpeed's engine pins layers - N k - 1; on the GPU (no offload) N (k - 1) layer inputs fewer and k - 2
+    inner ones; the config key reaches the plan; N k beyond L is refused."""
     import functools
 
     import torch
     import transformers
 
-    from ds_upipe.integration.checkpoint_pairs import install_checkpoint_pairs
+    from ds_upipe.integration.checkpoint_groups import install_checkpoint_groups
     from ds_upipe.tools.models import tiny_config
 
-    dims = planner.ModelDims("pairs", 8, 2, 8, 64, 64, 5, 101)
+    dims = planner.ModelDims("groups", 8, 2, 8, 64, 64, 5, 101)
     setup = planner.TrainSetup(gpus=2, gpus_per_node=1, checkpoint_pinning="exact", host_os_gib=0.0, dtype="fp32")
-    setup = replace(setup, host_per_rank_gib=0.0, checkpoint_pairs=2)
+    setup = replace(setup, host_per_rank_gib=0.0, checkpoint_groups=groups, checkpoint_group_size=size)
     seq = 64
     config = tiny_config("llama", num_hidden_layers=5, hidden_size=64, intermediate_size=64, vocab_size=101)
     model = transformers.LlamaForCausalLM(config).train()
     checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True)
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint)
     model.enable_input_require_grads()
-    pairs = install_checkpoint_pairs(model, 2, offload=True)
+    installed = install_checkpoint_groups(model, groups, size, offload=True)
     ids = torch.randint(0, 101, (1, seq // 2))  # this rank's shard of seq tokens
     model(input_ids=ids, labels=ids).loss.backward()
     terms = planner.host_terms(dims, setup, seq)
     x = planner.hidden_state_bytes(dims, setup, seq)
-    assert terms["checkpoint pairs (2 layer inputs/rank, exact pinned)"] == sum(p.store.allocated_bytes for p in pairs)
-    assert terms["checkpoints (0 layer inputs/rank, exact pinned)"] == 0  # layer 4: DeepSpeed keeps it on the GPU
-    plain = planner.host_terms(dims, replace(setup, checkpoint_pairs=0), seq)
-    assert sum(plain.values()) - sum(terms.values()) == 2 * x
+    pinned = sum(g.store.allocated_bytes for g in installed) + installed[0].inner_store.allocated_bytes
+    label = f"checkpoint groups of {size} ({groups} saved + {size - 2} inner layer inputs/rank, exact pinned)"
+    assert terms[label] == pinned == (groups + size - 2) * x
+    engine = 5 - groups * size - 1  # the top layer's input: DeepSpeed keeps it on the GPU
+    assert terms[f"checkpoints ({engine} layer inputs/rank, exact pinned)"] == engine * x
+    plain = planner.host_terms(dims, replace(setup, checkpoint_groups=0), seq)
+    assert sum(plain.values()) - sum(terms.values()) == (groups * (size - 1) - (size - 2)) * x
     on_gpu = replace(setup, offload_checkpoints=False)
-    # on the GPU: 5 layers, 2 pairs -> besides the two measured layers' inputs, 3 - 2 = 1 more kept below the top
+    # on the GPU: 5 layers -> besides the two measured layers' inputs 3, less N (k - 1), plus k - 2 inner ones
+    below = (max(0, 3 - groups * (size - 1)) + size - 2) * x
     others = planner.other_layers(dims, on_gpu, seq, 0)
-    assert {k: v[0] for k, v in others.items()} == {"forward": x, "loss": x, "top layer": x, "bottom layer": 0}
+    assert {k: v[0] for k, v in others.items()} == {
+        "forward": below,
+        "loss": below,
+        "top layer": below,
+        "bottom layer": 0,
+    }
     cfg = json.loads(open("ds_configs/upipe_llama3_8b_8m.json").read())
-    assert planner.from_ds_config(cfg)[0].checkpoint_pairs == 3
-    with pytest.raises(ValueError, match="checkpoint_pairs=3: pairs has 5 layers, so at most 2"):
-        planner.host_terms(dims, replace(setup, checkpoint_pairs=3), seq)
+    assert planner.from_ds_config(cfg)[0].checkpoint_groups > 0
+    with pytest.raises(ValueError, match=f"checkpoint_groups={groups + 1} of {size}: groups has 5 layers"):
+        planner.host_terms(dims, replace(setup, checkpoint_groups=groups + 1), seq)
 
 
 def test_moe_presets_count_every_expert_and_plan_a_step(tmp_path):

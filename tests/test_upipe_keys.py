@@ -140,7 +140,7 @@ def _record(model: torch.nn.Module) -> dict[str, Any]:
         "recompute": state.recompute_attention_output if state else None,
         "tiles": [stack.loss_tile_tokens, stack.norm_tile_tokens, stack.mlp_tile_tokens] if stack else None,
         "checkpointing": bool(hf.is_gradient_checkpointing),
-        "pairs": len(getattr(hf, "upipe_checkpoint_pairs", None) or []),
+        "pairs": len(getattr(hf, "upipe_checkpoint_groups", None) or []),
     }
 
 

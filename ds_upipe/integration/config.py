@@ -55,6 +55,10 @@ ALLOWED: dict[str, str] = {
     "accumulate_dtype": '"fp32" or "input" (the dtype bf16/fp16 gradients are summed in over the stages)',
     "recompute_attention_output": "true or false (fused projections only)",
     "checkpoint_pairs": "an int >= 0, at most half the model's decoder layers (needs activation checkpointing)",
+    "checkpoint_groups": (
+        "an int >= 0, at most the model's decoder layers / checkpoint_group_size (needs activation checkpointing)"
+    ),
+    "checkpoint_group_size": "an int >= 2 (the layers of one checkpoint group)",
     "tiled_loss": TILED,
     "tiled_norm": TILED,
     "tiled_mlp": TILED,
@@ -100,7 +104,10 @@ class UPipeConfig(BaseModel):
     accumulate_dtype: Literal["fp32", "input"] = "fp32"
     #: fused mode: backward recomputes each stage's attention instead of keeping the layer's attention output
     recompute_attention_output: StrictBool = False
-    #: the lowest 2N decoder layers checkpointed in pairs on one saved input (integration.checkpoint_pairs)
+    #: the lowest N x k decoder layers checkpointed in groups of k on one saved input
+    #: (integration.checkpoint_groups); ``checkpoint_pairs: N`` is N groups of 2 (``checkpoint_grouping``)
+    checkpoint_groups: StrictInt = 0
+    checkpoint_group_size: StrictInt = 2
     checkpoint_pairs: StrictInt = 0
     # the long-context stack (hf_patches.apply_long_context_stack); also with enabled=false (ALST)
     tiled_loss: TiledSetting = False
@@ -124,6 +131,14 @@ class UPipeConfig(BaseModel):
         )
 
     @property
+    def checkpoint_grouping(self) -> tuple[int, int]:
+        """(groups, layers per group): the one reading of ``checkpoint_groups``, ``checkpoint_group_size`` and
+        ``checkpoint_pairs`` (N pairs = N groups of 2; setting both is refused by the validator)."""
+        if self.checkpoint_pairs:
+            return self.checkpoint_pairs, 2
+        return self.checkpoint_groups, self.checkpoint_group_size
+
+    @property
     def long_context(self) -> bool:
         """Whether any part of the long-context stack is on."""
         return any(tiled(v)[0] for v in (self.tiled_loss, self.tiled_norm, self.tiled_mlp))
@@ -143,8 +158,18 @@ class UPipeConfig(BaseModel):
             problems.append("ring_size")
         if self.checkpoint_pairs < 0:
             problems.append("checkpoint_pairs")
+        if self.checkpoint_groups < 0:
+            problems.append("checkpoint_groups")
+        if self.checkpoint_group_size < 2:
+            problems.append("checkpoint_group_size")
         if problems:
             raise ValueError("|".join(problems))
+        if self.checkpoint_pairs and (self.checkpoint_groups or self.checkpoint_group_size != 2):
+            raise ValueError(
+                f"upipe.checkpoint_pairs={self.checkpoint_pairs} with upipe.checkpoint_groups={self.checkpoint_groups}"
+                f", checkpoint_group_size={self.checkpoint_group_size}: checkpoint_pairs N is checkpoint_groups N of "
+                "size 2; set one of them (checkpoint_groups and checkpoint_group_size for groups of another size)"
+            )
         for key in ("head_chunk_size", "mixer_head_chunk_size"):
             if getattr(self, key) == "auto" and (self.memory_budget_gib is None or self.seq_length is None):
                 raise ValueError(
@@ -247,7 +272,7 @@ def parse_config(ds_config: dict[str, Any]) -> SPSettings:
             "allowed: 1, 2 or 3 (sequence parallelism needs ZeRO)"
         )
     act = ds_config.get("activation_checkpointing", {}) or {}
-    check_checkpoint_pairs(upipe, checkpoints_layers(ds_config, upipe), act)
+    check_checkpoint_groups(upipe, checkpoints_layers(ds_config, upipe), act)
     if sp > 1 and act.get("partition_activations", False):
         # DeepSpeed would split each checkpointed activation across the "model-parallel" group, which
         # with the sequence-parallel mpu is the sequence group: its ranks hold different tokens, not replicas.
@@ -280,23 +305,25 @@ def checkpoints_layers(ds_config: dict[str, Any], upipe: UPipeConfig) -> bool:
     return ds_config.get("activation_checkpointing") is not None or upipe.offload_checkpoints
 
 
-def check_checkpoint_pairs(upipe: UPipeConfig, checkpointing: bool, act: dict[str, Any]) -> None:
-    """ValueError if ``upipe.checkpoint_pairs`` is set where no layer is checkpointed, or beside
-    DeepSpeed's activation partitioning (a pair keeps its own copy of its input, unpartitioned)."""
-    pairs = upipe.checkpoint_pairs
-    if not pairs:
+def check_checkpoint_groups(upipe: UPipeConfig, checkpointing: bool, act: dict[str, Any]) -> None:
+    """ValueError if checkpoint groups (``upipe.checkpoint_groups`` / ``checkpoint_pairs``) are set where no
+    layer is checkpointed, or beside DeepSpeed's activation partitioning (a group keeps its own copy of its
+    input, unpartitioned)."""
+    groups, _ = upipe.checkpoint_grouping
+    if not groups:
         return
+    key = "checkpoint_pairs" if upipe.checkpoint_pairs else "checkpoint_groups"
     if not checkpointing:
         raise ValueError(
-            f"invalid ds_config: upipe.checkpoint_pairs: got {pairs} without activation checkpointing; allowed: 0, "
-            'or add an "activation_checkpointing" section (or upipe.offload_checkpoints: true): pairs are a way to '
-            "checkpoint layers"
+            f"invalid ds_config: upipe.{key}: got {groups} without activation checkpointing; allowed: 0, "
+            'or add an "activation_checkpointing" section (or upipe.offload_checkpoints: true): groups are a way '
+            "to checkpoint layers"
         )
     if act.get("partition_activations", False):
         raise ValueError(
-            f"invalid ds_config: upipe.checkpoint_pairs: got {pairs} with activation_checkpointing."
-            "partition_activations=true; allowed: 0 there (a pair keeps its saved input whole); set "
-            "partition_activations to false or upipe.checkpoint_pairs to 0"
+            f"invalid ds_config: upipe.{key}: got {groups} with activation_checkpointing."
+            "partition_activations=true; allowed: 0 there (a group keeps its saved input whole); set "
+            f"partition_activations to false or upipe.{key} to 0"
         )
 
 

@@ -195,6 +195,7 @@ class Registration:
             "upipe.offload_checkpoints=true": upipe.offload_checkpoints,
             "the activation_checkpointing section": (self.ds_config or {}).get("activation_checkpointing") is not None,
             f"upipe.checkpoint_pairs={upipe.checkpoint_pairs}": upipe.checkpoint_pairs > 0,
+            f"upipe.checkpoint_groups={upipe.checkpoint_groups}": upipe.checkpoint_groups > 0,
         }
         return [key for key, value in on.items() if value]
 

@@ -26,7 +26,7 @@ from hf_patches.packing import per_document_attention
 
 from ..heads import HeadLayout
 from .auto_chunk import run_mixer_head_chunk_size
-from .checkpoint_pairs import check_pairs_fit, install_checkpoint_pairs
+from .checkpoint_groups import check_groups_fit, install_checkpoint_groups
 from .checkpointing import install_exact_pinned_pool, releasing
 from .config import SPSettings, UPipeConfig, tiled
 from .prepare import prepare_model
@@ -192,14 +192,14 @@ def refuse_unexchanged_mixers(model: torch.nn.Module, upipe: bool) -> None:
 
 def check_model_settings(model: torch.nn.Module, settings: SPSettings) -> None:
     """Refuse settings the model cannot take: a stack part it lacks (e.g. ``tiled_loss`` on a model
-    without an lm_head), more checkpoint pairs than it has layers for; with sequence parallelism, a hybrid
+    without an lm_head), more checkpoint groups than it has layers for; with sequence parallelism, a hybrid
     model under ALST (``refuse_unexchanged_mixers``), and what its mixers cannot run under UPipe (a ring, a
     ``mixer_head_chunk_size``: ``hf_patches.check_mixer_settings``).
 
     Reads only the model's structure and the config, so every rank raises the same ValueError; the
     callers run it before their first collective."""
     upipe = settings.upipe
-    check_pairs_fit(model, upipe.checkpoint_pairs)
+    check_groups_fit(model, *upipe.checkpoint_grouping)
     if settings.sequence_parallel_size > 1 and isinstance(model, torch.nn.Module):
         refuse_unexchanged_mixers(model, upipe.enabled)
         if upipe.enabled:
@@ -263,14 +263,14 @@ def configure_activation_checkpointing(
     # offloaded checkpoints in exact-size pinned buffers, not torch's power-of-two pinned blocks
     install_exact_pinned_pool()
     if not (getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "_set_gradient_checkpointing")):
-        return None  # (checkpoint_pairs on such a model: refused before, by check_model_settings)
+        return None  # (checkpoint groups on such a model: refused before, by check_model_settings)
     # releasing: the replay in backward frees the replayed layer output (one hidden state) at once
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=releasing(ds_checkpointing.checkpoint))
     # DeepSpeed's checkpoint is reentrant: backward reaches a layer only if its input requires grad
     model.enable_input_require_grads()
-    # the lowest 2N layers in pairs on one saved input, kept where DeepSpeed would keep it (host or device)
-    offload_pairs = bool(ds_checkpointing.CPU_CHECKPOINT) and not get_accelerator().is_synchronized_device()
-    install_checkpoint_pairs(model, settings.upipe.checkpoint_pairs, offload=offload_pairs)
+    # the lowest N x k layers in groups on one saved input, kept where DeepSpeed would keep it (host or device)
+    offload_groups = bool(ds_checkpointing.CPU_CHECKPOINT) and not get_accelerator().is_synchronized_device()
+    install_checkpoint_groups(model, *settings.upipe.checkpoint_grouping, offload=offload_groups)
     return "reentrant"
 
 

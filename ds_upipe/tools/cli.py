@@ -88,10 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="attention kernel's backward workspace: fa2 = torch SDPA flash / flash-attn 2 (default), fa3, none",
     )
     plan.add_argument(
+        "--gpu-reserve",
         "--reserve",
+        dest="reserve",
         type=float,
-        default=4.0,
-        help="GiB per GPU for the CUDA context, NCCL communicators / NVLS buffers and fragmentation (default 4)",
+        default=None,
+        help="GiB per GPU kept free: CUDA context and cuBLAS workspaces, NCCL communicators / NVLS buffers, caching-"
+        "allocator fragmentation (default: TrainSetup.reserve_gib, basis in planner.RESERVE_BASIS)",
+    )
+    plan.add_argument(
+        "--host-reserve",
+        type=float,
+        default=None,
+        help="GiB per node kept free of host memory for the OS, page cache and daemons (default: "
+        "TrainSetup.host_os_gib, basis in planner.HOST_BASIS; each rank's processes are counted apart)",
     )
     plan.add_argument(
         "--host-memory", type=float, default=2048.0, help="GiB of host memory per node (default 2048: a DGX-class node)"
@@ -116,6 +126,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="upipe.checkpoint_pairs: checkpoint the lowest 2N layers in pairs on one saved input (N layer inputs "
         "fewer kept, N more layer forwards per step; default 0, or the config's)",
+    )
+    plan.add_argument(
+        "--checkpoint-group-size",
+        default=None,
+        help="upipe.checkpoint_group_size k: checkpoint the layers in groups of k on one saved input (as many groups "
+        "as fit, or --checkpoint-groups); 'auto': the k that reaches the longest context on both memories, the "
+        "least extra compute among those, with the table of every k (default: the config's)",
+    )
+    plan.add_argument(
+        "--checkpoint-groups",
+        type=int,
+        default=None,
+        help="upipe.checkpoint_groups N: the lowest N x k layers in groups (default with --checkpoint-group-size: "
+        "layers // k)",
     )
     plan.add_argument("--unfused", action="store_true", help="UPipe without fused projections")
     plan.add_argument("--overlap-comm", action="store_true", help="UPipe prefetches the next stage's all-to-alls")
@@ -286,8 +310,16 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
         "tiled_mlp": args.tiled_mlp,
         "checkpoint_pinning": args.checkpoint_pinning,
         "offload_optimizer": args.offload_optimizer,
-        "checkpoint_pairs": args.checkpoint_pairs,
     }
+    if args.checkpoint_pairs is not None:
+        changes.update(checkpoint_groups=args.checkpoint_pairs, checkpoint_group_size=2)
+    auto_groups = args.checkpoint_group_size == "auto"
+    if args.checkpoint_group_size is not None and not auto_groups:
+        k = int(args.checkpoint_group_size)
+        groups = args.checkpoint_groups if args.checkpoint_groups is not None else dims.num_layers // k
+        changes.update(checkpoint_groups=groups, checkpoint_group_size=k)
+    elif args.checkpoint_groups is not None:
+        changes.update(checkpoint_groups=args.checkpoint_groups)
     changes = {k: v for k, v in changes.items() if v is not None}
     if args.accumulate_dtype is not None:
         on = args.accumulate_dtype == "input"
@@ -300,10 +332,12 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
             )
         methods = [m.with_options(recompute_attention_output=True) if m.kind == "upipe" else m for m in methods]
     if args.no_checkpointing:
-        changes.update(checkpointing=False, offload_checkpoints=False, checkpoint_pairs=0)
+        changes.update(checkpointing=False, offload_checkpoints=False, checkpoint_groups=0)
     elif args.no_offload:
         changes.update(offload_checkpoints=False)
-    setup = replace(setup, kernel=args.kernel, reserve_gib=args.reserve, **changes)
+    margins = {"reserve_gib": args.reserve, "host_os_gib": args.host_reserve}
+    changes.update({k: v for k, v in margins.items() if v is not None})
+    setup = replace(setup, kernel=args.kernel, **changes)
     if settings is not None and settings.upipe.enabled and settings.upipe.head_chunk_size == "auto":
         # the U the run's "auto" picks for this model, setup and settings (the same measurement)
         methods = [
@@ -319,6 +353,9 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
         else m
         for m in methods
     ]
+    if auto_groups:
+        upipe = [m for m in methods if m.kind == "upipe"]
+        setup = planner.choose_group_size(dims, setup, (upipe or methods)[0])
     return dims, setup, methods
 
 
@@ -337,6 +374,10 @@ def _plan(args: argparse.Namespace) -> int:
         if not planner.predict(dims, setup, method, planner.context_step(setup)).fits:
             raise ValueError(planner.nothing_fits(dims, setup, method))
     print(planner.plan_table(dims, setup, seq_lens, methods))
+    if args.checkpoint_group_size == "auto":
+        for method in methods:
+            print()
+            print(planner.group_size_report(dims, setup, method))
     if args.tokens is not None and args.config is None:
         print()
         print(planner.which_head_chunk_report(dims, setup, args.tokens, methods))

@@ -56,16 +56,18 @@ def hidden_state_bytes(dims: ModelDims, setup: TrainSetup, seq_len: int) -> int:
     return setup.batch * (seq_len // setup.gpus) * dims.hidden_size * setup.act_bytes
 
 
-#: what ``TrainSetup.reserve_gib`` stands for (not measured here: no GPU in the test environment)
+#: what ``TrainSetup.reserve_gib`` (``--gpu-reserve``) stands for (not measured here: no GPU in the test environment)
 RESERVE_BASIS = (
-    "CUDA context + cuBLAS/cuDNN workspaces ~1 GiB, one NCCL communicator per process group (data, "
-    "sequence, ZeRO) ~0.3-0.5 GiB each, NVLS buffers on NVSwitch nodes ~1 GiB, allocator fragmentation; "
-    "4 GiB assumed (3-6 GiB is typical)"
+    "CUDA context + cuBLAS/cuDNN workspaces ~1 GiB; NCCL: a ZeRO-3 SP run has at least 3 communicators (world, "
+    "sequence, data) and on NVSwitch nodes with NVLS on one takes ~1.6 GB, >= 3 ~6 GB (NVIDIA/nccl#864; "
+    "NCCL_NVLS_ENABLE=0: ~0.5-0.7 GB each, nccl#964), ~4 GiB assumed; caching-allocator fragmentation ~3 GiB "
+    "(with expandable_segments); 8 GiB assumed"
 )
-#: what ``host_os_gib`` and ``host_per_rank_gib`` stand for (assumed, not measured)
+#: what ``host_os_gib`` (``--host-reserve``) and ``host_per_rank_gib`` stand for (assumed, not measured)
 HOST_BASIS = (
-    "OS, page cache floor and services per node; per rank: the CUDA driver's host mappings, torch / "
-    "DeepSpeed / Python libraries, the data loader, DeepSpeed's host staging"
+    "per node: the OS, daemons (monitoring, container runtime, filesystem clients) and the page cache the "
+    "data set and checkpoints keep (64 GiB assumed); per rank: the CUDA driver's host mappings, torch / "
+    "DeepSpeed / Python libraries, the data loader, DeepSpeed's host staging (8 GiB)"
 )
 
 
@@ -82,24 +84,27 @@ def ranks_per_node(setup: TrainSetup) -> int:
     return min(setup.gpus, setup.gpus_per_node)
 
 
-def kept_checkpoints(dims: ModelDims, setup: TrainSetup) -> tuple[int, int]:
-    """(layer inputs DeepSpeed's offload engine pins on the host, inputs the checkpoint pairs keep)
-    per rank.  DeepSpeed checkpoints the ``layers - 2N`` layers above the pairs and keeps the newest
-    input on the GPU (``keep_last_count=1``); each of the N pairs keeps one input (its own exact-size
-    buffer, ``integration.checkpoint_pairs.PairInputStore``)."""
-    pairs = setup.checkpoint_pairs
-    if 2 * pairs > dims.num_layers:
+def kept_checkpoints(dims: ModelDims, setup: TrainSetup) -> tuple[int, int, int]:
+    """(layer inputs DeepSpeed's offload engine pins on the host, inputs the checkpoint groups keep, inner
+    inputs a group's backward holds) per rank.  DeepSpeed checkpoints the ``layers - N k`` layers above the
+    groups and keeps the newest input on the GPU (``keep_last_count=1``); each of the N groups keeps one
+    input (its own exact-size buffer, ``integration.checkpoint_groups.GroupInputStore``) and the group whose
+    backward runs holds its k - 2 inner inputs (one pool for all groups)."""
+    groups, k = setup.checkpoint_groups, setup.checkpoint_group_size
+    if groups * k > dims.num_layers:
         raise ValueError(
-            f"checkpoint_pairs={pairs}: {dims.name} has {dims.num_layers} layers, so at most {dims.num_layers // 2}"
+            f"checkpoint_groups={groups} of {k}: {dims.name} has {dims.num_layers} layers, so at most "
+            f"{dims.num_layers // k}"
         )
-    return max(0, dims.num_layers - 2 * pairs - 1), pairs
+    return max(0, dims.num_layers - groups * k - 1), groups, (k - 2 if groups else 0)
 
 
-def pair_recompute_fraction(dims: ModelDims, setup: TrainSetup) -> float:
-    """The checkpoint pairs' extra compute as a fraction of a checkpointed step's layer compute: N more
-    layer forwards over L x (forward + recompute + backward ~ 2 forwards) = 4L forwards (backward ~ 2
-    forwards: the usual 2:1 FLOP rule; an estimate, not a measurement)."""
-    return setup.checkpoint_pairs / (4 * dims.num_layers)
+def group_recompute_fraction(dims: ModelDims, setup: TrainSetup) -> float:
+    """The checkpoint groups' extra compute as a fraction of a checkpointed step's layer compute: N (k - 1)
+    more layer forwards (each group's top backward recomputes its layers' inputs once) over L x (forward +
+    recompute + backward ~ 2 forwards) = 4L forwards (backward ~ 2 forwards: the usual 2:1 FLOP rule; an
+    estimate, not a measurement)."""
+    return setup.checkpoint_groups * (setup.checkpoint_group_size - 1) / (4 * dims.num_layers)
 
 
 def host_terms(dims: ModelDims, setup: TrainSetup, seq_len: int) -> dict[str, int]:
@@ -113,11 +118,12 @@ def host_terms(dims: ModelDims, setup: TrainSetup, seq_len: int) -> dict[str, in
     terms: dict[str, int] = {}
     if setup.offload_checkpoints:
         x = hidden_state_bytes(dims, setup, seq_len)
-        engine, pairs = kept_checkpoints(dims, setup)
+        engine, groups, inner = kept_checkpoints(dims, setup)
         per_rank = engine * pinned_block_bytes(x, setup.checkpoint_pinning)
         terms[f"checkpoints ({engine} layer inputs/rank, {setup.checkpoint_pinning} pinned)"] = ranks * per_rank
-        if pairs:
-            terms[f"checkpoint pairs ({pairs} layer inputs/rank, exact pinned)"] = ranks * pairs * x
+        if groups:
+            label = f"checkpoint groups of {setup.checkpoint_group_size} ({groups} saved + {inner} inner layer inputs"
+            terms[f"{label}/rank, exact pinned)"] = ranks * (groups + inner) * x
     rounding = "pow2" if setup.offload_pin_memory else "exact"
     part = math.ceil(dims.total_params / setup.gpus)
     if setup.offload_optimizer and setup.optimizer:
@@ -261,14 +267,16 @@ def other_layers(dims: ModelDims, setup: TrainSetup, seq_len: int, saved_per_lay
     on) their weight gradients are alive; with one, ZeRO has moved them into its buckets."""
     extra = max(0, dims.num_layers - 2)
     if setup.checkpointing:
-        kept = max(0, extra - setup.checkpoint_pairs)
+        groups, k = setup.checkpoint_groups, setup.checkpoint_group_size
+        # a group keeps one input for k layers, and its backward holds k - 2 inner ones (counted throughout)
+        kept = max(0, extra - groups * (k - 1)) + kept_checkpoints(dims, setup)[2]
         below = (
             (0, "checkpoints of the layers below: offloaded to the host")
             if setup.offload_checkpoints
             else (
                 kept * hidden_state_bytes(dims, setup, seq_len),
                 f"{kept} more layer inputs kept as checkpoints (DeepSpeed keeps each checkpointed layer's input"
-                + (f"; {setup.checkpoint_pairs} pairs keep one for two layers)" if setup.checkpoint_pairs else ")"),
+                + (f"; {groups} groups keep one for {k} layers, {k - 2} inner in backward)" if groups else ")"),
             )
         )
     else:
@@ -290,7 +298,7 @@ def predict(
     The step of a two-layer model is measured whole (``step_peak``), phase by phase; each phase gets
     what the other layers add there (``other_layers``), and the largest sum, with the model states,
     ZeRO buffers and the reserve, is the prediction."""
-    kept_checkpoints(dims, setup)  # checkpoint_pairs within the model's layers
+    kept_checkpoints(dims, setup)  # checkpoint groups within the model's layers
     saved = 0
     if not setup.checkpointing:  # what one layer keeps from its forward to its backward, its input among them
         x = hidden_state_bytes(dims, setup, seq_len)

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
 from .memory import (
     HOST_BASIS,
     RESERVE_BASIS,
+    group_recompute_fraction,
     host_terms,
+    kept_checkpoints,
     model_state_bytes,
-    pair_recompute_fraction,
     predict,
     ranks_per_node,
     zero_buffer_bytes,
@@ -36,19 +37,10 @@ def max_context(
     the length, so secant guesses land next to the answer, each checked with its neighbour, and
     what remains of the bracket is closed by bisection."""
     step = math.lcm(granularity, setup.seq_multiple)
-    top = max(1, limit // step)
     # the host memory is analytic and grows with the length: cap the search where it stops fitting
-    host_budget = setup.host_memory_gib * GiB
-    if sum(host_terms(dims, setup, step).values()) > host_budget:
+    top = host_max_context(dims, setup, granularity, limit) // step
+    if not top:
         return 0
-    lo_h, hi_h = 1, top
-    if sum(host_terms(dims, setup, top * step).values()) > host_budget:
-        while hi_h - lo_h > 1:
-            mid = (lo_h + hi_h) // 2
-            lo_h, hi_h = (
-                (mid, hi_h) if sum(host_terms(dims, setup, mid * step).values()) <= host_budget else (lo_h, mid)
-            )
-        top = lo_h
     budget = setup.gpu_memory_gib
     totals: dict[int, float] = {}
 
@@ -80,13 +72,33 @@ def max_context(
     return lo * step
 
 
+def host_max_context(dims: ModelDims, setup: TrainSetup, granularity: int = 2**14, limit: int = 2**27) -> int:
+    """The largest length (a multiple of ``context_step``, at most ``limit``) whose host terms fit the node's
+    host memory (analytic, by bisection; 0 if none)."""
+    step = math.lcm(granularity, setup.seq_multiple)
+    budget = setup.host_memory_gib * GiB
+
+    def fits(k: int) -> bool:
+        return sum(host_terms(dims, setup, k * step).values()) <= budget
+
+    lo, hi = 0, max(1, limit // step) + 1  # fits(lo) (0: nothing), not fits(hi)
+    if fits(hi - 1):
+        return (hi - 1) * step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * step
+
+
 def context_step(setup: TrainSetup, granularity: int = 2**14) -> int:
     return math.lcm(granularity, setup.seq_multiple)
 
 
-def binding_limit(dims: ModelDims, setup: TrainSetup, method: AttentionScheme, max_len: int) -> str:
+def binding_limit(
+    dims: ModelDims, setup: TrainSetup, method: AttentionScheme, max_len: int, granularity: int = 2**14
+) -> str:
     """What stops the next length after ``max_len``: "GPU", "host" or "both"."""
-    nxt = max_len + context_step(setup)
+    nxt = max_len + context_step(setup, granularity)
     gpu_over = predict(dims, setup, method, nxt).total_gib > setup.gpu_memory_gib
     host_over = sum(host_terms(dims, setup, nxt).values()) > setup.host_memory_gib * GiB
     return "both" if gpu_over and host_over else "host" if host_over else "GPU"
@@ -199,10 +211,15 @@ def describe(dims: ModelDims, setup: TrainSetup) -> str:
         + (f" (Ulysses {setup.ulysses_size} x ring {setup.ring_size})" if setup.ring_size > 1 else "")
         + f", ZeRO-{setup.zero_stage}, {setup.dtype}, "
         f"checkpointing={setup.checkpointing} (CPU offload={setup.offload_checkpoints}"
-        + (f", {setup.checkpoint_pairs} checkpoint pairs" if setup.checkpoint_pairs else "")
+        + (
+            f", {setup.checkpoint_groups} checkpoint groups of k={setup.checkpoint_group_size}"
+            if setup.checkpoint_groups
+            else ""
+        )
         + f"), {setup.stack_label}, "
-        f"kernel workspace={setup.kernel}, micro-batch={setup.batch}, reserve={setup.reserve_gib:g} GiB\n"
-        f"host {setup.host_memory_gib:g} GiB per node, offload_optimizer={setup.offload_optimizer}, "
+        f"kernel workspace={setup.kernel}, micro-batch={setup.batch}, GPU reserve={setup.reserve_gib:g} GiB\n"
+        f"host {setup.host_memory_gib:g} GiB per node (host reserve {setup.host_os_gib:g} + "
+        f"{setup.host_per_rank_gib:g}/rank GiB), offload_optimizer={setup.offload_optimizer}, "
         f"offload_param={setup.offload_param}, checkpoint pinning={setup.checkpoint_pinning}"
     )
 
@@ -268,13 +285,83 @@ def breakdown_report(dims: ModelDims, setup: TrainSetup, method: AttentionScheme
     )
     lines += [f"    {gib:8.1f} GiB  {label}" for label, gib in p.host_terms_gib.items()]
     lines.append(f"    (OS and processes: {setup.host_os_gib:g} + {setup.host_per_rank_gib:g}/rank GiB; {HOST_BASIS})")
-    if setup.checkpoint_pairs:
+    if setup.checkpoint_groups:
+        groups, k = setup.checkpoint_groups, setup.checkpoint_group_size
         lines.append(
-            f"  checkpoint pairs: {setup.checkpoint_pairs} (layers 0-{2 * setup.checkpoint_pairs - 1}): "
-            f"{setup.checkpoint_pairs} layer inputs/rank fewer kept, {setup.checkpoint_pairs} more layer forwards per "
-            f"step, about +{100 * pair_recompute_fraction(dims, setup):.1f}% of the layers' compute (estimate: "
+            f"  checkpoint groups: {groups} of k={k} (layers 0-{groups * k - 1}): {groups * (k - 1)} layer inputs/rank "
+            f"fewer kept, {k - 2} inner held during a group's backward, {groups * (k - 1)} more layer forwards per "
+            f"step, about +{100 * group_recompute_fraction(dims, setup):.1f}% of the layers' compute (estimate: "
             "backward = 2 forwards)"
         )
+    return "\n".join(lines)
+
+
+def grouped(dims: ModelDims, setup: TrainSetup, k: int, groups: int | None = None) -> TrainSetup:
+    """``setup`` with the lowest ``groups`` x ``k`` layers in checkpoint groups of ``k`` (default: as many as
+    fit; none for k = 1)."""
+    n = (dims.num_layers // k if groups is None else groups) if k > 1 else 0
+    return replace(setup, checkpoint_groups=n, checkpoint_group_size=max(k, 2))
+
+
+def group_size_rows(
+    dims: ModelDims,
+    setup: TrainSetup,
+    method: AttentionScheme,
+    sizes: Iterable[int] | None = None,
+    granularity: int = 2**14,
+) -> list[tuple[int, TrainSetup, int, str, float]]:
+    """Per group size k (1: no groups; default 1 .. 2 sqrt(L)): (k, the setup with the fewest groups that reach
+    the longest context k allows, that max context on both memories, what binds the next length, the extra
+    layer compute as a fraction).  Host memory falls as groups are added (``kept_checkpoints``), so the
+    fewest groups are found by bisection."""
+    sizes = list(sizes) if sizes is not None else list(range(1, 2 * math.isqrt(dims.num_layers) + 1))
+    # offloaded checkpoints: the groups change only the host terms, so the GPU's limit is searched once
+    gpu = (
+        max_context(dims, replace(setup, host_memory_gib=math.inf), method, granularity)
+        if setup.offload_checkpoints
+        else None
+    )
+
+    def reach(s: TrainSetup) -> int:
+        return (
+            max_context(dims, s, method, granularity)
+            if gpu is None
+            else min(gpu, host_max_context(dims, s, granularity))
+        )
+
+    rows = []
+    for k in sizes:
+        s = grouped(dims, setup, k)
+        mc = reach(s)
+        lo, hi = -1, s.checkpoint_groups  # the reach at lo groups < mc <= at hi groups
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if reach(grouped(dims, setup, k, mid)) >= mc else (mid, hi)
+        s = grouped(dims, setup, k, hi)
+        binds = binding_limit(dims, s, method, mc, granularity) if mc else "-"
+        rows.append((k, s, mc, binds, group_recompute_fraction(dims, s)))
+    return rows
+
+
+def choose_group_size(dims: ModelDims, setup: TrainSetup, method: AttentionScheme) -> TrainSetup:
+    """The setup with the group size and count that reach the longest context on both memories, the least
+    extra compute among those (``group_size_rows``)."""
+    best = max(group_size_rows(dims, setup, method), key=lambda r: (r[2], -r[4]))
+    return best[1]
+
+
+def group_size_report(dims: ModelDims, setup: TrainSetup, method: AttentionScheme) -> str:
+    """The group-size table: per k the max context, what binds it, and the extra compute."""
+    head = f"{'k':>3}{'groups':>8}{'host inputs/rank':>18}{'max context':>13}{'binds':>7}{'extra compute':>15}"
+    lines = [
+        f"checkpoint groups for {method.label} (per k the fewest groups reaching the longest context; k=1: none)",
+        head,
+        "-" * len(head),
+    ]
+    for k, s, mc, binds, extra in group_size_rows(dims, setup, method):
+        engine, saved, inner = kept_checkpoints(dims, s) if s.checkpointing else (0, 0, 0)
+        kept = engine + saved + inner
+        lines.append(f"{k:>3}{s.checkpoint_groups:>8}{kept:>18}{fmt_tokens(mc):>13}{binds:>7}{100 * extra:>14.1f}%")
     return "\n".join(lines)
 
 

@@ -68,7 +68,7 @@ class TrainSetup:
     #: CUDA flash = flash-attn 2), "fa3", "none" (CPU: MemTracker sees everything)
     kernel: str = "fa2"
     #: CUDA context, NCCL communicators and buffers, allocator fragmentation (``RESERVE_BASIS``)
-    reserve_gib: float = 4.0
+    reserve_gib: float = 8.0
     #: whose async all-to-all buffer lifetime the fake run reproduces: "nccl" (released at wait) or
     #: "gloo" (held until the handle dies: what the CPU measurements see)
     comm_backend: str = "nccl"
@@ -97,11 +97,14 @@ class TrainSetup:
     #: power of two) or "exact" (``ds_upipe.integration.checkpointing.ExactPinnedPool``: one block per
     #: checkpoint of exactly its bytes)
     checkpoint_pinning: str = "pow2"
-    #: upipe.checkpoint_pairs: the lowest 2N layers checkpointed in pairs on one saved input
-    #: (``ds_upipe.integration.checkpoint_pairs``): N layer inputs fewer kept, N more layer forwards
-    checkpoint_pairs: int = 0
-    #: host memory per node outside the tensors above (``HOST_BASIS``)
-    host_os_gib: float = 32.0
+    #: upipe.checkpoint_groups / checkpoint_group_size (checkpoint_pairs N = N groups of 2): the lowest N x k
+    #: layers checkpointed in groups of k on one saved input (``ds_upipe.integration.checkpoint_groups``):
+    #: N (k - 1) layer inputs fewer kept, k - 2 held while a group's backward runs, N (k - 1) more layer forwards
+    checkpoint_groups: int = 0
+    checkpoint_group_size: int = 2
+    #: host memory per node outside the tensors above (``HOST_BASIS``): ``host_os_gib`` per node
+    #: (``--host-reserve``), ``host_per_rank_gib`` per rank
+    host_os_gib: float = 64.0
     host_per_rank_gib: float = 8.0
 
     def __post_init__(self) -> None:
@@ -134,8 +137,10 @@ class TrainSetup:
             raise ValueError(f"kernel={self.kernel!r}: choose one of {list(KERNELS)}")
         if self.batch < 1:
             raise ValueError(f"batch={self.batch} must be >= 1")
-        if self.checkpoint_pairs < 0 or (self.checkpoint_pairs and not self.checkpointing):
-            raise ValueError(f"checkpoint_pairs={self.checkpoint_pairs} needs checkpointing=True and must be >= 0")
+        if self.checkpoint_groups < 0 or (self.checkpoint_groups and not self.checkpointing):
+            raise ValueError(f"checkpoint_groups={self.checkpoint_groups} needs checkpointing=True and must be >= 0")
+        if self.checkpoint_group_size < 2:
+            raise ValueError(f"checkpoint_group_size={self.checkpoint_group_size} must be >= 2")
         if self.offload_checkpoints and not self.checkpointing:
             raise ValueError("offload_checkpoints=True needs checkpointing=True (only checkpoints are offloaded)")
 
@@ -254,7 +259,8 @@ def from_ds_config(
         mlp_tile_tokens=mlp_tiles,
         zero_reduce_bucket=int(zero.get("reduce_bucket_size", base.zero_reduce_bucket)),
         ring_size=settings.ring_size,
-        checkpoint_pairs=upipe.checkpoint_pairs,
+        checkpoint_groups=upipe.checkpoint_grouping[0],
+        checkpoint_group_size=upipe.checkpoint_grouping[1],
     )
     if upipe.enabled:
         u = upipe.head_chunk_size
