@@ -146,12 +146,15 @@ def chunk_gated_delta_rule(
 def on_gated_delta_mixers(model: nn.Module) -> Iterator[None]:
     """For the duration, the gated delta mixers of ``model`` call the stand-in: the recurrence their modeling file
     defines (``gated_delta._RECURRENCE_NAMES``, looked up at call time) replaced there, then restored."""
-    from hf_patches.architectures import find_decoder
+    from hf_patches.mixers import mixer_kind_of
     from hf_patches.mixers.gated_delta import _RECURRENCE_NAMES
 
     replaced: dict[tuple[Any, str], Any] = {}
-    for _, mixer in find_decoder(model).mixers:
-        source = sys.modules[type(mixer).__module__]
+    for module in model.modules():
+        kind = mixer_kind_of(type(module).__name__)
+        if kind is None or kind.name != "gated_delta":
+            continue
+        source = sys.modules[type(module).__module__]
         for name in _RECURRENCE_NAMES:
             if hasattr(source, name):
                 replaced.setdefault((source, name), getattr(source, name))
