@@ -8,7 +8,9 @@
    attention's shapes (q/k head dim 192, values of 128: the flash ops get v zero-padded to 192 and
    out, dv sliced back): out, dq, dk, dv against float64 may be off
    by at most twice what torch's own ``F.scaled_dot_product_attention`` in the same dtype is off,
-   plus a small floor.
+   plus a small floor.  With ``kernels`` too: FLA's ``chunk_gated_delta_rule`` forward + backward (when
+   flash-linear-attention is installed), ``max_memory_allocated`` within 10% of the planner's stand-in
+   (``ds_upipe.integration.fake_run.fla``) on the same shapes.
 2. Multi-rank parity.  NCCL refuses two ranks on one GPU, so C = 2 and C = 4 processes share the
    one GPU over gloo (one spawn of 4; C = 2 is a subgroup): the stage loop
    (``UPipeDistributedAttention``) against single-process float64 attention, and the fused HF
@@ -87,6 +89,85 @@ def report(name: str, failure: str | None) -> bool:
 
 def skip(name: str, why: str) -> None:
     print(f"SKIP {name}: {why}", flush=True)
+
+
+#: the FLA memory check: FLA's chunk gated delta rule within this fraction of the fake run's stand-in
+FLA_TOLERANCE = 0.10
+
+
+def fla_memory_check(device: str, smoke: bool) -> dict:
+    """FLA's ``chunk_gated_delta_rule`` forward + backward as transformers calls it (bf16, l2 norm in the kernel,
+    grouped value heads): ``max_memory_allocated`` (inputs, their gradients and the kernel's own buffers)
+    against the peak of the planner's stand-in (``fake_run.fla``) on fake tensors of the same shapes."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ds_upipe.integration.fake_run import fla, track
+
+    b, t, h, hv, dk, dv = (1, 200, 2, 4, 16, 8) if smoke else (1, 2**16, 4, 8, 128, 128)
+    name = f"fla memory chunk_gated_delta_rule T={t} H={h} HV={hv} K={dk} V={dv} bf16"
+
+    def inputs(dev: str) -> list:
+        def make(*shape, dtype=torch.bfloat16, grad=True):
+            x = torch.empty(*shape, dtype=dtype, device=dev)
+            return x.requires_grad_() if grad else x
+
+        g = make(b, t, hv, dtype=torch.float32)
+        return [
+            make(b, t, h, dk),
+            make(b, t, h, dk),
+            make(b, t, hv, dv),
+            g,
+            make(b, t, hv),
+            make(b, t, hv, dv, grad=False),
+        ]
+
+    with FakeTensorMode():
+        q, k, v, g, beta, do = inputs("cpu")
+        planned = track(
+            lambda o: o.backward(do),
+            {"q, k, v, g, beta, do": [q, k, v, g, beta, do]},
+            [],
+            forward=lambda: fla.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0],
+        ).total
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        chunk_gated_delta_rule = None
+    if device != "cuda" or chunk_gated_delta_rule is None:
+        why = "needs a CUDA device" if device != "cuda" else "flash-linear-attention is not installed"
+        skip(name, f"{why} (the stand-in plans {planned / 2**20:.1f} MiB)")
+        return {"check": name, "status": "SKIP", "detail": why, "planned_bytes": planned}
+    q, k, v, g, beta, do = inputs("cuda")
+    with torch.no_grad():
+        for x in (q, k, v, beta, do):
+            x.normal_()
+        g.uniform_(-0.1, 0.0)
+        beta.sigmoid_()
+
+    def step() -> None:
+        o, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+        o.backward(do)
+
+    step()  # Triton's autotuning and compilation outside the measured step
+    for x in (q, k, v, g, beta):
+        x.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated()
+    off = planned / measured - 1
+    failure = None if abs(off) <= FLA_TOLERANCE else f"planned {planned} B is {off:+.1%} off FLA's {measured} B"
+    report(f"{name}: planned {off:+.1%} of measured", failure)
+    return {
+        "check": name,
+        "status": "PASS" if failure is None else "FAIL",
+        "planned_bytes": planned,
+        "measured_bytes": measured,
+        "detail": failure,
+    }
 
 
 # -- 1. kernel parity ----------------------------------------------------------------------------
@@ -548,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     layer: list[dict] = []
     if args.only in (None, "kernels"):
         checks += run_kernel_checks(device_name, args.cpu_smoke)
+        checks.append(fla_memory_check(device_name, args.cpu_smoke))
     if args.only in (None, "ranks"):
         checks += run_rank_checks(device_name, args.cpu_smoke)
     if args.only in (None, "layer"):

@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kernel",
         default="fa2",
         choices=("fa2", "fa3", "none"),
-        help="attention kernel's backward workspace: fa2 = torch SDPA flash / flash-attn 2 (default), fa3, none",
+        help="attention kernel's backward workspace: fa2 = torch SDPA flash / flash-attn 2 (default), fa3, none "
+        "(CPU); fa2 / fa3 (a GPU target) also plan gated delta nets as FLA's chunk kernel, none as the torch fallback",
     )
     plan.add_argument(
         "--gpu-reserve",

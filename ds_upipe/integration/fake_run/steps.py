@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ...options import UPipeOptions
 from ..checkpointing import releasing, without_recomputed_outputs
 from ..prepare import prepare_model
+from .fla import on_gated_delta_mixers
 from .models import HFModelConfig, ModelShape
 from .tracker import KERNELS, Peak, track
 from .world import _backend_retention, _deepspeed_comm_on_fake_world, _release_deepspeed_sp_groups, fake_world
@@ -42,7 +43,9 @@ class StepSpec:
     norm_tile_tokens: int | None = None
     mlp_tile_tokens: int | None = None
     loss_tile_tokens: int | None = None
-    kernel: str = "none"  # the analytic CUDA workspace: "none" (CPU), "fa2", "fa3"
+    #: the analytic CUDA workspace: "none" (CPU), "fa2", "fa3"; a CUDA one also runs gated delta nets as FLA's chunk
+    #: kernel (``fla``'s stand-in), "none" as transformers' torch fallback
+    kernel: str = "none"
     comm_backend: str = "nccl"  # whose async-Work buffer lifetime to reproduce: "nccl" or "gloo"
     #: UPipe x Ring: sp_size = C_u x ring_size; rank 0 runs UPipe over its C_u Ulysses ranks and the real
     #: RingAttentionKernel over a fake ring group of ring_size ranks (its K/V and dK/dV blocks in flight)
@@ -118,6 +121,7 @@ def _fake_model(spec: StepSpec, layers: int = 1) -> Iterator[tuple[torch.nn.Modu
         FakeTensorMode(),
         _patched_model(spec, group, layers=layers) as model,
         _backend_retention(spec.comm_backend),
+        _recurrence_kernel(spec, model),
     ):
         yield model, group
 
@@ -155,6 +159,18 @@ def _patched_model(spec: StepSpec, group: dist.ProcessGroup, layers: int = 1) ->
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = original
         _release_deepspeed_sp_groups()
+
+
+@contextlib.contextmanager
+def _recurrence_kernel(spec: StepSpec, model: torch.nn.Module) -> Iterator[None]:
+    """A GPU target's (``spec.kernel`` a CUDA one) gated delta nets run FLA's chunk kernel, whose memory the fake
+    run models with ``fla``'s stand-in; a CPU run's (``kernel="none"``) run transformers' torch fallback, as the
+    fake run executes it (what the CPU measurements compare against)."""
+    if spec.kernel == "none":
+        yield
+        return
+    with on_gated_delta_mixers(model):
+        yield
 
 
 def _sequence_groups(spec: StepSpec, group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:

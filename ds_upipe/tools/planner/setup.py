@@ -65,7 +65,8 @@ class TrainSetup:
     dtype: str = "bf16"
     batch: int = 1
     #: the attention kernel's backward workspace (fake_run.kernel_workspace_bytes): "fa2" (torch SDPA's
-    #: CUDA flash = flash-attn 2), "fa3", "none" (CPU: MemTracker sees everything)
+    #: CUDA flash = flash-attn 2), "fa3", "none" (CPU: MemTracker sees everything); a CUDA one also plans gated delta
+    #: nets as FLA's chunk kernel (``fake_run.fla``), "none" as transformers' torch fallback
     kernel: str = "fa2"
     #: CUDA context, NCCL communicators and buffers, allocator fragmentation (``RESERVE_BASIS``)
     reserve_gib: float = 8.0
