@@ -27,15 +27,17 @@ def test_image_shares_cover_every_image_once(count, size):
     assert max(e - f for f, e in shares) - min(e - f for f, e in shares) <= 1
 
 
-def test_trainer_route_refuses_vision_language_models():
-    """The Trainer / accelerate route's registration refuses a VLM before its collectives (its loaders shard
-    batches; the VLM forward takes whole samples)."""
+def test_registration_by_name_refuses_vision_language_models():
+    """A VLM registered by name or path (its loaders cannot know to give whole samples) is refused when its keys
+    reach the model; a model object registered by the Trainer / accelerate / TRL runs (tests/test_trl.py)."""
     from ds_upipe.integration import hf_integration
 
     settings = hf_integration.upipe_settings({"upipe": {"enabled": True}, "zero_optimization": {"stage": 3}}, 2)
-    with pytest.raises(ValueError, match="LlavaForConditionalGeneration is a vision-language model: the Trainer"):
-        hf_integration.refuse_vision_language(vlm_cases.build_llava(), settings)
-    hf_integration.refuse_vision_language(vlm_cases.build_llava(), hf_integration.upipe_settings({}, 1))  # no SP
+    with pytest.raises(ValueError, match="LlavaForConditionalGeneration is a vision-language model registered by name"):
+        hf_integration.refuse_vision_language(vlm_cases.build_llava(), settings, registered=False)
+    hf_integration.refuse_vision_language(vlm_cases.build_llava(), settings)  # registered with the object
+    no_sp = hf_integration.upipe_settings({}, 1)
+    hf_integration.refuse_vision_language(vlm_cases.build_llava(), no_sp, registered=False)
 
 
 def _ranks(four_deepspeed_ranks):
