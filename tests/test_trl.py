@@ -23,6 +23,9 @@ processes deep: tests/launches.py, ``run_pool``):
 - TRL's packing (bfd) with the long-context stack (tiled loss, norms and MLP) in the ds_config, ZeRO-3;
 - hybrid models (``HYBRID_CASES``, their own fixture): a tiny Qwen3.5 and a tiny Nemotron-H (``--arch``), plain text,
   ZeRO-3, the long-context stack, TRL's activation checkpointing, eval every 2 steps;
+- a vision-language model (``VLM``, ``tests/vlm_sft_script.py``): a tiny float32 Qwen2.5-VL, ZeRO-3, samples of 1
+  or 2 images padded per batch by the script's collator (no processor offline), eval every 2 steps: each rank of
+  the group gets each whole sample and its shard of the shifted labels;
 - padding-free, batch 2 (TRL's varlen keys cu_seq_lens_* / max_length_* / seq_idx), accumulation 4, on
   22 training samples (11 batches: the last round repeats a batch in training) and 7 eval samples (the
   last eval row holds a sample and a repeated one, end to end).  ``epoch`` is left out here: the

@@ -117,8 +117,8 @@ def main() -> None:
             if logs:
                 logged.append({k: float(v) for k, v in logs.items() if isinstance(v, (int, float))})
 
-    from transformers import PreTrainedTokenizerFast  # TRL wants a processing class; never called on text here
     from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast  # TRL wants a processing class; never called on text here
 
     vocab = {"<pad>": 0, **{f"w{i}": i for i in range(1, model.config.text_config.vocab_size)}}
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")))

@@ -32,7 +32,8 @@ attributes of deepspeed, transformers and their classes, each named in ``enable`
    because without this the eval batches are not sharded.)  ALST registered through (1) keeps SP in
    eval too (``disable_in_eval=False``).  The training loaders check the ranks' batches together,
    pad rows of different lengths to the group's longest and drop TRL's varlen keys
-   (``UPipeSPDataLoaderAdapter``).
+   (``UPipeSPDataLoaderAdapter``); for a vision-language model they give every rank of the group the
+   whole sample and its shard of the shifted labels (``hf_patches.data.whole_sample_round``).
 3. ``deepspeed.initialize`` given that mpu completes the registration on the model (above), and the
    engine built with it averages gradients over all ranks (``ds_upipe.integration.engine``'s
    correction of DeepSpeed issue #5248), so ZeRO-1/2 gradients equal the non-SP run's as ZeRO-3's do.
@@ -423,7 +424,6 @@ def _register_for_accelerate(args: dict[str, Any]) -> Any:
     # disable_in_eval=True because without enable() the Trainer's eval batches are not sharded)
     args = {**args, "disable_in_eval": False}
     model = args["model_name_or_path"]  # accelerate passes the model object
-    refuse_vision_language(model, settings)  # before the registration's collectives (group creation)
     check_model_settings(model, settings)
     if settings.upipe.enabled:
         mpu, head_chunk_size = _register_upipe(args, settings)
@@ -457,7 +457,6 @@ def _register_direct(args: dict[str, Any]) -> Any:
     model = args["model_name_or_path"]
     is_module = isinstance(model, torch.nn.Module)
     if settings is not None and is_module:
-        refuse_vision_language(model, settings)  # before the registration's collectives
         check_model_settings(model, settings)
     if settings is not None and settings.upipe.enabled:
         _init_deepspeed_comm()
@@ -497,8 +496,9 @@ def _is_vision_language(model: Any, settings: SPSettings) -> bool:
 def refuse_vision_language(model: Any, settings: SPSettings, *, registered: bool = True) -> None:
     """What this route still cannot run for a vision-language model under UPipe, refused by name (the same on every
     rank, from the model's structure): one registered by name or path (``registered`` False: the registration
-    could not tell the loaders to give whole samples; DeepSpeed's ALST recipe).  A model object registered by the Trainer / accelerate / TRL trains: its loaders give every rank the whole
-    sample (``hf_patches.data.whole_sample_round``)."""
+    could not tell the loaders to give whole samples; DeepSpeed's ALST recipe).  A model object registered by
+    the Trainer / accelerate / TRL trains: its loaders give every rank the whole sample
+    (``hf_patches.data.whole_sample_round``)."""
     if not _is_vision_language(model, settings):
         return
     name = type(model).__name__
@@ -509,7 +509,6 @@ def refuse_vision_language(model: Any, settings: SPSettings, *, registered: bool
             "takes the whole sample on every rank (docs/vlm.md); register with the model object "
             "(model_name_or_path=model) or use the Trainer / accelerate / TRL"
         )
-
 
 
 def _guard_alst_function(registration: Registration) -> None:
