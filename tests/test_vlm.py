@@ -38,6 +38,11 @@ def test_registration_by_name_refuses_vision_language_models():
     with pytest.raises(ValueError, match="LlavaForConditionalGeneration is a vision-language model registered by name"):
         hf_integration.refuse_vision_language(vlm_cases.build_llava(), settings, registered=False)
     hf_integration.refuse_vision_language(vlm_cases.build_llava(), settings)  # registered with the object
+    alst = hf_integration.upipe_settings({"upipe": {"enabled": False}, "zero_optimization": {"stage": 3}}, 2)
+    with pytest.raises(
+        ValueError, match=r"LlavaForConditionalGeneration is a vision-language model under DeepSpeed ALST"
+    ):
+        hf_integration.refuse_vision_language(vlm_cases.build_llava(), alst)
     no_sp = hf_integration.upipe_settings({}, 1)
     hf_integration.refuse_vision_language(vlm_cases.build_llava(), no_sp, registered=False)
 

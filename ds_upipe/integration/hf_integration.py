@@ -424,6 +424,7 @@ def _register_for_accelerate(args: dict[str, Any]) -> Any:
     # disable_in_eval=True because without enable() the Trainer's eval batches are not sharded)
     args = {**args, "disable_in_eval": False}
     model = args["model_name_or_path"]  # accelerate passes the model object
+    refuse_vision_language(model, settings)  # before the registration's collectives (group creation)
     check_model_settings(model, settings)
     if settings.upipe.enabled:
         mpu, head_chunk_size = _register_upipe(args, settings)
@@ -457,6 +458,7 @@ def _register_direct(args: dict[str, Any]) -> Any:
     model = args["model_name_or_path"]
     is_module = isinstance(model, torch.nn.Module)
     if settings is not None and is_module:
+        refuse_vision_language(model, settings)  # before the registration's collectives
         check_model_settings(model, settings)
     if settings is not None and settings.upipe.enabled:
         _init_deepspeed_comm()
@@ -495,10 +497,18 @@ def _is_vision_language(model: Any, settings: SPSettings) -> bool:
 
 def refuse_vision_language(model: Any, settings: SPSettings, *, registered: bool = True) -> None:
     """What this route still cannot run for a vision-language model under UPipe, refused by name (the same on every
-    rank, from the model's structure): one registered by name or path (``registered`` False: the registration
-    could not tell the loaders to give whole samples; DeepSpeed's ALST recipe).  A model object registered by
+    rank, from the model's structure): one under ALST (its loaders shard), one registered by name or path
+    (``registered`` False: the registration could not tell the loaders to give whole samples; DeepSpeed's ALST
+    recipe).  A model object registered by
     the Trainer / accelerate / TRL trains: its loaders give every rank the whole sample
     (``hf_patches.data.whole_sample_round``)."""
+    alst = settings.sequence_parallel_size > 1 and not settings.upipe.enabled
+    if alst and isinstance(model, torch.nn.Module) and vision_language_parts(model) is not None:
+        raise ValueError(
+            f"ds_upipe: {type(model).__name__} is a vision-language model under DeepSpeed ALST "
+            '("upipe": {"enabled": false}): its loaders shard each batch before the model merges the images; '
+            "run it under UPipe (docs/vlm.md)"
+        )
     if not _is_vision_language(model, settings):
         return
     name = type(model).__name__
