@@ -47,15 +47,27 @@ def _sequence_tensors(batch: dict[str, Any], seq: int) -> list[str]:
     return [k for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == seq]
 
 
+#: the tensors of a vision-language batch that do not run along the sequence (images, videos, their grids and
+#: sizes): never padded; the model computes its own positions (mrope) from the whole sample
+VISION_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "image_sizes")
+
+
 def pad_batch(
-    batch: dict[str, Any], multiple: int, *, pad_token_id: int = 0, length: int | None = None
+    batch: dict[str, Any],
+    multiple: int,
+    *,
+    pad_token_id: int = 0,
+    length: int | None = None,
+    vision_language: bool = False,
 ) -> dict[str, Any]:
     """Pad a [batch, seq] batch at the end to a multiple of ``multiple`` (at least ``length`` tokens
     when given) and add ``position_ids``.
 
     input_ids get ``pad_token_id``, labels -100, attention_mask 0, position_ids keep counting;
     any other [batch, seq, ...] tensor gets zeros.  Labels under attention_mask == 0 become -100.
-    A mask with padding before real tokens (left padding) is refused: UPipe cannot honour it."""
+    A mask with padding before real tokens (left padding) is refused: UPipe cannot honour it.
+    ``vision_language``: a whole vision-language sample: ``VISION_INPUTS`` are left alone and no
+    position_ids are added (the model derives them from the whole sample)."""
     if "input_ids" not in batch:
         raise ValueError(f"the batch needs input_ids (got keys {sorted(batch)})")
     input_ids = batch["input_ids"]
@@ -69,7 +81,7 @@ def pad_batch(
             raise ValueError("attention_mask has padding before real tokens (left padding); pad at the end instead")
         if "labels" in batch:
             out["labels"] = batch["labels"].masked_fill(mask == 0, IGNORE_INDEX)
-    if out.get("position_ids") is None:
+    if out.get("position_ids") is None and not vision_language:
         out["position_ids"] = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(b, seq).contiguous()
     pad = (-seq) % multiple
     if length is not None:
@@ -79,6 +91,8 @@ def pad_batch(
     fill = {"input_ids": pad_token_id, "labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask": 0}
     for key, value in out.items():
         if not torch.is_tensor(value) or value.dim() < 2 or value.shape[1] != seq:
+            continue
+        if vision_language and key in VISION_INPUTS:
             continue
         if key == "position_ids":
             tail = value[:, -1:] + torch.arange(1, pad + 1, device=value.device)
@@ -244,8 +258,11 @@ class _CheckedLoader:
         pad_token_id: int,
         layout: SequenceLayout,
         dataset_samples: DatasetSamples | None = None,
+        vision_language: bool = False,
     ) -> None:
         self.loader, self.group, self.device, self.pad_token_id = loader, group, torch.device(device), pad_token_id
+        #: whole vision-language samples (``whole_sample_round``): padded to a multiple only, images left alone
+        self.vision_language = vision_language
         self.layout = layout
         self.multiple = layout.sequence_multiple
         self.dataset_samples = dataset_samples
@@ -266,7 +283,7 @@ class _CheckedLoader:
                 if _has_required_keys(batch):
                     length = batch["input_ids"].shape[1]
                     batch, source = self._source(without_varlen_keys(batch))
-                    batch = pad_batch(batch, self.multiple, pad_token_id=self.pad_token_id)
+                    batch = self._pad(batch)
             except StopIteration:
                 status = _EXHAUSTED
             except Exception as err:  # noqa: BLE001 - reported on every rank by _check_group
@@ -275,8 +292,14 @@ class _CheckedLoader:
             longest = self._check_group(batch, row, error)
             if status == _EXHAUSTED:
                 return
-            batch = pad_batch(batch, self.multiple, pad_token_id=self.pad_token_id, length=longest)
+            if not self.vision_language:  # whole samples are exchanged as they are: no common length needed
+                batch = self._pad(batch, longest)
             yield batch if self.layout.ring_size == 1 else _in_zigzag_order(batch, self.layout)
+
+    def _pad(self, batch: dict[str, Any], length: int | None = None) -> dict[str, Any]:
+        return pad_batch(
+            batch, self.multiple, pad_token_id=self.pad_token_id, length=length, vision_language=self.vision_language
+        )
 
     def _source(self, batch: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """(the batch with the labels of the loader's repeated samples ignored, [its dataset rows, their
@@ -425,6 +448,7 @@ def sequence_parallel_dataloader(
     pad_token_id: int = 0,
     ring_size: int = 1,
     dataset_samples: DatasetSamples | None = None,
+    vision_language: bool = False,
 ) -> Any:
     """Wrap a per-rank DataLoader for UPipe: pad to a multiple of the group size, then DeepSpeed's
     ``UlyssesSPDataLoaderAdapter`` (needs ``deepspeed.comm`` initialized, e.g. by
@@ -439,14 +463,24 @@ def sequence_parallel_dataloader(
 
     ``device``: where the batches go and are gathered; None (the default) is the group's own device
     (``collective_device``: the current CUDA device on NCCL, the CPU on gloo).  ``dataset_samples``:
-    the loader's rule for the samples that pad its last round (their labels are ignored; ``_CheckedLoader``)."""
+    the loader's rule for the samples that pad its last round (their labels are ignored; ``_CheckedLoader``).
+    ``vision_language``: a model patched by ``hf_patches.vlm`` (``WholeSamples``: every rank gets the
+    whole sample and its shard of the shifted labels)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
 
     device = collective_device(dist.get_backend(group) if dist.is_initialized() else "gloo", device)
     rank, layout = _layout(group, ring_size)
     checked = checked_loader(
-        loader, group, device, pad_token_id=pad_token_id, ring_size=ring_size, dataset_samples=dataset_samples
+        loader,
+        group,
+        device,
+        pad_token_id=pad_token_id,
+        ring_size=ring_size,
+        dataset_samples=dataset_samples,
+        vision_language=vision_language,
     )
+    if vision_language:
+        return WholeSamples(checked, group, device)
     adapter = UlyssesSPDataLoaderAdapter(checked, rank, group, layout.sp_size, device)
     return adapter if ring_size == 1 else _ZigzagShards(adapter)
 
@@ -459,6 +493,7 @@ def checked_loader(
     pad_token_id: int = 0,
     ring_size: int = 1,
     dataset_samples: DatasetSamples | None = None,
+    vision_language: bool = False,
 ) -> Any:
     """``loader`` made ready for ``UlyssesSPDataLoaderAdapter`` (``_CheckedLoader``: the ranks'
     batches checked together, padded to one length, TRL's varlen keys dropped; in zigzag order with
@@ -467,4 +502,54 @@ def checked_loader(
     if isinstance(loader, _CheckedLoader):
         return loader
     layout = _layout(group, ring_size)[1]
-    return _CheckedLoader(loader, group, torch.device(device), pad_token_id, layout, dataset_samples)
+    if vision_language and ring_size > 1:
+        raise ValueError(
+            f"a vision-language model with ring_size={ring_size}: not supported (its merged sequence is cut into "
+            "contiguous shards); run UPipe without a ring"
+        )
+    return _CheckedLoader(loader, group, torch.device(device), pad_token_id, layout, dataset_samples, vision_language)
+
+
+def vision_language_micro_batch(batch: dict[str, Any], rank: int, size: int, device: torch.device) -> dict[str, Any]:
+    """One rank's micro-batch of a whole vision-language batch: every tensor whole (the model shares out the
+    images, merges and cuts the sequence itself: ``hf_patches.vlm``), ``labels`` replaced by this rank's
+    contiguous shard of the shifted labels (what its logits are scored against: the model's loss, TRL's fused
+    LM head and metrics, the trainers' token counts, as for a text shard)."""
+    out = _with_shift_labels({k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()})
+    seq = out["input_ids"].shape[1]
+    mine = zigzag_positions(seq, sequence_layout(size, 1), rank).to(device)  # the contiguous shard
+    out["shift_labels"] = out["shift_labels"].index_select(1, mine)
+    return out
+
+
+def whole_sample_round(
+    batch: dict[str, Any], group: dist.ProcessGroup, device: torch.device, sources: list[SourceBatch]
+) -> list[ShardedBatch]:
+    """The micro-batches of one round of a vision-language loader: as DeepSpeed's adapter does for text, the
+    group trains its ranks' batches in turn (rank order), each given whole to every rank
+    (``vision_language_micro_batch``), with its ``SourceBatch``."""
+    rank, size = _group_info(group)
+    mine = {k: v.cpu() if torch.is_tensor(v) else v for k, v in batch.items()}
+    everyone: list[Any] = [mine]
+    if size > 1:
+        everyone = [None] * size
+        dist.all_gather_object(everyone, mine, group=group)  # the batches' sizes differ (images, lengths)
+    return [
+        ShardedBatch(vision_language_micro_batch(b, rank, size, device), source=s)
+        for b, s in zip(everyone, sources, strict=True)
+    ]
+
+
+class WholeSamples:
+    """A checked vision-language loader's micro-batches under sequence parallelism (``whole_sample_round``):
+    ``len(loader) x C`` micro-batches, as DeepSpeed's adapter gives for text."""
+
+    def __init__(self, checked: Any, group: dist.ProcessGroup, device: torch.device | str) -> None:
+        self.checked, self.group, self.device = checked, group, torch.device(device)
+
+    def __len__(self) -> int:
+        return len(self.checked) * _group_info(self.group)[1]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.checked:
+            yield from whole_sample_round(batch, self.group, self.device, self.checked.round_sources)

@@ -106,6 +106,8 @@ def patch_vision_language(hf_model: nn.Module, parts: VisionLanguageModel, state
             setattr(parts.inner, encoder, types.MethodType(_shared_encoder(function), parts.inner))
     # before UPipe's own input check (registered earlier on the same module): it reads the shards
     parts.text._upipe_shard_hook = parts.text.register_forward_pre_hook(_shard_merged, with_kwargs=True, prepend=True)
+    # a forward set on the instance before (TRL's fused LM head, ``add_fused_lm_head``) runs under ours
+    hf_model._upipe_inner_forward = hf_model.__dict__.get("forward")
     hf_model.forward = types.MethodType(_forward, hf_model)
 
 
@@ -245,18 +247,34 @@ def _shard_merged(text: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
 
 
 def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The causal LM's forward on the whole sample: logits of this rank's shard, the loss over the group."""
+    """The causal LM's forward on the whole sample: logits of this rank's shard; the loss over the group of the
+    whole sample's ``labels``, or, given this rank's shard of the shifted labels (``shift_labels``, as a
+    sequence-parallel loader gives them: ``hf_patches.data.vision_language_micro_batch``), what the model (or
+    the forward set on the instance before, TRL's fused LM head) computes from them: the shard's own loss."""
     call = _arguments(inspect.signature(type(self).forward), (self, *args), kwargs)
     call.pop("self")
+    inner = self.__dict__.get("_upipe_inner_forward")
+    forward = inner if inner is not None else types.MethodType(type(self).forward, self)
+    state: UPipeState = self._upipe_state
+    shifted = call.get("shift_labels")
+    if shifted is not None:
+        tokens = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
+        local = _local_slice(int(tokens.shape[1]), state)
+        if shifted.shape[-1] != local.stop - local.start:
+            raise ValueError(
+                f"{type(self).__name__} under UPipe takes the whole sample's labels (it shifts and shards them), or "
+                f"this rank's shard of the shifted labels ({local.stop - local.start} of the sample's "
+                f"{tokens.shape[1]} tokens); got shift_labels of {shifted.shape[-1]}"
+            )
+        return forward(**call)
     labels = call.pop("labels", None)
-    if call.get("shift_labels") is not None:
+    if labels is not None and call.get("fused_lm_head"):
         raise ValueError(
-            f"{type(self).__name__} under UPipe takes the whole sample's labels (it shifts and shards them), "
-            "not shift_labels"
+            f"{type(self).__name__} under UPipe with fused_lm_head=True scores this rank's shard: pass its "
+            "shift_labels (hf_patches.data.vision_language_micro_batch), not the whole sample's labels"
         )
-    out = type(self).forward(self, **call)
+    out = forward(**call)
     if labels is not None:
-        state: UPipeState = self._upipe_state
         mask = call.get("attention_mask")
         if mask is not None:
             labels = labels.masked_fill(mask == 0, IGNORE_INDEX)

@@ -23,6 +23,9 @@ processes deep: tests/launches.py, ``run_pool``):
 - TRL's packing (bfd) with the long-context stack (tiled loss, norms and MLP) in the ds_config, ZeRO-3;
 - hybrid models (``HYBRID_CASES``, their own fixture): a tiny Qwen3.5 and a tiny Nemotron-H (``--arch``), plain text,
   ZeRO-3, the long-context stack, TRL's activation checkpointing, eval every 2 steps;
+- a vision-language model (``VLM``, ``tests/vlm_sft_script.py``): a tiny float32 Qwen2.5-VL, ZeRO-3, samples of 1
+  or 2 images padded per batch by the script's collator (no processor offline), eval every 2 steps: each rank of
+  the group gets each whole sample and its shard of the shifted labels;
 - padding-free, batch 2 (TRL's varlen keys cu_seq_lens_* / max_length_* / seq_idx), accumulation 4, on
   22 training samples (11 batches: the last round repeats a batch in training) and 7 eval samples (the
   last eval row holds a sample and a repeated one, end to end).  ``epoch`` is left out here: the
@@ -95,6 +98,9 @@ CASES: dict[str, tuple[str, str, tuple[str, ...]]] = {
 HYBRID_CASES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     f"{arch}_stack": (arch, "stack", ("--arch", arch, "--eval_steps", "2")) for arch in ("qwen3_5", "nemotron_h")
 }
+#: a vision-language model through TRL's SFTTrainer (tests/vlm_sft_script.py: a tiny float32 Qwen2.5-VL, samples
+#: and collator built there, no processor), its launches in the pool of ``CASES``
+VLM = "qwen2_5_vl"
 #: logged keys that are not the model's numbers: wall-clock times and rates, and the Trainer's FLOP
 #: estimate under ZeRO-3 (module docstring)
 NOT_COMPARED = ("_runtime", "_per_second", "total_flos")
@@ -108,8 +114,8 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _torchrun(nproc: int, out: Path, *args: str) -> tuple[list[str], Path, int]:
-    cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "examples/sft_trl.py"]
+def _torchrun(nproc: int, out: Path, *args: str, script: str = "examples/sft_trl.py") -> tuple[list[str], Path, int]:
+    cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", script]
     return [*cmd, "--metrics_out", str(out), "--output_dir", str(out.parent / out.stem), *args], out, nproc
 
 
@@ -133,9 +139,21 @@ def _ds_config(work: Path, change: str) -> str:
     return str(path)
 
 
-def _run_cases(work: Path, cases: dict[str, tuple[str, str, tuple[str, ...]]]) -> dict[str, dict[str, Any]]:
-    """Each case's UPipe launch (SP 2) and its non-SP reference (1 process, "no_sp:<reference>"), in one pool."""
-    launches: dict[str, tuple[list[str], Path, int]] = {}
+def _vlm_launches(work: Path) -> dict[str, tuple[list[str], Path, int]]:
+    """``tests/vlm_sft_script.py``: the VLM under UPipe (SP 2, ZeRO-3) and its non-SP reference (1 process)."""
+    script = {"script": "tests/vlm_sft_script.py"}
+    return {
+        VLM: _torchrun(2, work / f"{VLM}.json", "--sp_size", "2", "--deepspeed", _ds_config(work, ""), **script),
+        f"no_sp:{VLM}": _torchrun(1, work / f"no_sp_{VLM}.json", "--sp_size", "1", **script),
+    }
+
+
+def _run_cases(
+    work: Path, cases: dict[str, tuple[str, str, tuple[str, ...]]], vlm: bool = False
+) -> dict[str, dict[str, Any]]:
+    """Each case's UPipe launch (SP 2) and its non-SP reference (1 process, "no_sp:<reference>"), in one pool
+    (with ``vlm``, the VLM's pair too)."""
+    launches: dict[str, tuple[list[str], Path, int]] = _vlm_launches(work) if vlm else {}
     for name, (reference, change, flags) in cases.items():
         config = _ds_config(work, change)
         launches[name] = _torchrun(2, work / f"{name}.json", "--sp_size", "2", "--deepspeed", config, *flags)
@@ -146,7 +164,7 @@ def _run_cases(work: Path, cases: dict[str, tuple[str, str, tuple[str, ...]]]) -
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
-    return _run_cases(tmp_path_factory.mktemp("trl"), CASES)
+    return _run_cases(tmp_path_factory.mktemp("trl"), CASES, vlm=True)
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +222,16 @@ def _check_equals_no_sp(runs: dict[str, dict[str, Any]], name: str, reference_na
     # UPipe ran on both ranks, in training and in evaluation; the reference ran none
     assert run["world_size"] == 2 and min(run["stage_runs_train"]) > 0 and min(run["stage_runs_eval"]) > 0, run
     assert reference["stage_runs_train"] == [0] and reference["stage_runs_eval"] == [0], reference
+
+
+@pytest.mark.slow
+def test_vlm_sft_under_upipe_equals_no_sp(runs):
+    """A VLM through TRL's SFTTrainer under UPipe, ZeRO-3, SP 2: each rank of the group is given each whole sample
+    (images, grids, input_ids) and its shard of the shifted labels, encodes its share of the images and trains its
+    shard of the merged sequence; every logged entry (training losses, grad norms, TRL's entropy, token accuracy
+    and num_tokens, eval losses) equals the run without SP within the float32 tolerance of the text cases."""
+    _check_equals_no_sp(runs, VLM, VLM)
+    assert [k for entry in runs[VLM]["logs"] for k in entry].count("eval_loss") == 3, runs[VLM]["logs"]
 
 
 @pytest.mark.slow

@@ -6,7 +6,9 @@ activations shared out vs every rank encoding all; and the share of images each 
 from __future__ import annotations
 
 import pytest
+import torch
 
+import hf_patches
 from hf_patches.vlm import image_share
 from tests import vlm_cases
 
@@ -27,15 +29,22 @@ def test_image_shares_cover_every_image_once(count, size):
     assert max(e - f for f, e in shares) - min(e - f for f, e in shares) <= 1
 
 
-def test_trainer_route_refuses_vision_language_models():
-    """The Trainer / accelerate route's registration refuses a VLM before its collectives (its loaders shard
-    batches; the VLM forward takes whole samples)."""
+def test_registration_by_name_refuses_vision_language_models():
+    """A VLM registered by name or path (its loaders cannot know to give whole samples) is refused when its keys
+    reach the model; a model object registered by the Trainer / accelerate / TRL runs (tests/test_trl.py)."""
     from ds_upipe.integration import hf_integration
 
     settings = hf_integration.upipe_settings({"upipe": {"enabled": True}, "zero_optimization": {"stage": 3}}, 2)
-    with pytest.raises(ValueError, match="LlavaForConditionalGeneration is a vision-language model: the Trainer"):
-        hf_integration.refuse_vision_language(vlm_cases.build_llava(), settings)
-    hf_integration.refuse_vision_language(vlm_cases.build_llava(), hf_integration.upipe_settings({}, 1))  # no SP
+    with pytest.raises(ValueError, match="LlavaForConditionalGeneration is a vision-language model registered by name"):
+        hf_integration.refuse_vision_language(vlm_cases.build_llava(), settings, registered=False)
+    hf_integration.refuse_vision_language(vlm_cases.build_llava(), settings)  # registered with the object
+    alst = hf_integration.upipe_settings({"upipe": {"enabled": False}, "zero_optimization": {"stage": 3}}, 2)
+    with pytest.raises(
+        ValueError, match=r"LlavaForConditionalGeneration is a vision-language model under DeepSpeed ALST"
+    ):
+        hf_integration.refuse_vision_language(vlm_cases.build_llava(), alst)
+    no_sp = hf_integration.upipe_settings({}, 1)
+    hf_integration.refuse_vision_language(vlm_cases.build_llava(), no_sp, registered=False)
 
 
 def _ranks(four_deepspeed_ranks):
@@ -73,3 +82,24 @@ def test_vlm_tower_memory_shared_out(four_deepspeed_ranks):
     for rank, result in enumerate(_ranks(four_deepspeed_ranks)):
         memory = result["memory"]["C=4"]
         assert memory["shared"] * 4 == pytest.approx(memory["all"], rel=0.05), f"rank {rank}: {memory}"
+
+
+def test_vision_language_batches_are_padded_along_the_sequence_only():
+    """A whole VLM sample padded for the loaders: input_ids / labels / attention_mask / mm_token_type_ids to a
+    multiple, the images, grids (a patch row as wide as the sequence here) untouched, no position_ids added; each
+    rank's micro-batch keeps them whole with its shard of the shifted labels."""
+    from hf_patches.data import pad_batch, vision_language_micro_batch
+
+    sample = vlm_cases.qwen_sample(0)
+    sample = {k: v[:, :12] if v.shape[-1] == 24 else v for k, v in sample.items()}  # 12 tokens, 12-wide patches
+    sample["attention_mask"] = torch.ones_like(sample["input_ids"])
+    padded = pad_batch(sample, 8, vision_language=True)
+    assert padded["input_ids"].shape == (2, 16) and padded["mm_token_type_ids"].shape == (2, 16)
+    assert (padded["labels"][:, 12:] == -100).all() and (padded["attention_mask"][:, 12:] == 0).all()
+    assert "position_ids" not in padded
+    for key in ("pixel_values", "image_grid_thw"):
+        assert torch.equal(padded[key], sample[key]), key
+    shards = [vision_language_micro_batch(padded, r, 2, torch.device("cpu")) for r in range(2)]
+    whole = hf_patches.shift_labels(padded["labels"])
+    assert torch.equal(torch.cat([s["shift_labels"] for s in shards], dim=1), whole)
+    assert all("labels" not in s and torch.equal(s["pixel_values"], sample["pixel_values"]) for s in shards)

@@ -32,7 +32,8 @@ attributes of deepspeed, transformers and their classes, each named in ``enable`
    because without this the eval batches are not sharded.)  ALST registered through (1) keeps SP in
    eval too (``disable_in_eval=False``).  The training loaders check the ranks' batches together,
    pad rows of different lengths to the group's longest and drop TRL's varlen keys
-   (``UPipeSPDataLoaderAdapter``).
+   (``UPipeSPDataLoaderAdapter``); for a vision-language model they give every rank of the group the
+   whole sample and its shard of the shifted labels (``hf_patches.data.whole_sample_round``).
 3. ``deepspeed.initialize`` given that mpu completes the registration on the model (above), and the
    engine built with it averages gradients over all ranks (``ds_upipe.integration.engine``'s
    correction of DeepSpeed issue #5248), so ZeRO-1/2 gradients equal the non-SP run's as ZeRO-3's do.
@@ -67,7 +68,7 @@ from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF,
 
 from hf_patches import ATTN_IMPLEMENTATION, UPipeState, long_context_stack, upipe_state
 from hf_patches.attention import upipe_attention_function
-from hf_patches.data import ShardedBatch, checked_loader, use_zigzag_shift_labels
+from hf_patches.data import ShardedBatch, checked_loader, use_zigzag_shift_labels, whole_sample_round
 from hf_patches.inputs import check_and_prepare, global_sequence
 from hf_patches.state import DOCUMENTS_KWARG
 from hf_patches.vlm import vision_language_parts
@@ -123,8 +124,8 @@ def enable() -> None:
         "deepspeed_config_process",
         _wrap_deepspeed_config_process(DeepSpeedPlugin.deepspeed_config_process),
     )
-    _patch(Trainer, "get_eval_dataloader", trainer_sp.wrap_eval_loader(Trainer.get_eval_dataloader, ring_size_of))
-    _patch(Trainer, "get_test_dataloader", trainer_sp.wrap_eval_loader(Trainer.get_test_dataloader, ring_size_of))
+    for name in ("get_eval_dataloader", "get_test_dataloader"):
+        _patch(Trainer, name, trainer_sp.wrap_eval_loader(getattr(Trainer, name), ring_size_of, vision_language_of))
     _patch(Trainer, "evaluation_loop", trainer_sp.wrap_evaluation_loop(Trainer.evaluation_loop))
     _patch(Trainer, "compute_loss", trainer_sp.wrap_compute_loss(Trainer.compute_loss))
     _patch(Trainer, "get_batch_samples", trainer_sp.wrap_get_batch_samples(Trainer.get_batch_samples))
@@ -171,6 +172,9 @@ class Registration:
     head_chunk_size: int | None = None
     core: str | None = None
     disable_in_eval: bool = False
+    #: a vision-language model object registered under UPipe: the loaders give every rank the whole sample
+    #: (``hf_patches.data.whole_sample_round``)
+    vision_language: bool = False
 
     @property
     def upipe(self) -> bool:
@@ -205,7 +209,7 @@ class Registration:
         Trainer / accelerate / ALST's recipe combine the ranks' losses) and activation checkpointing.
         Raises (the same on every rank) before any collective if the model cannot take them."""
         assert self.settings is not None and self.ds_config is not None
-        refuse_vision_language(model, self.settings)
+        refuse_vision_language(model, self.settings, registered=self.vision_language)
         check_model_settings(model, self.settings)
         prepare_for_run(
             model,
@@ -254,6 +258,13 @@ def ring_size_of(group: Any) -> int:
     """The ring size UPipe was registered with on this sequence-parallel group (1: none, or ALST)."""
     registration = registration_of(group)
     return 1 if registration is None else registration.ring_size
+
+
+def vision_language_of(group: Any) -> bool:
+    """Whether UPipe was registered on this sequence-parallel group for a vision-language model (its loaders
+    give whole samples)."""
+    registration = registration_of(group)
+    return registration is not None and registration.vision_language
 
 
 def _record(registration: Registration) -> Registration:
@@ -356,13 +367,31 @@ class UPipeSPDataLoaderAdapter(UlyssesSPDataLoaderAdapter):
         # hf_patches.sequence_parallel_dataloader (the eval loaders) passes a checked loader already,
         # and puts the zigzag shift_labels in place itself
         self.reorders = ring_size > 1 and not getattr(dl, "zigzag_ordered", False)
+        #: a vision-language model: every rank gets each whole sample, not a shard of it
+        self.vision_language = vision_language_of(sp_group)
         dataset_samples = trainer_sp.accelerate_dataset_samples(dl)
-        dl = checked_loader(dl, sp_group, device, ring_size=ring_size, dataset_samples=dataset_samples)
+        dl = checked_loader(
+            dl,
+            sp_group,
+            device,
+            ring_size=ring_size,
+            dataset_samples=dataset_samples,
+            vision_language=self.vision_language,
+        )
         super().__init__(dl, sp_rank, sp_group, sp_world_size, device)
 
     def refill(self) -> None:
         """DeepSpeed's refill (one micro-batch per rank of the group, in rank order), each micro-batch
-        then given its source batch (the checked loader exchanged them with the batches' sizes)."""
+        then given its source batch (the checked loader exchanged them with the batches' sizes); for a
+        vision-language model the same round of whole samples (``whole_sample_round``)."""
+        if self.vision_language:
+            try:
+                batch = next(self.iter)
+            except StopIteration:  # DeepSpeed's refill: the next epoch starts a new iterator
+                self.iter = iter(self.dl)
+                raise
+            self.micro_batches.extend(whole_sample_round(batch, self.sp_group, self.device, self.dl.round_sources))
+            return
         super().refill()
         sources = self.dl.round_sources
         fresh = [self.micro_batches.pop() for _ in sources][::-1]
@@ -404,7 +433,14 @@ def _register_for_accelerate(args: dict[str, Any]) -> Any:
         packed_rows_per_document(args["core_attn_implementation"])
         mpu, head_chunk_size = _alst_register(args), None
     registration = Registration(
-        mpu, settings, ds_config, True, head_chunk_size, args["core_attn_implementation"], args["disable_in_eval"]
+        mpu,
+        settings,
+        ds_config,
+        True,
+        head_chunk_size,
+        args["core_attn_implementation"],
+        args["disable_in_eval"],
+        vision_language=_is_vision_language(model, settings),
     )
     _record(registration).apply_to_model(model)
     return mpu
@@ -440,6 +476,7 @@ def _register_direct(args: dict[str, Any]) -> Any:
             head_chunk_size=head_chunk_size,
             core=args["core_attn_implementation"],
             disable_in_eval=args["disable_in_eval"],
+            vision_language=settings is not None and is_module and _is_vision_language(model, settings),
         )
     )
     if settings is None:
@@ -453,16 +490,35 @@ def _register_direct(args: dict[str, Any]) -> Any:
     return mpu
 
 
-def refuse_vision_language(model: Any, settings: SPSettings) -> None:
-    """A vision-language model under UPipe through this route: refused (the same on every rank, from the model's
-    structure).  The route's loaders shard each batch, while UPipe's vision-language forward takes the whole
-    sample on every rank (``hf_patches.vlm``)."""
+def _is_vision_language(model: Any, settings: SPSettings) -> bool:
+    """A vision-language model object that UPipe runs under sequence parallelism (its loaders give whole samples)."""
     sequence_parallel = settings.sequence_parallel_size > 1 and settings.upipe.enabled
-    if sequence_parallel and isinstance(model, torch.nn.Module) and vision_language_parts(model) is not None:
+    return sequence_parallel and isinstance(model, torch.nn.Module) and vision_language_parts(model) is not None
+
+
+def refuse_vision_language(model: Any, settings: SPSettings, *, registered: bool = True) -> None:
+    """What this route still cannot run for a vision-language model under UPipe, refused by name (the same on every
+    rank, from the model's structure): one under ALST (its loaders shard), one registered by name or path
+    (``registered`` False: the registration could not tell the loaders to give whole samples; DeepSpeed's ALST
+    recipe).  A model object registered by
+    the Trainer / accelerate / TRL trains: its loaders give every rank the whole sample
+    (``hf_patches.data.whole_sample_round``)."""
+    alst = settings.sequence_parallel_size > 1 and not settings.upipe.enabled
+    if alst and isinstance(model, torch.nn.Module) and vision_language_parts(model) is not None:
         raise ValueError(
-            f"ds_upipe: {type(model).__name__} is a vision-language model: the Trainer / accelerate route shards "
-            "each batch in its data loader, while UPipe's vision-language forward takes the whole sample on every "
-            "rank (docs/vlm.md); train it with ds_upipe.initialize (or apply_upipe) and your own loop for now"
+            f"ds_upipe: {type(model).__name__} is a vision-language model under DeepSpeed ALST "
+            '("upipe": {"enabled": false}): its loaders shard each batch before the model merges the images; '
+            "run it under UPipe (docs/vlm.md)"
+        )
+    if not _is_vision_language(model, settings):
+        return
+    name = type(model).__name__
+    if not registered:
+        raise ValueError(
+            f"ds_upipe: {name} is a vision-language model registered by name or path (register_with_transformers "
+            "without the model object): its loaders would shard each batch, while UPipe's vision-language forward "
+            "takes the whole sample on every rank (docs/vlm.md); register with the model object "
+            "(model_name_or_path=model) or use the Trainer / accelerate / TRL"
         )
 
 
@@ -536,6 +592,10 @@ def _register_upipe(args: dict[str, Any], settings: SPSettings) -> tuple[Any, in
     group = mpu.get_sequence_parallel_group()
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    if _is_vision_language(model, settings):
+        # its vision tower runs ``core`` on its own images (hf_patches.vlm); apply_upipe gives the text model
+        # UPipe's attention implementation when the registration patches the model object
+        return mpu, head_chunk_size
     state = _unfused_state(text, group, head_chunk_size, settings)
     ALL_ATTENTION_FUNCTIONS[core] = _upipe_core_attention(state, core, core_function, args["disable_in_eval"], group)
     return mpu, head_chunk_size

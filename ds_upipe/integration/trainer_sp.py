@@ -219,7 +219,7 @@ def _gather_every_rank(accelerator: Any) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def per_batch_metrics(trainer: Any, source: SourceBatch) -> Iterator[None]:
+def per_batch_metrics(trainer: Any, source: SourceBatch, training: bool) -> Iterator[None]:
     """Around one micro-step of a trainer under SP (training or evaluation): the values TRL's SFTTrainer
     logs for the micro-batch are made those of its source batch.  TRL computes them inline in
     ``compute_loss`` from the inputs it is given (there is no hook), so:
@@ -234,7 +234,8 @@ def per_batch_metrics(trainer: Any, source: SourceBatch) -> Iterator[None]:
       the source batches (each group's once)."""
     accelerator = trainer.accelerator
     lists = getattr(trainer, "_metrics", None)  # TRL's per-step metric lists, by mode
-    mode = "train" if trainer.model.training else "eval"
+    # from the caller: a training step after an evaluation starts with the model still in eval mode
+    mode = "train" if training else "eval"
     lengths = {k: len(v) for k, v in lists[mode].items()} if lists is not None else {}
     counted = getattr(trainer, "_total_train_tokens", None)
     accelerator.gather_for_metrics = _gather_every_rank(accelerator)
@@ -261,16 +262,16 @@ def _source(trainer: Any, inputs: Any) -> SourceBatch | None:
     return source if source is not None and deepspeed_sp(trainer) is not None else None
 
 
-def metrics_of_source(trainer: Any, inputs: Any) -> contextlib.AbstractContextManager[None]:
+def metrics_of_source(trainer: Any, inputs: Any, training: bool) -> contextlib.AbstractContextManager[None]:
     """``per_batch_metrics`` for a sequence-parallel micro-batch with its source batch; else nothing."""
     source = _source(trainer, inputs)
-    return contextlib.nullcontext() if source is None else per_batch_metrics(trainer, source)
+    return contextlib.nullcontext() if source is None else per_batch_metrics(trainer, source, training)
 
 
 def wrap_training_step(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def training_step(self: Any, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        with metrics_of_source(self, inputs):
+        with metrics_of_source(self, inputs, training=True):
             return original(self, model, inputs, *args, **kwargs)
 
     return training_step
@@ -323,10 +324,16 @@ class SequenceParallelEvalLoader:
     current micro-batch is."""
 
     def __init__(
-        self, loader: Any, sequence_parallel_size: int, device: torch.device, ring_size: Callable[[Any], int]
+        self,
+        loader: Any,
+        sequence_parallel_size: int,
+        device: torch.device,
+        ring_size: Callable[[Any], int],
+        vision_language: Callable[[Any], bool],
     ) -> None:
-        # ring_size: of the sequence-parallel group, asked when iterating (the group's registration)
+        # ring_size, vision_language: of the sequence-parallel group, asked when iterating (the group's registration)
         self.loader, self.sp, self.device, self.ring_size = loader, sequence_parallel_size, device, ring_size
+        self.vision_language = vision_language
         self.source_rank = -1
         self.own_loss: torch.Tensor | None = None
 
@@ -349,6 +356,7 @@ class SequenceParallelEvalLoader:
             device=self.device,
             ring_size=self.ring_size(group),
             dataset_samples=accelerate_dataset_samples(self.loader),
+            vision_language=self.vision_language(group),
         )
         self.own_loss = None
         for i, batch in enumerate(sharded):
@@ -357,14 +365,16 @@ class SequenceParallelEvalLoader:
         self.source_rank = -1
 
 
-def wrap_eval_loader(original: Callable[..., Any], ring_size: Callable[[Any], int]) -> Callable[..., Any]:
+def wrap_eval_loader(
+    original: Callable[..., Any], ring_size: Callable[[Any], int], vision_language: Callable[[Any], bool]
+) -> Callable[..., Any]:
     @functools.wraps(original)
     def get_loader(self: Any, *args: Any, **kwargs: Any) -> Any:
         loader = original(self, *args, **kwargs)
         pc = deepspeed_sp(self)
         if pc is None or isinstance(loader, SequenceParallelEvalLoader):
             return loader
-        return SequenceParallelEvalLoader(loader, pc.sp_size, self.args.device, ring_size)
+        return SequenceParallelEvalLoader(loader, pc.sp_size, self.args.device, ring_size, vision_language)
 
     return get_loader
 
@@ -412,7 +422,7 @@ def sequence_parallel_prediction_step(
     from deepspeed.utils import groups
 
     # the labels the model's loss (and TRL's fused LM head) score: this shard's pre-shifted ones
-    metrics = metrics_of_source(trainer, inputs)
+    metrics = metrics_of_source(trainer, inputs, training=False)
     inputs = {**inputs, "labels": inputs["shift_labels"]}
     with metrics:
         loss, _, _ = own_step(trainer, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
