@@ -6,10 +6,11 @@ missing ``num_key_value_heads`` means plain multi-head attention, and a heteroge
 ``per_layer_config``: Gemma 4's full-attention layers have their own head dim and may have their own key/value
 heads) is read per layer through transformers' per-layer view (its global ``head_dim`` raises there; a
 config.json dict is read as it stands: the planner, its one reader of dicts, does not plan Gemma 4).
-``HeadLayout.from_config`` is the model's first layer's layout; ``head_counts`` its distinct (H, Hkv), each run with
-its own stage plan, and ``per_head_counts`` the one rule that checks every one of them and names the layer.  The validity rules themselves live
-in ``ds_upipe.schedule`` (the stage plan is built from them); the methods here only call them, so
-the config validation, the engine, ``hf_patches.apply_upipe``, the planner and the bench agree.
+``HeadLayout.from_config`` is the model's first layer's layout; ``head_counts`` its distinct (H, Hkv), each run
+with its own stage plan, and ``per_head_counts`` the one rule that checks every one of them and names the layer.
+The validity rules themselves live in ``ds_upipe.schedule`` (the stage plan is built from them); the methods
+here only call them, so the config validation, the engine, ``hf_patches.apply_upipe``, the planner and the
+bench agree.
 Pure Python: importing this module loads no torch.
 """
 
@@ -106,7 +107,9 @@ def head_counts(config: Any) -> dict[tuple[int, int], int]:
     return counts
 
 
-def per_head_counts(counts: Mapping[tuple[int, int], int], check: Callable[[int, int], _T]) -> dict[tuple[int, int], _T]:
+def per_head_counts(
+    counts: Mapping[tuple[int, int], int], check: Callable[[int, int], _T]
+) -> dict[tuple[int, int], _T]:
     """``check(H, Hkv)`` for each of a model's head counts (``head_counts``): where its layers differ, a
     ValueError names the first layer whose heads fail (pure: every rank raises it before any collective)."""
     out: dict[tuple[int, int], _T] = {}

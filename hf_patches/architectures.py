@@ -34,7 +34,6 @@ from typing import Any
 
 from torch import nn
 
-
 from .families import FUSED_ATTENTIONS, NORM_KINDS, UNFUSED_ATTENTIONS, latent_unfused
 from .mixers import MIXER_LAYER_TYPES, mixer_kind_of
 
