@@ -102,8 +102,8 @@ def choose_head_chunk_size(
     """The head chunk size U to use: the configured int (validated against every layer's heads), C for null,
     and for "auto" the largest U valid for every layer's heads whose measured attention memory
     (``attention_stage_bytes_by_u``) fits ``memory_budget_gib`` (C when none fits).  ``group_size`` is the
-    Ulysses degree C_u (the sequence-parallel size over ``upipe.ring_size``).  ``model_config``: the model's transformers
-    config where the route has one (its attention layer is measured; else the core layer);
+    Ulysses degree C_u (the sequence-parallel size over ``upipe.ring_size``).  ``model_config``: the model's
+    transformers config where the route has one (its attention layer is measured; else the core layer);
     ``options``: the settings as the model runs them (None: the block's, ``upipe.options``; the routes
     pass them with fused projections off where apply_upipe falls back for that model, e.g. PEFT LoRA
     projections; the planner its scheme's).  ``layer_heads``: the model's head counts where its layers differ
