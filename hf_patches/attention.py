@@ -83,12 +83,14 @@ def fused_attention_forward(
         # GPT-OSS's RoPE: cos/sin of half the head dim, (x1 cos - x2 sin, x2 cos + x1 sin) on the two halves,
         # which is rotate-half RoPE with cos/sin repeated over both halves (the same products and sums)
         cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+    heads = (proj.q_proj.out_features // proj.head_dim, proj.k_proj.out_features // proj.head_dim)
     ctx = state.context(
         hidden_states.device,
         kwargs.get(DOCUMENTS_KWARG),
         module_sliding_window(self),
         proj.sinks,
         scale=getattr(self, "scaling", None),
+        plan=state.plan_for(*heads),  # this layer's heads' plan (``UPipeRuntime.plans``)
     )
     out = apply_eagerly(FusedUPipeAttention, hidden_states, cos, sin, ctx, proj, *proj.params())
     return out, None
