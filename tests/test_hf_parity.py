@@ -73,8 +73,8 @@ FLOAT32_NORM_FAMILIES = ("gemma3",)
 
 def _check_families(results, world):
     """tests/family_cases.py: the families (4 of multi-head latent attention; Gemma 4 also with per-layer key/value
-    heads, a stage plan per layer's heads), fused and unfused, U = C and H, windows, packing, checkpointing, a 2 x 2 ring (C = 4): logits, loss and every gradient (sinks, routers) equal
-    the unpatched model."""
+    heads, a stage plan per layer's heads), fused and unfused, U = C and H, windows, packing, checkpointing, a 2 x 2
+    ring (C = 4): logits, loss and every gradient (sinks, routers) equal the unpatched model."""
     for rank, cases in enumerate(results):
         assert len(cases) == family_cases.num_family_cases(world)
         for case, errors in cases.items():
