@@ -6,17 +6,19 @@ missing ``num_key_value_heads`` means plain multi-head attention, and a heteroge
 ``per_layer_config``: Gemma 4's full-attention layers have their own head dim and may have their own key/value
 heads) is read per layer through transformers' per-layer view (its global ``head_dim`` raises there; a
 config.json dict is read as it stands: the planner, its one reader of dicts, does not plan Gemma 4).
-``HeadLayout.from_config`` is the model's one layout over its layers.  The validity rules themselves live
-in ``ds_upipe.schedule`` (the stage plan is built from them); the methods here only call them, so
-the config validation, the engine, ``hf_patches.apply_upipe``, the planner and the bench agree.
+``HeadLayout.from_config`` is the model's first layer's layout; ``head_counts`` its distinct (H, Hkv), each run
+with its own stage plan, and ``per_head_counts`` the one rule that checks every one of them and names the layer.
+The validity rules themselves live in ``ds_upipe.schedule`` (the stage plan is built from them); the methods
+here only call them, so the config validation, the engine, ``hf_patches.apply_upipe``, the planner and the
+bench agree.
 Pure Python: importing this module loads no torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .schedule import check_head_counts, resolve_head_chunk_size, valid_group_sizes, valid_head_chunk_sizes
 
@@ -37,19 +39,11 @@ class HeadLayout:
 
     @classmethod
     def from_config(cls, config: Any) -> HeadLayout:
-        """The model's one layout (a config object or a config.json dict; a multimodal config's text part): its
-        layers' query and key/value head counts, which the one stage plan needs equal in every layer, and the
-        largest head dim of its layers (what bounds a stage's buffers; the plan does not depend on it)."""
+        """The model's first attention layer's head counts (a config object or a config.json dict; a multimodal
+        config's text part) with the largest head dim of its layers (what bounds a stage's buffers; the plan does
+        not depend on it).  Layers whose head counts differ (Gemma 4's num_global_key_value_heads with
+        attention_k_eq_v) run their own stage plans: ``head_counts`` lists them, ``per_head_counts`` checks each."""
         layers = layer_head_layouts(config)
-        counts: dict[tuple[int, int], int] = {}  # head counts -> the first layer with them
-        for i, h in enumerate(layers):
-            counts.setdefault((h.num_heads, h.num_kv_heads), i)
-        if len(counts) > 1:
-            named = ", ".join(f"layer {i}: {h} query and {kv} key/value heads" for (h, kv), i in counts.items())
-            raise ValueError(
-                f"the attention layers differ in head counts ({named}; e.g. Gemma 4's num_global_key_value_heads "
-                "with attention_k_eq_v): not supported yet, UPipe builds one stage plan for all of a model's layers"
-            )
         return cls(layers[0].num_heads, layers[0].num_kv_heads, max(h.head_dim for h in layers))
 
     def check(self, group_size: int) -> None:
@@ -99,3 +93,34 @@ def layer_head_layouts(config: Any) -> list[HeadLayout]:
     if not getattr(config, "is_heterogeneous", False):
         return [_layout(config)]
     return [_layout(layer) for layer in config.per_layer_config]
+
+
+_T = TypeVar("_T")
+
+
+def head_counts(config: Any) -> dict[tuple[int, int], int]:
+    """The model's distinct (query heads, key/value heads) -> the first layer with them: one entry unless its
+    layers differ (Gemma 4's full-attention layers with num_global_key_value_heads); each runs its own plan."""
+    counts: dict[tuple[int, int], int] = {}
+    for i, h in enumerate(layer_head_layouts(config)):
+        counts.setdefault((h.num_heads, h.num_kv_heads), i)
+    return counts
+
+
+def per_head_counts(
+    counts: Mapping[tuple[int, int], int], check: Callable[[int, int], _T]
+) -> dict[tuple[int, int], _T]:
+    """``check(H, Hkv)`` for each of a model's head counts (``head_counts``): where its layers differ, a
+    ValueError names the first layer whose heads fail (pure: every rank raises it before any collective)."""
+    out: dict[tuple[int, int], _T] = {}
+    for (h, kv), layer in counts.items():
+        try:
+            out[(h, kv)] = check(h, kv)
+        except ValueError as err:
+            if len(counts) == 1:
+                raise
+            raise ValueError(
+                f"decoder layer {layer} ({h} query and {kv} key/value heads; the model's attention layers differ "
+                f"in head counts, each runs its own stage plan at the one U): {err}"
+            ) from None
+    return out

@@ -6,8 +6,8 @@ model, made by ``UPipeRuntime.build`` (``hf_patches.UPipeState`` is this class w
 extra facts).  It owns what every UPipe attention call of its owner shares:
 
 - the groups (the Ulysses group of C_u ranks, the ring group of R ranks or None) and their sizes;
-- the stage plan where the head counts are known when it is built (the HF routes: from the model
-  config), else one per head layout (the core layer, from its inputs): ``plan_for``;
+- the stage plans, one per head counts (H, Hkv): built and validated where they are known (the HF routes:
+  every layer's, from the model config), else per call (the core layer, from its inputs): ``plan_for``;
 - the local kernel and its wrapping for one call (``attention``): sliding window, ring, sinks,
   packed documents, in that order;
 - the one record of settings every rank must share (``settings``, compared by
@@ -21,7 +21,7 @@ and kept by the call's context only; nothing here is read back by a later call.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .heads import per_head_counts
 from .kernel_choice import make_kernel
 from .kernels import AttentionKernel, CallableKernel, with_softmax_scale
 from .layout import SequenceLayout
@@ -58,8 +59,10 @@ class UPipeRuntime:
     options: UPipeOptions = field(default_factory=UPipeOptions)
     #: U as configured (None: U = C); the plan's U where the plan is known (``plan``)
     head_chunk_size: int | None = None
-    #: the stage plan, where the head counts were known at build (None: per call, ``plan_for``)
+    #: the stage plan of the first layer's heads, where known at build (None: per call, ``plan_for``)
     plan: StagePlan | None = None
+    #: every stage plan by (H, Hkv): the model's layers' at build, the core layer's added per call (``plan_for``)
+    plans: dict[tuple[int, int], StagePlan] = field(default_factory=dict)
     #: UPipe x Ring: the ring group (None: no ring) and its size R; the sequence-parallel group is
     #: then C_u x R ranks, each holding its zigzag shard (``ds_upipe.ring.zigzag_positions``)
     ring_group: dist.ProcessGroup | None = None
@@ -95,6 +98,7 @@ class UPipeRuntime:
         kernel: AttentionKernel | Callable[..., Tensor] | None = None,
         num_heads: int | None = None,
         num_kv_heads: int | None = None,
+        layer_heads: Mapping[tuple[int, int], int] | None = None,
         softmax_scale: float | None = None,
         ring_group: dist.ProcessGroup | None = None,
         ring_overlap: bool | None = None,
@@ -106,7 +110,9 @@ class UPipeRuntime:
         ``kernel``: the core layer's local attention (an ``AttentionKernel`` or a callable) in place of
         ``options.kernel``, which is built by name otherwise (causal, ``softmax_scale``).
         ``num_heads``/``num_kv_heads`` (where known) build and validate the plan now (ValueError naming
-        the valid U; with a ring, saying that C_u, not C_u x R, splits the heads).
+        the valid U; with a ring, saying that C_u, not C_u x R, splits the heads).  ``layer_heads``: the
+        model's distinct head counts -> the first layer with them (``heads.head_counts``, in place of
+        ``num_heads``/``num_kv_heads``): each one's plan built now at the one U, the error naming the layer.
         ``fused_projections``: whether HF fused projections run (``options.fused_projections`` unless the
         model falls back; ``recompute_attention_output`` acts only then).
         ``extra``: the fields of a subclass (``hf_patches.UPipeState``)."""
@@ -115,10 +121,15 @@ class UPipeRuntime:
         ring_size = dist.get_world_size(ring_group) if ring_group is not None and initialized else 1
         if kernel is None:
             kernel = make_kernel(options.kernel, causal=True, softmax_scale=softmax_scale)
-        head_chunk_size, plan = options.head_chunk_size, None
-        if num_heads is not None and num_kv_heads is not None:
-            plan = _ring_aware_plan(num_heads, num_kv_heads, group_size, ring_size, head_chunk_size)
-            head_chunk_size = plan.head_chunk_size
+        head_chunk_size = options.head_chunk_size
+        if layer_heads is None and num_heads is not None and num_kv_heads is not None:
+            layer_heads = {(num_heads, num_kv_heads): 0}
+        plans = per_head_counts(
+            layer_heads or {}, lambda h, kv: _ring_aware_plan(h, kv, group_size, ring_size, head_chunk_size)
+        )
+        plan = next(iter(plans.values()), None)
+        if plan is not None:
+            head_chunk_size = plan.head_chunk_size  # U as resolved (C for None): one U for every plan
         return cls(
             options=options,
             group=group,
@@ -126,6 +137,7 @@ class UPipeRuntime:
             kernel=kernel,
             head_chunk_size=head_chunk_size,
             plan=plan,
+            plans=plans,
             ring_group=ring_group if ring_size > 1 else None,
             ring_size=ring_size,
             overlap_comm=options.overlap_comm,
@@ -164,11 +176,12 @@ class UPipeRuntime:
         return self.ring_size > 1 and (self.overlap_comm if self.ring_overlap is None else self.ring_overlap)
 
     def plan_for(self, num_heads: int, num_kv_heads: int) -> StagePlan:
-        """The stage plan for these head counts (the built one where they match)."""
-        plan = self.plan
-        if plan is not None and (plan.num_heads, plan.num_kv_heads) == (num_heads, num_kv_heads):
-            return plan
-        return build_plan(num_heads, num_kv_heads, self.group_size, self.head_chunk_size)
+        """The stage plan for these head counts: the one place a call finds its plan (a model's layers: built
+        and validated by ``build``; the core layer's inputs: built at their first call)."""
+        key = (num_heads, num_kv_heads)
+        if key not in self.plans:
+            self.plans[key] = build_plan(num_heads, num_kv_heads, self.group_size, self.head_chunk_size)
+        return self.plans[key]
 
     def settings(self, window: int | None = None, sinks: Tensor | None = None, scatter_idx: int = 2) -> RuntimeSettings:
         """What every rank must agree on for a call with this window and these sinks."""

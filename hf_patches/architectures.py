@@ -11,7 +11,7 @@ state-space, short convolutions), or, where its config says so, only position-wi
 cannot honour is refused here, naming the layer and the reason, before any collective: mixers of other
 kinds, bidirectional and
 encoder-decoder models, cross-attention, chunked attention, KV-shared layers other than transformers'
-``shared_kv_states`` ones, layers that differ in head counts, logit softcapping, attention dropout.  Multi-head
+``shared_kv_states`` ones, logit softcapping, attention dropout.  Multi-head
 latent attention (DeepSeek-V2/V3, MiniCPM3, GLM-4.7-Flash) runs unfused: after its own up-projections it calls the
 registry with values narrower than its queries and keys, which the stage loop carries at their own head dim.
 
@@ -33,8 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-
-from ds_upipe.heads import HeadLayout
 
 from .families import FUSED_ATTENTIONS, NORM_KINDS, UNFUSED_ATTENTIONS, latent_unfused
 from .mixers import MIXER_LAYER_TYPES, mixer_kind_of
@@ -141,11 +139,6 @@ def _refuse(layer: int, module: nn.Module, why: str) -> ValueError:
 
 def _check_config(config: Any) -> None:
     """Model-wide refusals read from the (text) config."""
-    if getattr(config, "is_heterogeneous", False):  # per-layer settings (Gemma 4's head dims), read layer by layer
-        try:
-            HeadLayout.from_config(config)  # one stage plan: layers that differ in head counts are refused there
-        except ValueError as err:
-            raise ValueError(f"apply_upipe: {err}") from None
     chunk = getattr(config, "attention_chunk_size", None)
     if chunk:
         raise ValueError(

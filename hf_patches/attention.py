@@ -83,12 +83,14 @@ def fused_attention_forward(
         # GPT-OSS's RoPE: cos/sin of half the head dim, (x1 cos - x2 sin, x2 cos + x1 sin) on the two halves,
         # which is rotate-half RoPE with cos/sin repeated over both halves (the same products and sums)
         cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+    heads = (proj.q_proj.out_features // proj.head_dim, proj.k_proj.out_features // proj.head_dim)
     ctx = state.context(
         hidden_states.device,
         kwargs.get(DOCUMENTS_KWARG),
         module_sliding_window(self),
         proj.sinks,
         scale=getattr(self, "scaling", None),
+        plan=state.plan_for(*heads),  # this layer's heads' plan (``UPipeRuntime.plans``)
     )
     out = apply_eagerly(FusedUPipeAttention, hidden_states, cos, sin, ctx, proj, *proj.params())
     return out, None
@@ -161,7 +163,9 @@ def upipe_attention_function(
     if sliding_window is None:  # a window its model means through the mask UPipe drops (``mask_window``)
         sliding_window = getattr(module, "_upipe_mask_window", None)
     window = check_window(sliding_window, "sliding_window")
-    ctx = state.context(q.device, kwargs.get(DOCUMENTS_KWARG), window, sinks, scale=scaling)
+    # the plan of this layer's heads (``UPipeRuntime.plan_for``: built per head counts at patch time)
+    plan = state.plan_for(query.shape[1], key.shape[1])
+    ctx = state.context(q.device, kwargs.get(DOCUMENTS_KWARG), window, sinks, scale=scaling, plan=plan)
     if sinks is None:
         out = apply_eagerly(UPipeAttentionFunction, q, k, v, ctx)
     else:
@@ -177,14 +181,14 @@ UNHONOURED_KWARGS = ("softcap", "position_bias", "sinks", "indices", "block_indi
 
 
 def _check_heads(module: nn.Module, state: UPipeState, query: Tensor, key: Tensor, value: Tensor) -> None:
-    """The heads the stage plan was built for (the config's), grouped-query, queries and keys of one head dim
+    """Heads a stage plan was built for (the config's layers'), grouped-query, queries and keys of one head dim
     (values may have their own: multi-head latent attention's v_head_dim): JetMoE's mixture of attention heads
     hands the function another head count than its config's."""
     h, hkv = query.shape[1], key.shape[1]
-    plan = state.plan
-    planned = plan is None or (plan.num_heads, plan.num_kv_heads) == (h, hkv)
+    planned = not state.plans or (h, hkv) in state.plans
     if not planned or value.shape[1] != hkv or hkv > h or h % hkv or key.shape[-1] != query.shape[-1]:
-        want = "" if plan is None else f" (the plan: {plan.num_heads} query and {plan.num_kv_heads} key/value heads)"
+        counts = ", ".join(f"{p} query and {k} key/value heads" for p, k in state.plans)
+        want = f" (the plan{'s' * (len(state.plans) > 1)}: {counts})" if state.plans else ""
         raise ValueError(
             f"{type(module).__name__}: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
             f"{tuple(value.shape)} ([batch, heads, tokens, head_dim]) reached UPipe attention{want}: UPipe runs "

@@ -10,7 +10,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from ds_upipe.heads import HeadLayout
+from ds_upipe.heads import head_counts
 from ds_upipe.options import UPipeOptions
 
 from .architectures import _unwrap, find_decoder, fused_blocker_of
@@ -101,16 +101,15 @@ def apply_upipe(
     check_mixers(
         found.mixers, dist.get_world_size(process_group), options.mixer_head_chunk_size, ring=ring_group is not None
     )
-    heads = HeadLayout.from_config(config)
-    # the one runtime builder of every route (ds_upipe.runtime); validates U, H, Hkv against C_u
+    # the one runtime builder of every route (ds_upipe.runtime); validates U, H, Hkv against C_u, one plan per
+    # layers' head counts (Gemma 4's full-attention layers may have their own key/value heads)
     state = UPipeState.build(
         options,
         group=process_group,
         # 1/sqrt(head_dim) here; each call runs with the scale its module passes (``UPipeState.attention``'s
         # ``scale``: Gemma's query_pre_attn_scalar, Granite's attention_multiplier), layer by layer
         softmax_scale=None,
-        num_heads=heads.num_heads,
-        num_kv_heads=heads.num_kv_heads,
+        layer_heads=head_counts(config),
         ring_group=ring_group,
         fused_projections=fused,
         fallback_reason=fallback,

@@ -58,6 +58,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
     # Gemma 4: sliding layers of head_dim 8 and full layers of global_head_dim 16 (RoPE on a quarter of it), q/k/v
     # norms, scaling 1; layers 2 and 3 reuse the keys and values of layers 0 and 1 (num_kv_shared_layers)
     "gemma4": ("gemma4_text", _GEMMA4, False),
+    # Gemma 4 26B/31B-style: its full-attention layers with their own key/value heads too (1, keys as values:
+    # attention_k_eq_v), each layer run with the stage plan of its own heads at the one U
+    "gemma4_kv": ("gemma4_text", dict(_GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1), False),
     "phi3": ("phi3", dict(sliding_window=None, pad_token_id=0), False),
     "olmo2": ("olmo2", {}, False),
     "glm4": ("glm4", dict(pad_token_id=0), False),
@@ -96,7 +99,7 @@ def build_family(family: str, dtype=torch.float64, seed: int = 0, **overrides):
 #: ``Tensor.type``; a router weight's gradient, a float32 sum over a shard's tokens, would differ by ~1e-7), run
 #: with those casts kept float64 (``hf_cases.float64_internals``, reference and patched alike) so that their parity
 #: holds at 1e-10
-FLOAT64_INTERNALS = ("gemma4", "deepseek_v3", "deepseek_v2", "glm4_moe_lite")
+FLOAT64_INTERNALS = ("gemma4", "gemma4_kv", "deepseek_v3", "deepseek_v2", "glm4_moe_lite")
 
 
 def family_case(family, fused, world, u=None, seq=None, seed=0, checkpointing=None, packed=False, **overrides):
@@ -181,6 +184,7 @@ def _cases(world: int) -> dict[str, tuple]:
     cases["phi3_unfused_W5"] = (family_case, ("phi3", False, world), dict(sliding_window=5))
     # Gemma 4 at U = H; fused requested falls back to unfused (its entry's reason), still exact
     cases["gemma4_unfused_U=H"] = (family_case, ("gemma4", False, world), dict(u=h))
+    cases["gemma4_kv_unfused_U=H"] = (family_case, ("gemma4_kv", False, world), dict(u=h))
     cases["deepseek_v3_unfused_U=H"] = (family_case, ("deepseek_v3", False, world), dict(u=h))
     cases["minicpm3_unfused_U=H"] = (family_case, ("minicpm3", False, world), dict(u=h))
     if world == 4:  # packing and checkpointing at C = 2 only
@@ -230,6 +234,13 @@ def _tiny(model_type: str, **overrides):
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
+def layer_kv_heads_model():
+    """Gemma 4 with 12 query heads, 6 key/value heads on its sliding layers and 4 on its full ones: U = 4 over 2
+    ranks (2 heads per rank and stage) fits the sliding layers' KV groups of 2, not the full layers' of 3."""
+    gqa = dict(num_attention_heads=12, num_key_value_heads=6, num_global_key_value_heads=4)
+    return _tiny("gemma4_text", **{**_GEMMA4, "attention_k_eq_v": True, **gqa})
+
+
 def refused_models() -> dict[str, Any]:
     """case -> a builder of a tiny model ``apply_upipe`` must refuse (messages checked in test_hf_parity)."""
     import transformers
@@ -241,10 +252,6 @@ def refused_models() -> dict[str, Any]:
             "minimax", layer_types=["linear_attention", "full_attention"], num_local_experts=2
         ),
         "refuse_chunked": lambda: _tiny("llama4_text", attention_chunk_size=8),
-        # Gemma 4's full-attention layers with their own key/value heads (one stage plan per model)
-        "refuse_layer_kv_heads": lambda: _tiny(
-            "gemma4_text", **{**_GEMMA4, "attention_k_eq_v": True, "num_global_key_value_heads": 1}
-        ),
         "refuse_hybrid_ssm": lambda: _tiny("falcon_h1"),
         "refuse_encoder_decoder": lambda: transformers.T5ForConditionalGeneration(
             transformers.T5Config(d_model=32, d_ff=32, num_layers=1, num_heads=2, vocab_size=50, d_kv=16)

@@ -748,6 +748,11 @@ def refusal_cases(rank, world):
     for name, build in family_cases.refused_models().items():
         expect(name, lambda build=build: hf_patches.apply_upipe(build(), group))
     expect("bad_head_chunk", lambda: hf_patches.apply_upipe(build_model("llama"), group, head_chunk_size=3))
+    # a U that fits one layer's heads but not another's (each layer runs its own stage plan at the one U)
+    expect(
+        "refuse_layer_kv_heads",
+        lambda: hf_patches.apply_upipe(family_cases.layer_kv_heads_model(), group, head_chunk_size=4),
+    )
     moe = hf_patches.apply_upipe(family_cases.build_family("qwen3_moe"), group)
     moe_ids = torch.randint(0, 50, (1, 4))
     moe_pos = torch.arange(rank * 4, (rank + 1) * 4)[None]

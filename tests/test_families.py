@@ -90,3 +90,41 @@ def test_gemma4_head_layouts_are_read_per_layer():
     assert model_head_layout(model) == HeadLayout.from_config(model.config) == HeadLayout(8, 2, 16)
     composite = transformers.Gemma4Config(text_config=model.config.to_dict())
     assert HeadLayout.from_config(composite) == HeadLayout(8, 2, 16)
+
+
+def test_gemma4_layer_kv_heads_checked_per_layer():
+    """Gemma 4 whose full-attention layers have their own key/value heads (num_global_key_value_heads): every
+    layer's head counts are read, and each route's checks (the sequence-parallel size, a configured U, "auto"'s
+    candidates, the runtime's plans) take every one of them, naming the first layer whose heads do not fit."""
+    from ds_upipe.heads import HeadLayout, head_counts
+    from ds_upipe.integration.auto_chunk import attention_stage_bytes, choose_head_chunk_size
+    from ds_upipe.integration.config import UPipeConfig, check_layer_heads
+    from ds_upipe.options import UPipeOptions
+    from ds_upipe.runtime import UPipeRuntime
+    from tests.family_cases import build_family, layer_kv_heads_model
+
+    model = build_family("gemma4_kv")
+    assert head_counts(model.config) == {(8, 2): 0, (8, 1): 1}
+    layers = model.model.layers[:2]  # 2 and 3 reuse their keys and values (KV-shared: no k_proj)
+    assert [a.self_attn.k_proj.out_features // a.self_attn.head_dim for a in layers] == [2, 1]
+    assert HeadLayout.from_config(model.config) == HeadLayout(8, 2, 16)  # the first layer's, the largest head dim
+    runtime = UPipeRuntime.build(UPipeOptions(), group=None, layer_heads=head_counts(model.config))
+    assert [(p.num_heads, p.num_kv_heads) for p in runtime.plans.values()] == [(8, 2), (8, 1)]
+    assert runtime.plan_for(8, 1) is runtime.plans[(8, 1)]
+
+    config = layer_kv_heads_model().config  # 12 query heads; 6 key/value heads on sliding layers, 4 on full ones
+    layer1 = "decoder layer 1 (12 query and 4 key/value heads"
+    with pytest.raises(ValueError, match=r"decoder layer 1 \(12 query and 4 key/value heads.*size 3"):
+        check_layer_heads(config, 3)  # 3 splits the sliding layers' 6 KV heads, not the full layers' 4
+    dims = dict(num_heads=12, num_kv_heads=6, head_dim=8, group_size=2, micro_batch_size=1, dtype_bytes=8)
+    with pytest.raises(ValueError, match=r"upipe.head_chunk_size: decoder layer 1 .*GQA group size 3"):
+        choose_head_chunk_size(UPipeConfig(head_chunk_size=4), **dims, layer_heads=head_counts(config))
+    assert choose_head_chunk_size(UPipeConfig(head_chunk_size=4), **dims) == 4  # the sliding layers alone: fits
+    # "auto" picks among the U valid for every layer (2, 12 of the sliding layers' 2, 4, 12 and the full's 2, 6, 12)
+    need4, need12 = (attention_stage_bytes(u, **dims, seq_length=1024) for u in (4, 12))
+    budget = (need4 + need12) / 2 / 2**30  # fits U = 4, not 12
+    auto = UPipeConfig(head_chunk_size="auto", memory_budget_gib=budget, seq_length=1024)
+    assert choose_head_chunk_size(auto, **dims) == 4
+    assert choose_head_chunk_size(auto, **dims, layer_heads=head_counts(config)) == 2
+    with pytest.raises(ValueError, match=layer1.replace("(", r"\(")):
+        UPipeRuntime.build(UPipeOptions(head_chunk_size=4), group=None, layer_heads=head_counts(config))

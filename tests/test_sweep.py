@@ -26,7 +26,9 @@ SUBSET: dict[str, str] = {
     "gemma3": "exact-fused",  # a composite entry: its text model
     "gpt_oss": "exact-fused",
     "granite": "exact-fused",
-    "gemma4": "exact-unfused",  # per-layer head dims, KV-shared layers (a composite entry: its text model)
+    # per-layer head dims and key/value heads (a stage plan per layer's heads), KV-shared layers (a composite entry:
+    # its text model)
+    "gemma4": "exact-unfused",
     "gemma3n_text": "exact-unfused",  # KV-shared layers
     "phi3": "exact-unfused",
     "glm4": "exact-unfused",

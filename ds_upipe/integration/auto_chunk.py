@@ -7,12 +7,13 @@ child process (``fake_run.isolated``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
 from hf_patches import fused_fallback
 
-from ..heads import HeadLayout
+from ..heads import HeadLayout, head_counts, per_head_counts
 from ..layout import SequenceLayout
 from ..options import UPipeOptions
 from ..schedule import resolve_head_chunk_size, valid_head_chunk_sizes
@@ -96,19 +97,23 @@ def choose_head_chunk_size(
     dtype_bytes: int,
     model_config: Any = None,
     options: UPipeOptions | None = None,
+    layer_heads: Mapping[tuple[int, int], int] | None = None,
 ) -> int:
-    """The head chunk size U to use: the configured int (validated), C for null, and for "auto" the
-    largest valid U whose measured attention memory (``attention_stage_bytes_by_u``) fits
-    ``memory_budget_gib`` (C when none fits).  ``group_size`` is the Ulysses degree C_u (the
-    sequence-parallel size over ``upipe.ring_size``).  ``model_config``: the model's transformers
-    config where the route has one (its attention layer is measured; else the core layer);
+    """The head chunk size U to use: the configured int (validated against every layer's heads), C for null,
+    and for "auto" the largest U valid for every layer's heads whose measured attention memory
+    (``attention_stage_bytes_by_u``) fits ``memory_budget_gib`` (C when none fits).  ``group_size`` is the
+    Ulysses degree C_u (the sequence-parallel size over ``upipe.ring_size``).  ``model_config``: the model's
+    transformers config where the route has one (its attention layer is measured; else the core layer);
     ``options``: the settings as the model runs them (None: the block's, ``upipe.options``; the routes
     pass them with fused projections off where apply_upipe falls back for that model, e.g. PEFT LoRA
-    projections; the planner its scheme's)."""
+    projections; the planner its scheme's).  ``layer_heads``: the model's head counts where its layers differ
+    (``heads.head_counts``; None: ``num_heads``/``num_kv_heads`` in every layer): one U runs each layer's plan."""
     value = upipe.head_chunk_size
+    counts = {(num_heads, num_kv_heads): 0} if layer_heads is None else layer_heads
     if value != "auto":
         try:
-            return resolve_head_chunk_size(num_heads, num_kv_heads, group_size, value)
+            resolved = per_head_counts(counts, lambda h, kv: resolve_head_chunk_size(h, kv, group_size, value))
+            return next(iter(resolved.values()))  # the one U (C for null)
         except ValueError as err:
             ring = upipe.ring_size
             where = "" if ring == 1 else f" (with upipe.ring_size={ring} the heads are split over the Ulysses degree)"
@@ -118,8 +123,9 @@ def choose_head_chunk_size(
     # every valid U measured in one fake run, with every setting the model runs with; the same choice
     # on every rank (the same measurement of the same config, checked equal across ranks: the settings
     # exchange before registration and the runtime's check of U at each forward)
+    valid = per_head_counts(counts, lambda h, kv: set(valid_head_chunk_sizes(h, kv, group_size)))
     need = attention_stage_bytes_by_u(
-        valid_head_chunk_sizes(num_heads, num_kv_heads, group_size),
+        sorted(set.intersection(*valid.values())),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -225,6 +231,7 @@ def run_head_chunk_size(settings: SPSettings, model: Any, micro_batch_size: int)
         dtype_bytes=settings.dtype_bytes,
         model_config=text,
         options=settings.upipe.options(None).as_run(fused),
+        layer_heads=head_counts(text),
     )
 
 

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, model_validator
 
+from ..heads import head_counts, per_head_counts
 from ..options import KERNEL_NAMES, UPipeOptions
 from ..schedule import (
     check_head_counts,
@@ -370,6 +371,12 @@ def check_world(sequence_parallel_size: int, world_size: int) -> int:
             f"processes; allowed: a divisor of the world size {divisors}"
         )
     return world_size // sequence_parallel_size
+
+
+def check_layer_heads(config: Any, sequence_parallel_size: int, ring_size: int = 1) -> None:
+    """``check_heads`` for each of a model's head counts (``heads.head_counts``: its layers may differ), the
+    error naming the layer (``heads.per_head_counts``)."""
+    per_head_counts(head_counts(config), lambda h, kv: check_heads(h, kv, sequence_parallel_size, ring_size))
 
 
 def check_heads(num_heads: int, num_kv_heads: int, sequence_parallel_size: int, ring_size: int = 1) -> None:

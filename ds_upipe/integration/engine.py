@@ -51,7 +51,7 @@ from hf_patches import sequence_parallel_dataloader
 from ..cuda_env import avoid_record_streams
 from .agreement import agreed_settings, check_ranks_agree
 from .auto_chunk import run_head_chunk_size
-from .config import check_heads, check_world, load_config, micro_batch_size, parse_config
+from .config import check_layer_heads, check_world, load_config, micro_batch_size, parse_config
 from .process_exit import release_shm_at_exit
 from .sp_setup import (
     average_gradients_over_all_ranks,
@@ -119,8 +119,8 @@ def initialize(
     _undo_earlier_initialize()
 
     if sp > 1:
-        layout = model_head_layout(model)
-        check_heads(layout.num_heads, layout.num_kv_heads, sp, settings.ring_size)
+        layout = model_head_layout(model)  # a HuggingFace model (ValueError naming it otherwise)
+        check_layer_heads(model.config, sp, settings.ring_size)
         _check_data_parallel_size(ds_config, dp)
         # ours to change (load_config copied it): DeepSpeed builds its own device mesh when the config
         # has both sizes, which would bypass the sequence-parallel groups

@@ -73,11 +73,11 @@ from hf_patches.inputs import check_and_prepare, global_sequence
 from hf_patches.state import DOCUMENTS_KWARG
 from hf_patches.vlm import vision_language_parts
 
-from ..heads import HeadLayout
+from ..heads import head_counts
 from . import trainer_sp
 from .agreement import agreed_settings, check_ranks_agree
 from .auto_chunk import run_head_chunk_size
-from .config import SPSettings, check_heads, parse_config, tiled
+from .config import SPSettings, check_layer_heads, parse_config, tiled
 from .sp_setup import (
     average_gradients_over_all_ranks,
     check_model_settings,
@@ -581,8 +581,7 @@ def _register_upipe(args: dict[str, Any], settings: SPSettings) -> tuple[Any, in
         config = AutoConfig.from_pretrained(model)
     text = config.get_text_config()
     sp = args["sequence_parallel_size"]
-    heads = HeadLayout.from_config(text)
-    check_heads(heads.num_heads, heads.num_kv_heads, sp, settings.ring_size)
+    check_layer_heads(text, sp, settings.ring_size)
     # "auto" measures this model's attention as it will run: fused projections where a model object is
     # patched (Registration.apply_to_model, now or at deepspeed.initialize; by name or path a model-level
     # key such as fused_projections needs that too), unless apply_upipe falls back for this model
@@ -636,12 +635,10 @@ def _unfused_state(text_config: Any, group: Any, head_chunk_size: int, settings:
     from .sp_setup import upipe_groups
 
     ulysses_group, ring_group = upipe_groups(group, settings)
-    heads = HeadLayout.from_config(text_config)
     return UPipeState.build(
         settings.upipe.options(head_chunk_size),
         group=ulysses_group,
-        num_heads=heads.num_heads,
-        num_kv_heads=heads.num_kv_heads,
+        layer_heads=head_counts(text_config),  # one plan per layers' head counts
         ring_group=ring_group,
         fused_projections=False,
         architecture=getattr(text_config, "model_type", ""),

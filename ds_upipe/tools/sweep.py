@@ -124,10 +124,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # Gemma 3n: 4 layers, the last two KV-shared (they take layers 0 and 1's keys and values: shared_kv_states)
     **{t: dict(_KV_SHARED, activation_sparsity_pattern=[0.0] * 4) for t in ("gemma3n", "gemma3n_text")},
     # Gemma 4: the same, and full layers of their own head dim (global_head_dim: per-layer settings)
-    **{
-        t: dict(_KV_SHARED, global_head_dim=16)
-        for t in ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
-    },
+    **{t: dict(_KV_SHARED, global_head_dim=16) for t in ("gemma4_text", "gemma4_unified", "gemma4_unified_text")},
+    # the composite entry with the 26B / 31B checkpoints' full layers of their own key/value heads (1, keys as
+    # values): each layer runs the stage plan of its own heads
+    "gemma4": dict(_KV_SHARED, global_head_dim=16, attention_k_eq_v=True, num_global_key_value_heads=1),
     "codegen": dict(rotary_dim=8),  # at most head_dim
     "gptj": dict(rotary_dim=8),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], num_layers=2),
