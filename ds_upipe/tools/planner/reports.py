@@ -309,24 +309,25 @@ def group_size_rows(
     method: AttentionScheme,
     sizes: Iterable[int] | None = None,
     granularity: int = 2**14,
+    limit: int = 2**27,
 ) -> list[tuple[int, TrainSetup, int, str, float]]:
     """Per group size k (1: no groups; default 1 .. 2 sqrt(L)): (k, the setup with the fewest groups that reach
     the longest context k allows, that max context on both memories, what binds the next length, the extra
     layer compute as a fraction).  Host memory falls as groups are added (``kept_checkpoints``), so the
-    fewest groups are found by bisection."""
+    fewest groups are found by bisection.  ``limit``: the longest length searched (``max_context``'s)."""
     sizes = list(sizes) if sizes is not None else list(range(1, 2 * math.isqrt(dims.num_layers) + 1))
     # offloaded checkpoints: the groups change only the host terms, so the GPU's limit is searched once
     gpu = (
-        max_context(dims, replace(setup, host_memory_gib=math.inf), method, granularity)
+        max_context(dims, replace(setup, host_memory_gib=math.inf), method, granularity, limit)
         if setup.offload_checkpoints
         else None
     )
 
     def reach(s: TrainSetup) -> int:
         return (
-            max_context(dims, s, method, granularity)
+            max_context(dims, s, method, granularity, limit)
             if gpu is None
-            else min(gpu, host_max_context(dims, s, granularity))
+            else min(gpu, host_max_context(dims, s, granularity, limit))
         )
 
     rows = []
