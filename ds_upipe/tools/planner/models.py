@@ -51,6 +51,15 @@ class MixerDims:
     conv_kernel: int = 4
     chunk_size: int = 0  # Mamba-2 scan chunk
 
+    def config_values(self) -> dict[str, int]:
+        """This mixer's keys in its family's transformers config (``MIXER_CONFIG_KEYS``)."""
+        return {key: getattr(self, name) for name, key in MIXER_CONFIG_KEYS[self.kind].items()}
+
+    @staticmethod
+    def from_config(kind: str, config: Any) -> MixerDims:
+        """The mixer of a transformers config (``MIXER_CONFIG_KEYS``, the inverse of ``config_values``)."""
+        return MixerDims(kind, **{name: getattr(config, key) for name, key in MIXER_CONFIG_KEYS[kind].items()})
+
     def __post_init__(self) -> None:
         if self.kind not in ("gated_delta", "mamba2"):
             raise ValueError(f"mixer kind={self.kind!r}: the planner runs 'gated_delta' and 'mamba2'")
@@ -58,6 +67,27 @@ class MixerDims:
             raise ValueError(
                 f"mixer num_heads={self.num_heads} must be a positive multiple of num_groups={self.num_groups}"
             )
+
+
+#: per mixer kind, ``MixerDims`` field -> the transformers config key holding it (Nemotron-H's Mamba-2; the gated
+#: delta net of Qwen3.5 / Qwen3-Next): the one map the planner reads a config.json with and writes its fake runs' with
+MIXER_CONFIG_KEYS: dict[str, dict[str, str]] = {
+    "mamba2": dict(
+        num_heads="mamba_num_heads",
+        num_groups="n_groups",
+        head_dim="mamba_head_dim",
+        state_size="ssm_state_size",
+        conv_kernel="conv_kernel",
+        chunk_size="chunk_size",
+    ),
+    "gated_delta": dict(
+        num_heads="linear_num_value_heads",
+        num_groups="linear_num_key_heads",
+        head_dim="linear_value_head_dim",
+        key_head_dim="linear_key_head_dim",
+        conv_kernel="linear_conv_kernel_dim",
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -154,25 +184,10 @@ class ModelDims:
             intermediate_size=self.mlp_stand_in_intermediate if stand_in else self.intermediate_size,
             layer_types=kinds,
         )
-        if self.model_type == "nemotron_h":
-            if m is not None:
-                values.update(
-                    mamba_num_heads=m.num_heads,
-                    mamba_head_dim=m.head_dim,
-                    n_groups=m.num_groups,
-                    ssm_state_size=m.state_size,
-                    conv_kernel=m.conv_kernel,
-                    chunk_size=m.chunk_size,
-                )
-            return values
         if m is not None:
-            values.update(
-                linear_num_value_heads=m.num_heads,
-                linear_num_key_heads=m.num_groups,
-                linear_value_head_dim=m.head_dim,
-                linear_key_head_dim=m.key_head_dim,
-                linear_conv_kernel_dim=m.conv_kernel,
-            )
+            values.update(m.config_values())
+        if self.model_type == "nemotron_h":
+            return values
         if moe:
             values.update(
                 num_experts=self.num_experts,
@@ -334,25 +349,7 @@ def _hybrid_dims(config: dict, name: str) -> ModelDims:
             f"{name}: layer kinds {unknown}: the planner runs {ATTENTION_LAYER}, {MIXER_LAYER}, {MLP_LAYER}"
         )
     heads = HeadLayout.from_config(text)
-    if text.model_type == "nemotron_h":
-        mixer = MixerDims(
-            "mamba2",
-            text.mamba_num_heads,
-            text.n_groups,
-            text.mamba_head_dim,
-            state_size=text.ssm_state_size,
-            conv_kernel=text.conv_kernel,
-            chunk_size=text.chunk_size,
-        )
-    else:
-        mixer = MixerDims(
-            "gated_delta",
-            text.linear_num_value_heads,
-            text.linear_num_key_heads,
-            text.linear_value_head_dim,
-            key_head_dim=text.linear_key_head_dim,
-            conv_kernel=text.linear_conv_kernel_dim,
-        )
+    mixer = MixerDims.from_config("mamba2" if text.model_type == "nemotron_h" else "gated_delta", text)
     experts = getattr(text, "num_experts", 0) or 0
     return ModelDims(
         name, heads.num_heads, heads.num_kv_heads, heads.head_dim, text.hidden_size,
