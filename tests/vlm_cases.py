@@ -1,4 +1,4 @@
-"""Rank-side bodies of tests/test_vlm.py: tiny vision-language models (Qwen2.5-VL, Qwen3-VL, LLaVA, Mistral 3)
+"""Rank-side bodies of tests/test_vlm.py: tiny vision-language models (Qwen2.5-VL, Qwen3-VL, LLaVA, Mistral 3, Gemma 3)
 patched by ``apply_upipe`` against the same model unpatched in one process, float64: logits, loss and every gradient
 (the vision tower's and projector's included), with images across the shard boundaries and shares of images
 that are uneven or empty.  One spawn of 4 ranks runs C = 4 and C = 2 (two pairs)."""
@@ -137,6 +137,20 @@ def build_mistral3(seed: int = 0) -> torch.nn.Module:
     return Mistral3ForConditionalGeneration(config).double()
 
 
+def build_gemma3(seed: int = 0) -> torch.nn.Module:
+    """Gemma 3: a 1-layer SigLIP tower on 8x8 images, patch 2, pooled to 16 tokens an image; a sliding layer of
+    window 4 (shorter than an image) and a full one, both with the image overlay of ``token_type_ids``."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = {**TEXT, "head_dim": 8, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=8, patch_size=2
+    )
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16, image_token_id=IMAGE)
+    torch.manual_seed(seed)
+    return Gemma3ForConditionalGeneration(config).double()
+
+
 def _tokens(batch: int, seq: int, images: list[tuple[int, int, int]], seed: int) -> dict[str, torch.Tensor]:
     """input_ids with image placeholders (row, first token, token count), labels ignoring them."""
     gen = torch.Generator().manual_seed(seed)
@@ -192,18 +206,33 @@ def mistral3_sample(seed: int) -> dict[str, torch.Tensor]:
     return sample
 
 
+def gemma3_sample(seed: int) -> dict[str, torch.Tensor]:
+    """Two rows of 48 tokens, four images of 16 tokens: row 0 two images a text token apart, [2, 18) and [19, 35)
+    (across the C = 4 boundary 12 and the C = 2 one 24); row 1 two images back to back, [5, 21) and [21, 37),
+    which transformers' ``token_type_ids`` overlay makes one span (across 12, 24 and 36); a 2-D mask of ones."""
+    sample = _tokens(2, 48, [(0, 2, 16), (0, 19, 16), (1, 5, 32)], seed)
+    sample["token_type_ids"] = (sample["input_ids"] == IMAGE).long()
+    sample["attention_mask"] = torch.ones_like(sample["input_ids"])
+    gen = torch.Generator().manual_seed(seed + 1)
+    sample["pixel_values"] = torch.randn(4, 3, 8, 8, generator=gen, dtype=torch.float64)
+    return sample
+
+
 MODELS = {
     "qwen2_5_vl": (build_qwen2_5_vl, qwen_video_sample),
     "qwen3_vl": (build_qwen3_vl, qwen_sample),
     "llava": (build_llava, llava_sample),
     "mistral3": (build_mistral3, mistral3_sample),
+    "gemma3": (build_gemma3, gemma3_sample),
 }
 
 
-def parity_case(name: str, group: dist.ProcessGroup, seed: int = 0, checkpointing: bool = False) -> dict[str, float]:
+def parity_case(
+    name: str, group: dist.ProcessGroup, seed: int = 0, checkpointing: bool = False, **settings: Any
+) -> dict[str, float]:
     """The patched VLM given the whole sample on every rank == the unpatched VLM (float64).  The patched
     loss's gradients are for a group that averages them (``sequence_parallel_loss``'s "mean"): the sum over
-    the group divided by its size is compared."""
+    the group divided by its size is compared.  ``settings``: ``apply_upipe``'s."""
     build, make = MODELS[name]
     model = build(seed)
     if checkpointing:  # transformers' gradient checkpointing of the text layers and the vision blocks
@@ -216,7 +245,7 @@ def parity_case(name: str, group: dist.ProcessGroup, seed: int = 0, checkpointin
     ref.loss.backward()
     ref_grads = {n: p.grad.detach().clone() for n, p in ref_model.named_parameters() if p.grad is not None}
 
-    hf_patches.apply_upipe(model, group)
+    hf_patches.apply_upipe(model, group, **settings)
     out = model(**sample)
     out.loss.backward()
     size = dist.get_world_size(group)
@@ -300,14 +329,15 @@ def deepcopy_case(group: dist.ProcessGroup) -> dict[str, float]:
 
 def refusals(group: dist.ProcessGroup) -> dict[str, str]:
     """apply_upipe's messages for VLMs it does not run exactly."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
 
     messages: dict[str, str] = {}
-    text = {**TEXT, "head_dim": 8, "sliding_window": 4, "final_logit_softcapping": None}
+    text = {"model_type": "gemma", **TEXT, "head_dim": 8}
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=8)
-    gemma = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4))
+    paligemma = PaliGemmaForConditionalGeneration(PaliGemmaConfig(text_config=text, vision_config=vision))
     for case, fn in {
-        "gemma3": lambda: hf_patches.apply_upipe(gemma, group),
+        "paligemma": lambda: hf_patches.apply_upipe(paligemma, group),
+        "gemma3 packed": lambda: _gemma3_packed(group),
         "ring": lambda: hf_patches.apply_upipe(build_llava(), group, ring_group=group),
         "length": lambda: _odd_length(group),
     }.items():
@@ -317,6 +347,14 @@ def refusals(group: dist.ProcessGroup) -> dict[str, str]:
         except ValueError as err:
             messages[case] = str(err)
     return messages
+
+
+def _gemma3_packed(group: dist.ProcessGroup) -> None:
+    """Gemma 3's image spans with packed rows (positions restarting): refused by name."""
+    model = hf_patches.apply_upipe(build_gemma3(), group)
+    sample = gemma3_sample(0)
+    sample["position_ids"] = torch.cat([torch.arange(24), torch.arange(24)]).expand(2, 48)
+    model(**sample)
 
 
 def _odd_length(group: dist.ProcessGroup) -> None:
@@ -336,6 +374,8 @@ def vlm_suite(rank: int, world: int) -> dict[str, Any]:
             results[f"{name} C=4"] = parity_case(name, dist.group.WORLD)
             results[f"{name} C=2"] = parity_case(name, pair)
         results["qwen2_5_vl C=2 checkpointing"] = parity_case("qwen2_5_vl", pair, checkpointing=True)
+        results["gemma3 C=2 checkpointing"] = parity_case("gemma3", pair, checkpointing=True)
+        results["gemma3 C=4 unfused"] = parity_case("gemma3", dist.group.WORLD, fused_projections=False)
         for name in ("qwen2_5_vl", "qwen3_vl"):
             results[f"{name} C=4 packed"] = packed_case(name, dist.group.WORLD)
         results["llava C=2 deepcopy"] = deepcopy_case(pair)
