@@ -139,10 +139,12 @@ def build_mistral3(seed: int = 0) -> torch.nn.Module:
 
 def build_gemma3(seed: int = 0) -> torch.nn.Module:
     """Gemma 3: a 1-layer SigLIP tower on 8x8 images, patch 2, pooled to 16 tokens an image; a sliding layer of
-    window 4 (shorter than an image) and a full one, both with the image overlay of ``token_type_ids``."""
+    window 4 (shorter than an image) on either side of a full one, all with the image overlay of ``token_type_ids``
+    (the first two's overlays reach the text tokens' logits, the loss and the gradients)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    text = {**TEXT, "head_dim": 8, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}
+    layers = ["sliding_attention", "full_attention", "sliding_attention"]
+    text = {**TEXT, "head_dim": 8, "sliding_window": 4, "num_hidden_layers": 3, "layer_types": layers}
     vision = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=8, patch_size=2
     )
