@@ -9,12 +9,12 @@ extra facts).  It owns what every UPipe attention call of its owner shares:
 - the stage plans, one per head counts (H, Hkv): built and validated where they are known (the HF routes:
   every layer's, from the model config), else per call (the core layer, from its inputs): ``plan_for``;
 - the local kernel and its wrapping for one call (``attention``): sliding window, ring, sinks,
-  packed documents, in that order;
+  packed documents, in that order, or the window and bidirectional spans (``ds_upipe.spans``) alone;
 - the one record of settings every rank must share (``settings``, compared by
   ``ds_upipe.validation.check_settings``), and the per-layout input-check cache (``checked_inputs``);
 - the pipeline context of one call (``context``), which the autograd node keeps until its backward.
 
-Per-forward data (packed boundaries, window, sinks) is passed to ``attention``/``context`` per call
+Per-forward data (packed boundaries, window, sinks, spans) is passed to ``attention``/``context`` per call
 and kept by the call's context only; nothing here is read back by a later call.
 """
 
@@ -224,9 +224,9 @@ class UPipeRuntime:
         rows: refused by the input checks), given the call's ``sinks`` (``ds_upipe.sinks``, on the
         ring's merged lse) and run per document of ``documents`` (this forward's packed boundaries,
         ``DocumentKernel``); ``spans``: this forward's bidirectional spans (Gemma 3's images, ``SpanKernel``
-        around the windowed kernel; not with documents, sinks or a ring).  ``scale``: the call's softmax scale (None: the kernel's;
-        ``kernels.with_softmax_scale``: a model's own scale, Gemma's query_pre_attn_scalar, Granite's
-        attention_multiplier, reaches the kernel's ops exactly)."""
+        around the windowed kernel; not with documents, sinks or a ring).  ``scale``: the call's softmax scale
+        (None: the kernel's; ``kernels.with_softmax_scale``: a model's own scale, Gemma's query_pre_attn_scalar,
+        Granite's attention_multiplier, reaches the kernel's ops exactly)."""
         if not isinstance(self.kernel, AttentionKernel):
             return CallableKernel(self.kernel, batch_dim_idx, args, kwargs)
         causal = with_softmax_scale(self.kernel, scale)
@@ -259,7 +259,8 @@ class UPipeRuntime:
     ) -> PipelineContext:
         """One attention call's pipeline context (the autograd node keeps it, so its backward sees the
         same documents, window, sinks and spans).  ``plan``: the call's (default the built one);
-        ``attention``: the call's kernel (default ``self.attention(documents, window, sinks, spans=spans, scale=scale)``)."""
+        ``attention``: the call's kernel (default ``self.attention(documents, window, sinks, spans=spans,
+        scale=scale)``)."""
         plan = self.plan if plan is None else plan
         if plan is None:
             raise ValueError("UPipeRuntime.context: no plan (pass plan=runtime.plan_for(num_heads, num_kv_heads))")
@@ -267,7 +268,9 @@ class UPipeRuntime:
             plan=plan,
             indices=plan_indices(plan, device),
             group=self.group,
-            attention=self.attention(documents, window, sinks, spans=spans, scale=scale) if attention is None else attention,
+            attention=self.attention(documents, window, sinks, spans=spans, scale=scale)
+            if attention is None
+            else attention,
             stage_counter=self.stage_runs,
             overlap_comm=self.overlap_comm,
             accumulate_in_input_dtype=self.accumulate_in_input_dtype,

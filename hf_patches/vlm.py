@@ -49,11 +49,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ds_upipe.spans import BidirectionalSpans
+
 from .data import IGNORE_INDEX, shift_labels
 from .inputs import _as_kwargs
 from .loss import sequence_parallel_loss
-from ds_upipe.spans import BidirectionalSpans
-
 from .state import SPANS_KWARG, UPipeState
 
 #: model types whose attention mask is not causal over the image span in a way UPipe does not run (image tokens

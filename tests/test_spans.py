@@ -80,9 +80,9 @@ def test_span_kernel_pieces_are_equal_length_causal_calls():
             return super().forward(q, k, v)
 
     q, k, v, _ = _inputs()
-    SpanKernel(SlidingWindowKernel(MathKernel(), 4), Recording(), BidirectionalSpans.of_block_ids(_block_ids())).forward(
-        q, k, v
-    )
+    SpanKernel(
+        SlidingWindowKernel(MathKernel(), 4), Recording(), BidirectionalSpans.of_block_ids(_block_ids())
+    ).forward(q, k, v)
     assert calls == [(e - s - 1, e - s - 1, True) for row in SPANS for s, e in row]
 
 
