@@ -275,9 +275,9 @@ def _shard_merged(text: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     elif positions.dim() == 3 and positions.shape[0] == 3:  # mrope: transformers' [4, B, S], text positions first
         positions = torch.cat([text_positions.unsqueeze(0).to(positions.dtype), positions])
     call["position_ids"] = positions[..., local]
-    masks = call.get("attention_mask")
+    padding, masks = call.pop(_PADDING_KWARG, None), call.get("attention_mask")
     if isinstance(masks, dict) and all(m is None for m in masks.values()):  # an IMAGE_SPANS model's per-layer masks
-        call["attention_mask"] = call.pop(_PADDING_KWARG, None)
+        call["attention_mask"] = padding
     for key in ("inputs_embeds", "input_ids", "attention_mask"):
         if torch.is_tensor(call.get(key)):
             call[key] = call[key][:, local]
