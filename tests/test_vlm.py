@@ -18,6 +18,7 @@ F32 = 1e-5
 REFUSALS = {
     "paligemma": ("PaliGemmaForConditionalGeneration", "bidirectionally", "paligemma"),
     "gemma3 packed": ("bidirectional spans", "packed documents"),
+    "gemma3 left padding": ("attention_mask has padding before real tokens",),
     "ring": ("ring_group", "vision-language"),
     "length": ("47 tokens", "multiple of the sequence-parallel size 2"),
 }
