@@ -111,7 +111,9 @@ class SpanKernel(AttentionKernel):
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: KernelAux
     ) -> tuple[Tensor, Tensor, Tensor]:
         pieces = self.spans.pieces(q.shape[0])
-        n = len(aux) if self._inner_aux is None or not pieces else self._inner_aux
+        if pieces and self._inner_aux is None:
+            raise RuntimeError("SpanKernel.backward runs on the aux of its own forward: call forward first")
+        n = self._inner_aux if pieces else len(aux)
         dq, dk, dv = self.inner.backward(dout, q, k, v, out, lse, aux[:n])
         if not pieces:
             return dq, dk, dv
