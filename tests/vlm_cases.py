@@ -6,6 +6,7 @@ that are uneven or empty.  One spawn of 4 ranks runs C = 4 and C = 2 (two pairs)
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
@@ -85,6 +86,62 @@ def build_qwen3_vl(seed: int = 0) -> torch.nn.Module:
     )
     torch.manual_seed(seed)
     return Qwen3VLForConditionalGeneration(config).double()
+
+
+def build_qwen3_5_vl(seed: int = 0, moe: bool = False) -> torch.nn.Module:
+    """Qwen3.5 (``moe``: Qwen3.5-MoE): Qwen3-VL's tower without deepstack, a hybrid text model (a gated delta net
+    layer, then a softmax attention layer: H_v = 8, H_k = 4), interleaved mrope on half of head_dim 16 (4
+    frequencies: T, H, W, T), weights moved off their init values (norms of ones, dt_bias ones)."""
+    import transformers
+
+    rope = {
+        "rope_type": "default",
+        "mrope_section": [2, 1, 1],
+        "rope_theta": 10000.0,
+        "mrope_interleaved": True,
+        "partial_rotary_factor": 0.5,
+    }
+    text = {
+        **TEXT,
+        "head_dim": 16,
+        "rope_parameters": rope,
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "use_cache": False,
+    }
+    if moe:  # transformers' grouped_mm experts take no float64: its per-expert loop
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    extra = {"experts_implementation": "eager"} if moe else {}
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        patch_size=2,
+        temporal_patch_size=1,
+        spatial_merge_size=2,
+        out_hidden_size=64,
+        num_position_embeddings=16,
+    )
+    name = "Qwen3_5Moe" if moe else "Qwen3_5"
+    config = getattr(transformers, f"{name}Config")(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=VISION_START,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{name}ForConditionalGeneration")(config).double()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(("dt_bias", "A_log", "norm.weight")):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
 
 
 def build_llava(seed: int = 0) -> torch.nn.Module:
@@ -172,6 +229,21 @@ def qwen_video_sample(seed: int) -> dict[str, torch.Tensor]:
     return sample
 
 
+def qwen3_5_sample(seed: int) -> dict[str, torch.Tensor]:
+    """``qwen_sample`` with a video of 2 frames (4 tokens each) in row 1, as Qwen3.5's processor lays a video out:
+    one placeholder run per frame, a timestamp token between them (frame 1 crosses the C = 4 boundary 6, frame 2
+    ends at the C = 2 and C = 4 boundary 12)."""
+    sample = qwen_sample(seed)
+    for frame in (slice(3, 7), slice(8, 12)):
+        sample["input_ids"][1, frame] = VIDEO
+        sample["labels"][1, frame] = -100
+        sample["mm_token_type_ids"][1, frame] = 2
+    sample["video_grid_thw"] = torch.tensor([[2, 4, 4]])
+    gen = torch.Generator().manual_seed(seed + 2)
+    sample["pixel_values_videos"] = torch.randn(32, 3 * 2 * 2, generator=gen, dtype=torch.float64)
+    return sample
+
+
 def llava_sample(seed: int) -> dict[str, torch.Tensor]:
     """One row of 48 tokens, two images of 16 tokens: the second crosses the C = 2 boundary (24), both cross
     a C = 4 one (12, 24)."""
@@ -197,7 +269,12 @@ MODELS = {
     "qwen3_vl": (build_qwen3_vl, qwen_sample),
     "llava": (build_llava, llava_sample),
     "mistral3": (build_mistral3, mistral3_sample),
+    "qwen3_5": (build_qwen3_5_vl, qwen3_5_sample),
+    "qwen3_5_moe": (functools.partial(build_qwen3_5_vl, moe=True), qwen3_5_sample),
 }
+#: the Qwen models of MODELS also run packed (``packed_case``) and with gradient checkpointing (C = 2)
+PACKED = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+CHECKPOINTED = ("qwen2_5_vl", "qwen3_5")
 
 
 def parity_case(name: str, group: dist.ProcessGroup, seed: int = 0, checkpointing: bool = False) -> dict[str, float]:
@@ -235,13 +312,14 @@ def parity_case(name: str, group: dist.ProcessGroup, seed: int = 0, checkpointin
 
 
 def packed_case(name: str, group: dist.ProcessGroup, seed: int = 0) -> dict[str, float]:
-    """The two rows of the Qwen sample packed into one row of 48 tokens, with the positions transformers takes
-    for packed rows ([4, B, S]: the text positions restarting at the second sample, then each sample's mrope
-    positions from the model's own ``get_rope_index``) == each sample run alone by the unpatched model."""
-    build, _ = MODELS[name]
+    """The two rows of the model's Qwen sample packed into one row of 48 tokens, with the positions transformers
+    takes for packed rows ([4, B, S]: the text positions restarting at the second sample, then each sample's mrope
+    positions from the model's own ``get_rope_index``) == each sample run alone by the unpatched model.  A video
+    of the sample (row 1) goes with the second sample."""
+    build, make = MODELS[name]
     model = build(seed)
     ref_model = copy.deepcopy(model)
-    rows = qwen_sample(seed)
+    rows = make(seed)
     grids = rows["image_grid_thw"]
     patches = grids.prod(-1).tolist()
     docs = []
@@ -251,6 +329,8 @@ def packed_case(name: str, group: dist.ProcessGroup, seed: int = 0) -> dict[str,
         doc["image_grid_thw"] = grids[images]
         doc["pixel_values"] = rows["pixel_values"][first : first + sum(patches[images])]
         docs.append(doc)
+    videos = {k: rows[k] for k in ("video_grid_thw", "pixel_values_videos") if k in rows}
+    docs[1].update(videos)
     ref_model.zero_grad(set_to_none=True)
     outs = [ref_model(**doc) for doc in docs]
     counts = [int((hf_patches.shift_labels(doc["labels"]) != -100).sum()) for doc in docs]
@@ -262,13 +342,17 @@ def packed_case(name: str, group: dist.ProcessGroup, seed: int = 0) -> dict[str,
     positions = []
     for doc in docs:
         mrope, _ = ref_model.model.get_rope_index(
-            doc["input_ids"], doc["mm_token_type_ids"], image_grid_thw=doc["image_grid_thw"]
+            doc["input_ids"],
+            doc["mm_token_type_ids"],
+            image_grid_thw=doc["image_grid_thw"],
+            video_grid_thw=doc.get("video_grid_thw"),
         )
         text = torch.arange(doc["input_ids"].shape[1]).view(1, 1, -1)
         positions.append(torch.cat([text, mrope]))
     packed = {k: torch.cat([doc[k] for doc in docs], dim=1) for k in ("input_ids", "labels", "mm_token_type_ids")}
     packed["labels"][0, docs[0]["input_ids"].shape[1]] = -100  # no loss across the samples' boundary
     packed.update(pixel_values=rows["pixel_values"], image_grid_thw=grids, position_ids=torch.cat(positions, dim=2))
+    packed.update(videos)
     hf_patches.apply_upipe(model, group)
     out = model(**packed)
     out.loss.backward()
@@ -335,8 +419,9 @@ def vlm_suite(rank: int, world: int) -> dict[str, Any]:
         for name in MODELS:
             results[f"{name} C=4"] = parity_case(name, dist.group.WORLD)
             results[f"{name} C=2"] = parity_case(name, pair)
-        results["qwen2_5_vl C=2 checkpointing"] = parity_case("qwen2_5_vl", pair, checkpointing=True)
-        for name in ("qwen2_5_vl", "qwen3_vl"):
+        for name in CHECKPOINTED:
+            results[f"{name} C=2 checkpointing"] = parity_case(name, pair, checkpointing=True)
+        for name in PACKED:
             results[f"{name} C=4 packed"] = packed_case(name, dist.group.WORLD)
         results["llava C=2 deepcopy"] = deepcopy_case(pair)
     return {"parity": results, "refusals": refusals(pair)}
