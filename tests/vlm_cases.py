@@ -540,10 +540,42 @@ def _saved_bytes(model: torch.nn.Module, encode: Any) -> int:
     return sum(seen.values())
 
 
+#: seconds a collective of the mismatched-sample case's groups waits before gloo fails it: without the same-sample
+#: check, the ranks given different samples wait in the tower's collectives until then
+MISMATCH_TIMEOUT_S = 30.0
+
+
+def mismatched_sample_case(rank: int) -> dict[str, Any]:
+    """Each pair's rank 1 given another sample than its rank 0 (a video and other ids, as a loader that shards by
+    rank would): every rank raises the same-sample check's ValueError, within the groups' timeout; then the same
+    sample runs (no rank was left in a collective)."""
+    import datetime
+    import time
+
+    timeout = datetime.timedelta(seconds=MISMATCH_TIMEOUT_S)
+    pairs = [dist.new_group([0, 1], timeout=timeout), dist.new_group([2, 3], timeout=timeout)]
+    model = hf_patches.apply_upipe(build_qwen2_5_vl(), pairs[rank // 2])
+    sample = qwen_video_sample(0) if rank % 2 == 0 else qwen_sample(1)
+    start = time.monotonic()
+    try:
+        model(**sample)
+        message = "no error"
+    except (ValueError, RuntimeError) as err:  # RuntimeError: gloo's timeout, where the check is missing
+        message = f"{type(err).__name__}: {err}"
+    seconds = time.monotonic() - start
+    try:
+        with torch.no_grad():
+            after = model(**qwen_video_sample(0)).loss.item()
+    except RuntimeError:  # the groups timed out before (no check): this rank's result still reaches the test
+        after = None
+    return {"message": message, "seconds": seconds, "same_sample_loss": after}
+
+
 def spawn_body(rank: int, world: int) -> dict[str, Any]:
     """The part of the shared spawn of 4 DeepSpeed ranks (tests/four_ranks.py): parity, refusals, ZeRO-3 and the
     tower's memory."""
     result = vlm_suite(rank, world)
     result["memory"] = {"C=4": tower_memory(dist.group.WORLD)}
     result["zero3"] = zero3_case(rank, world)
+    result["mismatch"] = mismatched_sample_case(rank)  # last: without the check it leaves its groups timed out
     return result
