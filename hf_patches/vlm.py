@@ -2,8 +2,10 @@
 the merged sequence sharded, positions of the whole sequence.
 
 Every rank of the sequence-parallel group passes the FULL sample (``input_ids``, ``pixel_values``, the image
-grids or sizes, ``labels``, ...); the model's own forward then runs as without sequence parallelism, with
-three instance-level changes (transformers has no hook between its merge and its text model):
+grids or sizes, ``labels``, ...), checked first (``check_same_sample``: one all_gather of a digest, the same
+ValueError on every rank where a rank's sample differs, instead of ranks waiting in collectives sized by their
+own images); the model's own forward then runs as without sequence parallelism, with three instance-level
+changes (transformers has no hook between its merge and its text model):
 
 - ``get_image_features`` / ``get_video_features`` of the inner model: each rank encodes only its share of
   the images (videos): contiguous blocks of whole images in sample order, rank r gets images
@@ -59,7 +61,7 @@ _GRIDS = ("image_grid_thw", "video_grid_thw")
 _PER_IMAGE = (*_GRIDS, "image_sizes")
 
 #: the forward's whole-sample arguments, the same on every rank of the group (``check_same_sample``): the tower's
-#: collectives are sized by the images, the text model's by the length.  Not ``shift_labels`` (each rank's shard)
+#: collectives are sized by the images, the text model's by the length
 SAMPLE_ARGUMENTS = (
     "input_ids",
     "inputs_embeds",
@@ -72,7 +74,11 @@ SAMPLE_ARGUMENTS = (
     "image_sizes",
     "pixel_values_videos",
     "video_grid_thw",
+    "shift_labels",
 )
+#: of them, each rank's own shard (compared by shape only): ``shift_labels``, and ``labels`` beside them (the
+#: Trainer / TRL routes pass the shard as both: ``trainer_sp.sequence_parallel_loss``)
+_SHARDS = ("shift_labels", "labels")
 #: dims of an argument's shape exchanged (the contents' digest covers the rest)
 _SHAPE_DIMS = 4
 
@@ -292,6 +298,7 @@ def check_same_sample(name: str, call: dict[str, Any], state: UPipeState) -> Non
     the sample, and one host read of it."""
     if state.group_size == 1:
         return
+    shards = _SHARDS if torch.is_tensor(call.get("shift_labels")) else ()
     tokens = call.get("input_ids") if torch.is_tensor(call.get("input_ids")) else call.get("inputs_embeds")
     device = tokens.device if torch.is_tensor(tokens) else torch.device("cpu")
     shapes: list[int] = []
@@ -301,7 +308,8 @@ def check_same_sample(name: str, call: dict[str, Any], state: UPipeState) -> Non
         present = torch.is_tensor(t)
         dims = list(t.shape[:_SHAPE_DIMS]) if present else []
         shapes += [t.dim() if present else -1, *dims, *[-1] * (_SHAPE_DIMS - len(dims))]
-        digests.append(_digest(t).to(device) if present else torch.zeros((), dtype=torch.long, device=device))
+        whole = present and key not in shards
+        digests.append(_digest(t).to(device) if whole else torch.zeros((), dtype=torch.long, device=device))
     mine = torch.cat([torch.tensor(shapes, dtype=torch.long, device=device), torch.stack(digests)])
     rows = [row.tolist() for row in gather_over_sequence_group(mine, state)]
     per_rank = []
