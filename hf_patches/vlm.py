@@ -2,8 +2,10 @@
 the merged sequence sharded, positions of the whole sequence.
 
 Every rank of the sequence-parallel group passes the FULL sample (``input_ids``, ``pixel_values``, the image
-grids or sizes, ``labels``, ...); the model's own forward then runs as without sequence parallelism, with
-three instance-level changes (transformers has no hook between its merge and its text model):
+grids or sizes, ``labels``, ...), checked first (``check_same_sample``: one all_gather of a digest, the same
+ValueError on every rank where a rank's sample differs, instead of ranks waiting in collectives sized by their
+own images); the model's own forward then runs as without sequence parallelism, with three instance-level
+changes (transformers has no hook between its merge and its text model):
 
 - ``get_image_features`` / ``get_video_features`` of the inner model: each rank encodes only its share of
   the images (videos): contiguous blocks of whole images in sample order, rank r gets images
@@ -50,9 +52,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ds_upipe.spans import BidirectionalSpans
+from ds_upipe.validation import mismatched_settings
 
 from .data import IGNORE_INDEX, shift_labels
-from .inputs import _as_kwargs
+from .inputs import _as_kwargs, gather_over_sequence_group
 from .loss import sequence_parallel_loss
 from .state import SPANS_KWARG, UPipeState
 
@@ -74,6 +77,29 @@ ENCODERS = ("get_image_features", "get_video_features")
 #: product of the row) and sizes
 _GRIDS = ("image_grid_thw", "video_grid_thw")
 _PER_IMAGE = (*_GRIDS, "image_sizes")
+
+#: the forward's whole-sample arguments, the same on every rank of the group (``check_same_sample``): the tower's
+#: collectives are sized by the images, the text model's by the length
+SAMPLE_ARGUMENTS = (
+    "input_ids",
+    "inputs_embeds",
+    "attention_mask",
+    "position_ids",
+    "labels",
+    "mm_token_type_ids",
+    "token_type_ids",  # Gemma 3's image spans (``IMAGE_SPANS``)
+    "pixel_values",
+    "image_grid_thw",
+    "image_sizes",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "shift_labels",
+)
+#: of them, each rank's own shard (compared by shape only): ``shift_labels``, and ``labels`` beside them (the
+#: Trainer / TRL routes pass the shard as both: ``trainer_sp.sequence_parallel_loss``)
+_SHARDS = ("shift_labels", "labels")
+#: dims of an argument's shape exchanged (the contents' digest covers the rest)
+_SHAPE_DIMS = 4
 
 
 @dataclass(frozen=True)
@@ -291,6 +317,73 @@ def _shard_merged(text: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     return (), call
 
 
+def _digest(t: Tensor) -> Tensor:
+    """A 0-d int64 digest of ``t``'s contents, exact and independent of its layout: the bits of each element
+    (floats viewed as integers of their width) summed per row of the last dim (integers: per element), each row
+    weighted by its index, so that a reordering changes it.  One pass over ``t``."""
+    bits = t.detach().contiguous()
+    if bits.dtype == torch.bool:
+        bits = bits.to(torch.uint8)
+    elif bits.is_floating_point():
+        bits = bits.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[bits.element_size()])
+    if bits.numel() == 0:
+        return torch.zeros((), dtype=torch.long, device=t.device)
+    rows = bits.reshape(-1)
+    if t.is_floating_point() and t.dim() > 0:  # large (pixels, embeddings): no int64 copy of every element
+        rows = bits.reshape(-1, bits.shape[-1]).sum(-1, dtype=torch.long)
+    weights = torch.arange(1, rows.numel() + 1, dtype=torch.long, device=t.device)
+    return (rows.long() * weights).sum()  # int64 wraps around: the same on every rank
+
+
+def check_same_sample(name: str, call: dict[str, Any], state: UPipeState) -> None:
+    """Raise the same ValueError on every rank of the group unless every rank passes the same sample (shape and
+    digest of each of ``SAMPLE_ARGUMENTS``): ranks given different samples (a loader that shards by rank) would
+    wait in the tower's collectives, sized by their own image counts, forever.  One all_gather of
+    ``len(SAMPLE_ARGUMENTS) * (_SHAPE_DIMS + 2)`` int64 per forward, before any collective whose shape depends on
+    the sample, and one host read of it."""
+    if state.group_size == 1:
+        return
+    shards = _SHARDS if torch.is_tensor(call.get("shift_labels")) else ()
+    tokens = call.get("input_ids") if torch.is_tensor(call.get("input_ids")) else call.get("inputs_embeds")
+    device = tokens.device if torch.is_tensor(tokens) else torch.device("cpu")
+    shapes: list[int] = []
+    digests = []
+    for key in SAMPLE_ARGUMENTS:
+        t = call.get(key)
+        present = torch.is_tensor(t)
+        dims = list(t.shape[:_SHAPE_DIMS]) if present else []
+        shapes += [t.dim() if present else -1, *dims, *[-1] * (_SHAPE_DIMS - len(dims))]
+        whole = present and key not in shards
+        digests.append(_digest(t).to(device) if whole else torch.zeros((), dtype=torch.long, device=device))
+    mine = torch.cat([torch.tensor(shapes, dtype=torch.long, device=device), torch.stack(digests)])
+    rows = [row.tolist() for row in gather_over_sequence_group(mine, state)]
+    per_rank = []
+    width, count = _SHAPE_DIMS + 1, len(SAMPLE_ARGUMENTS)
+    for row in rows:
+        record: dict[str, Any] = {}
+        for i, key in enumerate(SAMPLE_ARGUMENTS):
+            ndim, *dims = row[i * width : (i + 1) * width]
+            record[f"{key} shape"] = None if ndim < 0 else tuple(dims[: min(ndim, _SHAPE_DIMS)])
+            record[f"{key} contents"] = row[count * width + i]
+        per_rank.append(record)
+    differ = mismatched_settings(per_rank)
+    if not differ:
+        return
+    first = next(r for r, record in enumerate(per_rank) if record != per_rank[0])
+    shown = []
+    for key, values in differ.items():
+        if key.endswith(" shape"):
+            shown.append(f"{key} per rank {['absent' if v is None else v for v in values]}")
+        elif f"{key.removesuffix(' contents')} shape" not in differ:
+            shown.append(f"{key} differ on ranks {[r for r, v in enumerate(values) if v != values[0]]}")
+    raise ValueError(
+        f"{name} under UPipe: rank {first}'s sample differs from rank 0's (ranks of the sequence-parallel group): "
+        f"{'; '.join(shown)}. Every rank of the sequence-parallel group must pass the whole sample, the same "
+        "input_ids, images and labels (a loader that shards by rank gives each rank another one; the Trainer / TRL "
+        "routes exchange the whole sample: docs/vlm.md)"
+    )
+
+
 def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The causal LM's forward on the whole sample: logits of this rank's shard; the loss over the group of the
     whole sample's ``labels``, or, given this rank's shard of the shifted labels (``shift_labels``, as a
@@ -301,6 +394,7 @@ def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     inner = self.__dict__.get("_upipe_inner_forward")
     forward = inner if inner is not None else types.MethodType(type(self).forward, self)
     state: UPipeState = self._upipe_state
+    check_same_sample(type(self).__name__, call, state)  # before the tower's collectives, sized by the images
     shifted = call.get("shift_labels")
     if shifted is not None:
         tokens = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")

@@ -6,6 +6,7 @@ that are uneven or empty.  One spawn of 4 ranks runs C = 4 and C = 2 (two pairs)
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
@@ -85,6 +86,62 @@ def build_qwen3_vl(seed: int = 0) -> torch.nn.Module:
     )
     torch.manual_seed(seed)
     return Qwen3VLForConditionalGeneration(config).double()
+
+
+def build_qwen3_5_vl(seed: int = 0, moe: bool = False) -> torch.nn.Module:
+    """Qwen3.5 (``moe``: Qwen3.5-MoE): Qwen3-VL's tower without deepstack, a hybrid text model (a gated delta net
+    layer, then a softmax attention layer: H_v = 8, H_k = 4), interleaved mrope on half of head_dim 16 (4
+    frequencies: T, H, W, T), weights moved off their init values (norms of ones, dt_bias ones)."""
+    import transformers
+
+    rope = {
+        "rope_type": "default",
+        "mrope_section": [2, 1, 1],
+        "rope_theta": 10000.0,
+        "mrope_interleaved": True,
+        "partial_rotary_factor": 0.5,
+    }
+    text = {
+        **TEXT,
+        "head_dim": 16,
+        "rope_parameters": rope,
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "use_cache": False,
+    }
+    if moe:  # transformers' grouped_mm experts take no float64: its per-expert loop
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    extra = {"experts_implementation": "eager"} if moe else {}
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        patch_size=2,
+        temporal_patch_size=1,
+        spatial_merge_size=2,
+        out_hidden_size=64,
+        num_position_embeddings=16,
+    )
+    name = "Qwen3_5Moe" if moe else "Qwen3_5"
+    config = getattr(transformers, f"{name}Config")(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=VISION_START,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{name}ForConditionalGeneration")(config).double()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(("dt_bias", "A_log", "norm.weight")):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
 
 
 def build_llava(seed: int = 0) -> torch.nn.Module:
@@ -188,6 +245,21 @@ def qwen_video_sample(seed: int) -> dict[str, torch.Tensor]:
     return sample
 
 
+def qwen3_5_sample(seed: int) -> dict[str, torch.Tensor]:
+    """``qwen_sample`` with a video of 2 frames (4 tokens each) in row 1, as Qwen3.5's processor lays a video out:
+    one placeholder run per frame, a timestamp token between them (frame 1 crosses the C = 4 boundary 6, frame 2
+    ends at the C = 2 and C = 4 boundary 12)."""
+    sample = qwen_sample(seed)
+    for frame in (slice(3, 7), slice(8, 12)):
+        sample["input_ids"][1, frame] = VIDEO
+        sample["labels"][1, frame] = -100
+        sample["mm_token_type_ids"][1, frame] = 2
+    sample["video_grid_thw"] = torch.tensor([[2, 4, 4]])
+    gen = torch.Generator().manual_seed(seed + 2)
+    sample["pixel_values_videos"] = torch.randn(32, 3 * 2 * 2, generator=gen, dtype=torch.float64)
+    return sample
+
+
 def llava_sample(seed: int) -> dict[str, torch.Tensor]:
     """One row of 48 tokens, two images of 16 tokens: the second crosses the C = 2 boundary (24), both cross
     a C = 4 one (12, 24)."""
@@ -229,8 +301,13 @@ MODELS = {
     "qwen3_vl": (build_qwen3_vl, qwen_sample),
     "llava": (build_llava, llava_sample),
     "mistral3": (build_mistral3, mistral3_sample),
+    "qwen3_5": (build_qwen3_5_vl, qwen3_5_sample),
+    "qwen3_5_moe": (functools.partial(build_qwen3_5_vl, moe=True), qwen3_5_sample),
     "gemma3": (build_gemma3, gemma3_sample),
 }
+#: the Qwen models of MODELS also run packed (``packed_case``), they and Gemma 3 with gradient checkpointing (C = 2)
+PACKED = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+CHECKPOINTED = ("qwen2_5_vl", "qwen3_5", "gemma3")
 
 
 def parity_case(
@@ -274,13 +351,14 @@ def parity_case(
 
 
 def packed_case(name: str, group: dist.ProcessGroup, seed: int = 0) -> dict[str, float]:
-    """The two rows of the Qwen sample packed into one row of 48 tokens, with the positions transformers takes
-    for packed rows ([4, B, S]: the text positions restarting at the second sample, then each sample's mrope
-    positions from the model's own ``get_rope_index``) == each sample run alone by the unpatched model."""
-    build, _ = MODELS[name]
+    """The two rows of the model's Qwen sample packed into one row of 48 tokens, with the positions transformers
+    takes for packed rows ([4, B, S]: the text positions restarting at the second sample, then each sample's mrope
+    positions from the model's own ``get_rope_index``) == each sample run alone by the unpatched model.  A video
+    of the sample (row 1) goes with the second sample."""
+    build, make = MODELS[name]
     model = build(seed)
     ref_model = copy.deepcopy(model)
-    rows = qwen_sample(seed)
+    rows = make(seed)
     grids = rows["image_grid_thw"]
     patches = grids.prod(-1).tolist()
     docs = []
@@ -290,6 +368,8 @@ def packed_case(name: str, group: dist.ProcessGroup, seed: int = 0) -> dict[str,
         doc["image_grid_thw"] = grids[images]
         doc["pixel_values"] = rows["pixel_values"][first : first + sum(patches[images])]
         docs.append(doc)
+    videos = {k: rows[k] for k in ("video_grid_thw", "pixel_values_videos") if k in rows}
+    docs[1].update(videos)
     ref_model.zero_grad(set_to_none=True)
     outs = [ref_model(**doc) for doc in docs]
     counts = [int((hf_patches.shift_labels(doc["labels"]) != -100).sum()) for doc in docs]
@@ -301,13 +381,17 @@ def packed_case(name: str, group: dist.ProcessGroup, seed: int = 0) -> dict[str,
     positions = []
     for doc in docs:
         mrope, _ = ref_model.model.get_rope_index(
-            doc["input_ids"], doc["mm_token_type_ids"], image_grid_thw=doc["image_grid_thw"]
+            doc["input_ids"],
+            doc["mm_token_type_ids"],
+            image_grid_thw=doc["image_grid_thw"],
+            video_grid_thw=doc.get("video_grid_thw"),
         )
         text = torch.arange(doc["input_ids"].shape[1]).view(1, 1, -1)
         positions.append(torch.cat([text, mrope]))
     packed = {k: torch.cat([doc[k] for doc in docs], dim=1) for k in ("input_ids", "labels", "mm_token_type_ids")}
     packed["labels"][0, docs[0]["input_ids"].shape[1]] = -100  # no loss across the samples' boundary
     packed.update(pixel_values=rows["pixel_values"], image_grid_thw=grids, position_ids=torch.cat(positions, dim=2))
+    packed.update(videos)
     hf_patches.apply_upipe(model, group)
     out = model(**packed)
     out.loss.backward()
@@ -392,10 +476,10 @@ def vlm_suite(rank: int, world: int) -> dict[str, Any]:
         for name in MODELS:
             results[f"{name} C=4"] = parity_case(name, dist.group.WORLD)
             results[f"{name} C=2"] = parity_case(name, pair)
-        results["qwen2_5_vl C=2 checkpointing"] = parity_case("qwen2_5_vl", pair, checkpointing=True)
-        results["gemma3 C=2 checkpointing"] = parity_case("gemma3", pair, checkpointing=True)
+        for name in CHECKPOINTED:
+            results[f"{name} C=2 checkpointing"] = parity_case(name, pair, checkpointing=True)
         results["gemma3 C=4 unfused"] = parity_case("gemma3", dist.group.WORLD, fused_projections=False)
-        for name in ("qwen2_5_vl", "qwen3_vl"):
+        for name in PACKED:
             results[f"{name} C=4 packed"] = packed_case(name, dist.group.WORLD)
         results["llava C=2 deepcopy"] = deepcopy_case(pair)
     return {"parity": results, "refusals": refusals(pair)}
@@ -514,10 +598,42 @@ def _saved_bytes(model: torch.nn.Module, encode: Any) -> int:
     return sum(seen.values())
 
 
+#: seconds a collective of the mismatched-sample case's groups waits before gloo fails it: without the same-sample
+#: check, the ranks given different samples wait in the tower's collectives until then
+MISMATCH_TIMEOUT_S = 30.0
+
+
+def mismatched_sample_case(rank: int) -> dict[str, Any]:
+    """Each pair's rank 1 given another sample than its rank 0 (a video and other ids, as a loader that shards by
+    rank would): every rank raises the same-sample check's ValueError, within the groups' timeout; then the same
+    sample runs (no rank was left in a collective)."""
+    import datetime
+    import time
+
+    timeout = datetime.timedelta(seconds=MISMATCH_TIMEOUT_S)
+    pairs = [dist.new_group([0, 1], timeout=timeout), dist.new_group([2, 3], timeout=timeout)]
+    model = hf_patches.apply_upipe(build_qwen2_5_vl(), pairs[rank // 2])
+    sample = qwen_video_sample(0) if rank % 2 == 0 else qwen_sample(1)
+    start = time.monotonic()
+    try:
+        model(**sample)
+        message = "no error"
+    except (ValueError, RuntimeError) as err:  # RuntimeError: gloo's timeout, where the check is missing
+        message = f"{type(err).__name__}: {err}"
+    seconds = time.monotonic() - start
+    try:
+        with torch.no_grad():
+            after = model(**qwen_video_sample(0)).loss.item()
+    except RuntimeError:  # the groups timed out before (no check): this rank's result still reaches the test
+        after = None
+    return {"message": message, "seconds": seconds, "same_sample_loss": after}
+
+
 def spawn_body(rank: int, world: int) -> dict[str, Any]:
     """The part of the shared spawn of 4 DeepSpeed ranks (tests/four_ranks.py): parity, refusals, ZeRO-3 and the
     tower's memory."""
     result = vlm_suite(rank, world)
     result["memory"] = {"C=4": tower_memory(dist.group.WORLD)}
     result["zero3"] = zero3_case(rank, world)
+    result["mismatch"] = mismatched_sample_case(rank)  # last: without the check it leaves its groups timed out
     return result
