@@ -223,7 +223,7 @@ class UPipeRuntime:
         attention over the ring group (``overlap_comm`` / ``ring_overlap`` as set now; not with packed
         rows: refused by the input checks), given the call's ``sinks`` (``ds_upipe.sinks``, on the
         ring's merged lse) and run per document of ``documents`` (this forward's packed boundaries,
-        ``DocumentKernel``); ``spans``: this forward's bidirectional spans (Gemma 3's images, ``SpanKernel``
+        ``DocumentKernel``); ``spans``: this forward's bidirectional spans (Gemma 3's and 4's images, ``SpanKernel``
         around the windowed kernel; not with documents, sinks or a ring).  ``scale``: the call's softmax scale
         (None: the kernel's; ``kernels.with_softmax_scale``: a model's own scale, Gemma's query_pre_attn_scalar,
         Granite's attention_multiplier, reaches the kernel's ops exactly)."""
@@ -231,6 +231,7 @@ class UPipeRuntime:
             return CallableKernel(self.kernel, batch_dim_idx, args, kwargs)
         causal = with_softmax_scale(self.kernel, scale)
         kernel = windowed(causal, window)
+        spans = None if spans is None else spans.for_window(window)  # Gemma 4's: sliding layers only
         if spans is not None:
             _check_spans_alone(documents, sinks, self.ring_size)
             return SpanKernel(kernel, causal, spans)

@@ -1,4 +1,5 @@
-"""Bidirectional spans (Gemma 3's image tokens): causal attention plus, inside each span, every token of the span.
+"""Bidirectional spans (Gemma 3's and Gemma 4's image tokens): causal attention plus, inside each span, every token
+of the span.
 
 transformers' Gemma 3 VLM masks (``masking_utils.blockwise_overlay`` on ``causal_mask_function``, and for the
 sliding layers ``AND(sliding_window_overlay, OR(causal, blockwise))``) let query i of a span [s, e) see key j iff
@@ -15,11 +16,14 @@ merged through the lse with, per span, the strictly-future keys of each row: row
 After a UPipe stage's all-to-all a rank holds the whole sequence for its heads, so the spans of the global
 sequence (``BidirectionalSpans``, one tuple per batch row) apply to every stage unchanged, as packed documents'
 boundaries do (``packing``).
+
+Gemma 4 (``create_masks_for_vision_model``) overlays its full-attention layers with nothing (causal only) and its
+sliding layers as above: spans made ``sliding_only`` apply to windowed calls alone (``for_window``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -32,9 +36,11 @@ class BidirectionalSpans:
     """Per batch row, the [start, end) spans of the global sequence whose tokens see each other both ways."""
 
     rows: tuple[tuple[tuple[int, int], ...], ...]
+    #: the spans overlay sliding-window layers only, full-attention layers stay causal (Gemma 4's mask)
+    sliding_only: bool = False
 
     @staticmethod
-    def of_block_ids(block_ids: Tensor) -> BidirectionalSpans | None:
+    def of_block_ids(block_ids: Tensor, sliding_only: bool = False) -> BidirectionalSpans | None:
         """From [b, S] block ids (transformers' ``block_sequence_ids``: -1 outside, one id per span): each run of
         one id >= 0 is a span; None when no span holds two tokens (plain causal attention)."""
         ids = block_ids.long()
@@ -44,7 +50,12 @@ class BidirectionalSpans:
         for row_ids, row_starts in zip(ids, starts):
             bounds = (*row_starts.nonzero().flatten().tolist(), ids.shape[1])
             rows.append(tuple((s, e) for s, e in zip(bounds, bounds[1:]) if e - s > 1 and int(row_ids[s]) >= 0))
-        return BidirectionalSpans(tuple(rows)) if any(rows) else None
+        return BidirectionalSpans(tuple(rows), sliding_only) if any(rows) else None
+
+    def for_window(self, window: int | None) -> BidirectionalSpans | None:
+        """The spans a layer of sliding ``window`` (None: full attention) attends with: None on a full layer of
+        ``sliding_only`` spans."""
+        return None if self.sliding_only and window is None else self
 
     def for_batch(self, batch: int) -> tuple[tuple[tuple[int, int], ...], ...]:
         """One row of spans per batch row (a single row is shared by all)."""

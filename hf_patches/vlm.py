@@ -60,14 +60,39 @@ from .loss import sequence_parallel_loss
 from .state import SPANS_KWARG, UPipeState
 
 #: model types whose attention mask is not causal over the image span in a way UPipe does not run (image tokens
-#: attend to each other both ways: Gemma 4's ``mm_token_type_ids`` overlay over images, videos and audio, not
-#: tested; PaliGemma's bidirectional prefix, text included): refused rather than run with another mask than the
-#: unsharded model's
-NON_CAUSAL_IMAGE_MASKS = ("gemma4", "gemma4_unified", "paligemma")
-#: model types whose images attend to themselves both ways, run exactly with bidirectional spans
-#: (``ds_upipe.spans``): the inner model's argument that marks image tokens, and the function of the model's
-#: module that turns it into transformers' ``block_sequence_ids`` (the ids its mask overlays)
-IMAGE_SPANS = {"gemma3": ("token_type_ids", "get_block_sequence_ids_for_mask")}
+#: attend to each other both ways: PaliGemma's bidirectional prefix, text included; Gemma 4 Unified's, not read
+#: here): refused rather than run with another mask than the unsharded model's
+NON_CAUSAL_IMAGE_MASKS = ("gemma4_unified", "paligemma")
+
+
+@dataclass(frozen=True)
+class ImageSpanRule:
+    """How a model's mask lets its images attend to themselves both ways, run exactly with bidirectional spans
+    (``ds_upipe.spans``)."""
+
+    #: the inner model's argument that marks image tokens
+    marks: str
+    #: the function of the model's module that turns them into transformers' ``block_sequence_ids``
+    block_ids: str
+    #: the overlay is on sliding-window layers only (Gemma 4's ``create_masks_for_vision_model``)
+    sliding_only: bool = False
+    #: (text config attribute, value): the model overlays only where its text config has it (Gemma 4:
+    #: ``use_bidirectional_attention == "vision"``; otherwise its mask is causal)
+    switch: tuple[str, str] | None = None
+
+    def on(self, config: Any) -> bool:
+        return self.switch is None or getattr(config.get_text_config(), self.switch[0], None) == self.switch[1]
+
+
+#: model types whose images attend to themselves both ways
+IMAGE_SPANS = {
+    "gemma3": ImageSpanRule("token_type_ids", "get_block_sequence_ids_for_mask"),
+    "gemma4": ImageSpanRule(
+        "mm_token_type_ids", "get_block_sequence_ids_for_mask", True, ("use_bidirectional_attention", "vision")
+    ),
+}
+#: audio inputs of the forward (Gemma 4's ``input_features``): refused by name, the audio tower is not shared out
+AUDIO_INPUTS = ("input_features", "input_features_mask")
 #: the inner model's 2-D ``attention_mask``, carried by the image-span hook to the shard hook (see the docstring)
 _PADDING_KWARG = "upipe_vlm_attention_mask"
 
@@ -76,7 +101,11 @@ ENCODERS = ("get_image_features", "get_video_features")
 #: per-image arguments of the encoders, split with the images: grids (one row per image, its patches the
 #: product of the row) and sizes
 _GRIDS = ("image_grid_thw", "video_grid_thw")
-_PER_IMAGE = (*_GRIDS, "image_sizes")
+#: per-video frame counts (Gemma 4: a video's pixel rows are its frames), shared out like a grid's rows
+_FRAMES = "num_frames_per_video"
+_PER_IMAGE = (*_GRIDS, "image_sizes", _FRAMES)
+#: arguments with one entry per pixel row, split with the pixels (Gemma 4's patch positions: per image, per frame)
+_PER_PIXEL_ROW = ("image_position_ids", "video_position_ids")
 
 #: the forward's whole-sample arguments, the same on every rank of the group (``check_same_sample``): the tower's
 #: collectives are sized by the images, the text model's by the length
@@ -93,6 +122,8 @@ SAMPLE_ARGUMENTS = (
     "image_sizes",
     "pixel_values_videos",
     "video_grid_thw",
+    _FRAMES,
+    "input_features",  # refused, after the check (``AUDIO_INPUTS``)
     "shift_labels",
 )
 #: of them, each rank's own shard (compared by shape only): ``shift_labels``, and ``labels`` beside them (the
@@ -121,7 +152,8 @@ def vision_language_parts(hf_model: nn.Module) -> VisionLanguageModel | None:
         raise ValueError(
             f"apply_upipe: {name} (model_type {model_type!r}) attends bidirectionally over image tokens (its mask "
             "lets an image's tokens see each other both ways) in a way UPipe does not run, so it would compute another "
-            "model. Vision-language models with a causal mask, and Gemma 3's image overlay, run (docs/vlm.md)"
+            "model. Vision-language models with a causal mask, and Gemma 3's and Gemma 4's image overlays, run "
+            "(docs/vlm.md)"
         )
     if not callable(getattr(inner, "get_image_features", None)) or not callable(getattr(hf_model, "lm_head", None)):
         raise ValueError(
@@ -149,9 +181,9 @@ def patch_vision_language(hf_model: nn.Module, parts: VisionLanguageModel, state
         function = getattr(type(parts.inner), encoder, None)  # the class's: a copy.deepcopy encodes with its own
         if callable(function):
             setattr(parts.inner, encoder, types.MethodType(_shared_encoder(function), parts.inner))
-    spans = IMAGE_SPANS.get(getattr(hf_model.config, "model_type", None))
-    if spans is not None:
-        hook = _image_spans_hook(*spans)
+    rule = IMAGE_SPANS.get(getattr(hf_model.config, "model_type", None))
+    if rule is not None:
+        hook = _image_spans_hook(rule, rule.on(hf_model.config))
         parts.inner._upipe_spans_hook = parts.inner.register_forward_pre_hook(hook, with_kwargs=True)
     # before UPipe's own input check (registered earlier on the same module): it reads the shards
     parts.text._upipe_shard_hook = parts.text.register_forward_pre_hook(_shard_merged, with_kwargs=True, prepend=True)
@@ -193,13 +225,13 @@ def _shared_encoder(function: Any) -> Any:
         call.pop(next(iter(signature.parameters)))  # self
         pixel_name = list(signature.parameters)[1]
         state: UPipeState = self.language_model._upipe_state
-        grid = next((call[k] for k in _GRIDS if call.get(k) is not None), None)
-        count = int(grid.shape[0]) if grid is not None else int(call[pixel_name].shape[0])
+        rows = _pixel_rows(call)
+        count = int(rows.shape[0]) if rows is not None else int(call[pixel_name].shape[0])
         rank = dist.get_rank(state.group)
         first, end = image_share(count, rank, state.group_size)
         empty = first == end
         encoded = range(first, end) if not empty else range(0, 1)  # an empty share runs the tower on image 0
-        out = function(self, **_slice_images(call, pixel_name, grid, encoded))
+        out = function(self, **_slice_images(call, pixel_name, rows, encoded))
         keep = 0 if empty else len(encoded)
         gathered = _gather_images(list(out.pooler_output), keep, first, count, state)
         # as the encoder returns them: a [images, tokens, hidden] tensor (Gemma 3) or one tensor per image
@@ -224,16 +256,23 @@ def _arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[
     return {**bound, **extra}
 
 
-def _slice_images(call: dict[str, Any], pixel_name: str, grid: Tensor | None, images: range) -> dict[str, Any]:
-    """The encoder's arguments for ``images`` only: pixel rows (a grid's patches per image, else one
-    entry of dim 0 per image) and every per-image argument."""
+def _pixel_rows(call: dict[str, Any]) -> Tensor | None:
+    """Per image (video), its rows of the pixels: a grid's patches, a video's frames (None: one row an image)."""
+    grid = next((call[k] for k in _GRIDS if call.get(k) is not None), None)
+    return grid.prod(-1) if grid is not None else call.get(_FRAMES)
+
+
+def _slice_images(call: dict[str, Any], pixel_name: str, rows: Tensor | None, images: range) -> dict[str, Any]:
+    """The encoder's arguments for ``images`` only: pixel rows (``_pixel_rows`` per image, else one entry of
+    dim 0 per image), the per-row arguments with them, and every per-image argument."""
     out = dict(call)
-    pixels = call[pixel_name]
-    if grid is not None:
-        bounds = torch.cat([grid.new_zeros(1), grid.prod(-1).cumsum(0)]).tolist()
-        out[pixel_name] = pixels[bounds[images.start] : bounds[images.stop]]
-    else:
-        out[pixel_name] = pixels[images.start : images.stop]
+    first, end = images.start, images.stop
+    if rows is not None:
+        bounds = torch.cat([rows.new_zeros(1), rows.cumsum(0)]).tolist()
+        first, end = bounds[first], bounds[end]
+    for key in (pixel_name, *_PER_PIXEL_ROW):
+        if call.get(key) is not None:
+            out[key] = call[key][first:end]
     for key in _PER_IMAGE:
         if call.get(key) is not None:
             out[key] = call[key][images.start : images.stop]
@@ -254,17 +293,19 @@ def _gather_images(encoded: list[Tensor], keep: int, first: int, count: int, sta
     return torch.split(full, sizes)
 
 
-def _image_spans_hook(marks: str, block_ids: str) -> Any:
+def _image_spans_hook(rule: ImageSpanRule, on: bool) -> Any:
     """The inner model's forward pre-hook of an ``IMAGE_SPANS`` model: the whole sample's image spans from its
-    ``marks`` argument by the model module's ``block_ids`` function, to the text model as ``SPANS_KWARG``
-    (none without marks: the model's mask is then causal), the 2-D mask beside them (``_PADDING_KWARG``)."""
+    ``rule.marks`` argument by the model module's ``rule.block_ids`` function, to the text model as
+    ``SPANS_KWARG`` (none without marks or with the overlay off, ``on``: the model's mask is then causal), the
+    2-D mask beside them (``_PADDING_KWARG``)."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         call = _as_kwargs(type(module).forward, (module, *args), kwargs)
         call.pop("self")
-        marked = call.get(marks)
-        ids = None if marked is None else getattr(sys.modules[type(module).__module__], block_ids)(marked)
-        call[SPANS_KWARG] = None if ids is None else BidirectionalSpans.of_block_ids(ids)
+        marked = call.get(rule.marks) if on else None
+        block_ids = getattr(sys.modules[type(module).__module__], rule.block_ids)
+        ids = None if marked is None else block_ids(marked, device=marked.device)
+        call[SPANS_KWARG] = None if ids is None else BidirectionalSpans.of_block_ids(ids, rule.sliding_only)
         call[_PADDING_KWARG] = call.get("attention_mask")
         return (), call
 
@@ -304,7 +345,7 @@ def _shard_merged(text: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     padding, masks = call.pop(_PADDING_KWARG, None), call.get("attention_mask")
     if isinstance(masks, dict) and all(m is None for m in masks.values()):  # an IMAGE_SPANS model's per-layer masks
         call["attention_mask"] = padding
-    for key in ("inputs_embeds", "input_ids", "attention_mask"):
+    for key in ("inputs_embeds", "input_ids", "attention_mask", "per_layer_inputs"):  # Gemma 4's [B, S, layers, D]
         if torch.is_tensor(call.get(key)):
             call[key] = call[key][:, local]
     visual = call.get("visual_pos_masks")
@@ -395,6 +436,12 @@ def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     forward = inner if inner is not None else types.MethodType(type(self).forward, self)
     state: UPipeState = self._upipe_state
     check_same_sample(type(self).__name__, call, state)  # before the tower's collectives, sized by the images
+    audio = [key for key in AUDIO_INPUTS if call.get(key) is not None]
+    if audio:
+        raise ValueError(
+            f"{type(self).__name__} under UPipe: audio inputs ({', '.join(audio)}) are not supported (the audio tower "
+            "is not shared out over the sequence-parallel group); pass images and videos only"
+        )
     shifted = call.get("shift_labels")
     if shifted is not None:
         tokens = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")

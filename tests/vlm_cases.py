@@ -210,6 +210,46 @@ def build_gemma3(seed: int = 0) -> torch.nn.Module:
     return Gemma3ForConditionalGeneration(config).double()
 
 
+def build_gemma4(seed: int = 0) -> torch.nn.Module:
+    """Gemma 4: a 1-layer tower on images (frames) of 8x8 patches, pooled 2x2 to 16 tokens (its pooler's one-hot
+    weights kept float64: ``float64_internals(integers=True)``); text layers sliding
+    (window 4, shorter than an image) / full, twice, the last two KV-shared (they reuse layers 0 and 1's keys and
+    values), per-layer inputs, the overlay of ``mm_token_type_ids`` on the sliding layers only
+    (``use_bidirectional_attention="vision"``); no audio tower."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = {
+        **TEXT,
+        "head_dim": 8,
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "sliding_window": 4,
+        "global_head_dim": 16,
+        "num_kv_shared_layers": 2,
+        "vocab_size_per_layer_input": 101,
+        "hidden_size_per_layer_input": 8,
+        "final_logit_softcapping": None,
+        "use_bidirectional_attention": "vision",
+    }
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=8,
+        patch_size=2,
+        pooling_kernel_size=2,
+        position_embedding_size=16,
+    )
+    tokens = dict(boi_token_id=123, eoi_token_id=124, boa_token_id=125, eoa_token_index=126, audio_token_id=127)
+    config = Gemma4Config(
+        text_config=text, vision_config=vision, audio_config=None, image_token_id=IMAGE, video_token_id=VIDEO, **tokens
+    )
+    torch.manual_seed(seed)
+    return Gemma4ForConditionalGeneration(config).double()
+
+
 def _tokens(batch: int, seq: int, images: list[tuple[int, int, int]], seed: int) -> dict[str, torch.Tensor]:
     """input_ids with image placeholders (row, first token, token count), labels ignoring them."""
     gen = torch.Generator().manual_seed(seed)
@@ -296,6 +336,29 @@ def gemma3_sample(seed: int) -> dict[str, torch.Tensor]:
     return sample
 
 
+def gemma4_sample(seed: int) -> dict[str, torch.Tensor]:
+    """``gemma3_sample``'s rows: row 0 two images of 16 tokens a text token apart, [2, 18) and [19, 35) (across the
+    C = 4 boundary 12 and the C = 2 one 24); row 1 a video of two 16-token frames back to back, [5, 37) (one span,
+    across 12, 24 and 36; ``num_frames_per_video``), then 4 tokens of right padding.  Pixels as Gemma 4's processor
+    gives them: ``[images (frames), 64 patches, 2 * 2 * 3]`` with each patch's (x, y) position."""
+    sample = _tokens(2, 48, [(0, 2, 16), (0, 19, 16), (1, 5, 32)], seed)
+    sample["input_ids"][1, 5:37] = VIDEO
+    sample["mm_token_type_ids"] = (sample["input_ids"] == IMAGE).long() + 2 * (sample["input_ids"] == VIDEO).long()
+    sample["labels"] = sample["labels"].masked_fill(sample["mm_token_type_ids"] > 0, -100)
+    sample["attention_mask"] = torch.ones_like(sample["input_ids"])
+    sample["attention_mask"][1, 44:] = 0
+    sample["input_ids"][1, 44:] = TEXT["pad_token_id"]
+    sample["labels"][1, 44:] = -100
+    gen = torch.Generator().manual_seed(seed + 1)
+    grid = torch.stack(torch.meshgrid(torch.arange(8), torch.arange(8), indexing="xy"), -1).reshape(64, 2)
+    sample["pixel_values"] = torch.rand(2, 64, 12, generator=gen, dtype=torch.float64)
+    sample["image_position_ids"] = grid.expand(2, 64, 2).clone()
+    sample["pixel_values_videos"] = torch.rand(2, 64, 12, generator=gen, dtype=torch.float64)
+    sample["video_position_ids"] = grid.expand(2, 64, 2).clone()
+    sample["num_frames_per_video"] = torch.tensor([2])
+    return sample
+
+
 MODELS = {
     "qwen2_5_vl": (build_qwen2_5_vl, qwen_video_sample),
     "qwen3_vl": (build_qwen3_vl, qwen_sample),
@@ -304,6 +367,7 @@ MODELS = {
     "qwen3_5": (build_qwen3_5_vl, qwen3_5_sample),
     "qwen3_5_moe": (functools.partial(build_qwen3_5_vl, moe=True), qwen3_5_sample),
     "gemma3": (build_gemma3, gemma3_sample),
+    "gemma4": (build_gemma4, gemma4_sample),
 }
 #: the Qwen models of MODELS also run packed (``packed_case``), they and Gemma 3 with gradient checkpointing (C = 2)
 PACKED = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")

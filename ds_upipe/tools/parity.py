@@ -90,9 +90,10 @@ def compare(ref, got, seq: int) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def float64_internals() -> Iterator[None]:
+def float64_internals(integers: bool = False) -> Iterator[None]:
     """``Tensor.float()`` and ``Tensor.to(torch.float32)`` keep float64 tensors float64 while the cases run
-    (reference and patched alike).  transformers' torch SSD scan casts x, B, C and dt to float32 (as the CUDA
+    (reference and patched alike); ``integers``: ``.float()`` of an integer or bool tensor gives float64 too
+    (Gemma 4's vision pooler multiplies one-hot ``.float()`` weights into its float64 features).  transformers' torch SSD scan casts x, B, C and dt to float32 (as the CUDA
     kernels compute) and Nemotron-H's RMSNorm and logits are float32; their float32 sums split over ranks (a group's
     B/C gradient summed over its heads, a norm weight's over the tokens) differ from the whole sum by ~1e-7, so
     float64 parity at 1e-10 needs them kept in float64.  DeepSeek's routers cast with ``Tensor.type(torch.float32)``
@@ -100,6 +101,8 @@ def float64_internals() -> Iterator[None]:
     original_float, original_to, original_type = torch.Tensor.float, torch.Tensor.to, torch.Tensor.type
 
     def keep_float(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if integers and not self.is_floating_point() and not self.is_complex():
+            return original_to(self, torch.float64)
         return self if self.dtype == torch.float64 else original_float(self, *args, **kwargs)
 
     def keep_to(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
