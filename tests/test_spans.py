@@ -1,4 +1,4 @@
-"""Bidirectional spans (ds_upipe/spans.py, Gemma 3's image overlay) in one process: the spans read from
+"""Bidirectional spans (ds_upipe/spans.py, Gemma 3's and Gemma 4's image overlays) in one process: the spans read from
 transformers' own block ids, ``SpanKernel`` on every CPU kernel (causal and windowed: the band mask and the
 fused-op tiles) against the explicit mask, and what spans do not run with, refused by name.  The model-level
 parity (Gemma 3's VLM at C = 2 and 4) is in tests/test_vlm.py."""
@@ -96,3 +96,18 @@ def test_spans_run_alone():
     with pytest.raises(ValueError, match="bidirectional spans .* with attention sinks: not supported"):
         runtime.attention(None, None, torch.zeros(4), spans=spans)
     assert isinstance(runtime.attention(DocumentBoundaries.of([0, 40]), 4, None, spans=spans), SpanKernel)
+
+
+def test_gemma4_spans_overlay_sliding_layers_only():
+    """Gemma 4's own ``get_block_sequence_ids_for_mask``: a run of image (1) or video (2) tokens is one block, audio
+    (3) none; its spans (``sliding_only``) give a sliding layer a ``SpanKernel`` and a full layer the plain causal
+    kernel (``create_masks_for_vision_model``: full layers causal only)."""
+    from transformers.models.gemma4.modeling_gemma4 import get_block_sequence_ids_for_mask
+
+    marks = torch.tensor([[0, 1, 1, 2, 2, 0, 3, 3, 0, 1, 1]])
+    spans = BidirectionalSpans.of_block_ids(get_block_sequence_ids_for_mask(marks, device=marks.device), True)
+    assert spans == BidirectionalSpans((((1, 5), (9, 11)),), sliding_only=True)
+    runtime = UPipeRuntime.build(UPipeOptions(), group=None, num_heads=4, num_kv_heads=2)
+    assert isinstance(runtime.attention(None, 4, None, spans=spans), SpanKernel)
+    assert not isinstance(runtime.attention(None, None, None, spans=spans), SpanKernel)
+    assert isinstance(runtime.attention(None, None, None, spans=BidirectionalSpans(spans.rows)), SpanKernel)

@@ -1,4 +1,5 @@
-"""Rank-side bodies of tests/test_vlm.py: tiny vision-language models (Qwen2.5-VL, Qwen3-VL, LLaVA, Mistral 3, Gemma 3)
+"""Rank-side bodies of tests/test_vlm.py: tiny vision-language models (Qwen2.5-VL, Qwen3-VL, LLaVA, Mistral 3, Gemma 3,
+Gemma 4)
 patched by ``apply_upipe`` against the same model unpatched in one process, float64: logits, loss and every gradient
 (the vision tower's and projector's included), with images across the shard boundaries and shares of images
 that are uneven or empty.  One spawn of 4 ranks runs C = 4 and C = 2 (two pairs)."""
@@ -336,11 +337,17 @@ def gemma3_sample(seed: int) -> dict[str, torch.Tensor]:
     return sample
 
 
+def _patch_positions(width: int, height: int) -> torch.Tensor:
+    """Gemma 4's (x, y) of each patch of a ``width`` x ``height`` image, row by row: ``[patches, 2]``."""
+    return torch.stack(torch.meshgrid(torch.arange(width), torch.arange(height), indexing="xy"), -1).reshape(-1, 2)
+
+
 def gemma4_sample(seed: int) -> dict[str, torch.Tensor]:
     """``gemma3_sample``'s rows: row 0 two images of 16 tokens a text token apart, [2, 18) and [19, 35) (across the
     C = 4 boundary 12 and the C = 2 one 24); row 1 a video of two 16-token frames back to back, [5, 37) (one span,
     across 12, 24 and 36; ``num_frames_per_video``), then 4 tokens of right padding.  Pixels as Gemma 4's processor
-    gives them: ``[images (frames), 64 patches, 2 * 2 * 3]`` with each patch's (x, y) position."""
+    gives them: ``[images (frames), 64 patches, 2 * 2 * 3]`` with each patch's (x, y) position (8 x 8 and 16 x 4
+    patches: each image's and frame's own positions)."""
     sample = _tokens(2, 48, [(0, 2, 16), (0, 19, 16), (1, 5, 32)], seed)
     sample["input_ids"][1, 5:37] = VIDEO
     sample["mm_token_type_ids"] = (sample["input_ids"] == IMAGE).long() + 2 * (sample["input_ids"] == VIDEO).long()
@@ -350,11 +357,11 @@ def gemma4_sample(seed: int) -> dict[str, torch.Tensor]:
     sample["input_ids"][1, 44:] = TEXT["pad_token_id"]
     sample["labels"][1, 44:] = -100
     gen = torch.Generator().manual_seed(seed + 1)
-    grid = torch.stack(torch.meshgrid(torch.arange(8), torch.arange(8), indexing="xy"), -1).reshape(64, 2)
+    square, wide = _patch_positions(8, 8), _patch_positions(16, 4)
     sample["pixel_values"] = torch.rand(2, 64, 12, generator=gen, dtype=torch.float64)
-    sample["image_position_ids"] = grid.expand(2, 64, 2).clone()
+    sample["image_position_ids"] = torch.stack([square, wide])
     sample["pixel_values_videos"] = torch.rand(2, 64, 12, generator=gen, dtype=torch.float64)
-    sample["video_position_ids"] = grid.expand(2, 64, 2).clone()
+    sample["video_position_ids"] = torch.stack([wide, square])
     sample["num_frames_per_video"] = torch.tensor([2])
     return sample
 
@@ -372,6 +379,8 @@ MODELS = {
 #: the Qwen models of MODELS also run packed (``packed_case``), they and Gemma 3 with gradient checkpointing (C = 2)
 PACKED = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
 CHECKPOINTED = ("qwen2_5_vl", "qwen3_5", "gemma3")
+#: models run with ``float64_internals(integers=True)`` (Gemma 4's pooler: one-hot ``.float()`` weights)
+FLOAT64_INTEGERS = ("gemma4",)
 
 
 def parity_case(
@@ -497,6 +506,7 @@ def refusals(group: dist.ProcessGroup) -> dict[str, str]:
         "paligemma": lambda: hf_patches.apply_upipe(paligemma, group),
         "gemma3 packed": lambda: _gemma3_packed(group),
         "gemma3 left padding": lambda: _gemma3_left_padded(group),
+        "gemma4 audio": lambda: _gemma4_audio(group),
         "ring": lambda: hf_patches.apply_upipe(build_llava(), group, ring_group=group),
         "length": lambda: _odd_length(group),
     }.items():
@@ -524,6 +534,13 @@ def _gemma3_left_padded(group: dist.ProcessGroup) -> None:
     model(**sample)
 
 
+def _gemma4_audio(group: dist.ProcessGroup) -> None:
+    """Gemma 4's audio inputs: refused by name (its audio tower is not shared out)."""
+    model = hf_patches.apply_upipe(build_gemma4(), group)
+    sample = gemma4_sample(0)
+    model(**sample, input_features=torch.zeros(1, 8, 16, dtype=torch.float64), input_features_mask=torch.ones(1, 8))
+
+
 def _odd_length(group: dist.ProcessGroup) -> None:
     model = hf_patches.apply_upipe(build_llava(), group)
     sample = llava_sample(0)
@@ -538,8 +555,9 @@ def vlm_suite(rank: int, world: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with float64_internals():  # transformers' loss upcasts logits with .float()
         for name in MODELS:
-            results[f"{name} C=4"] = parity_case(name, dist.group.WORLD)
-            results[f"{name} C=2"] = parity_case(name, pair)
+            with float64_internals(integers=name in FLOAT64_INTEGERS):
+                results[f"{name} C=4"] = parity_case(name, dist.group.WORLD)
+                results[f"{name} C=2"] = parity_case(name, pair)
         for name in CHECKPOINTED:
             results[f"{name} C=2 checkpointing"] = parity_case(name, pair, checkpointing=True)
         results["gemma3 C=4 unfused"] = parity_case("gemma3", dist.group.WORLD, fused_projections=False)
