@@ -84,7 +84,7 @@ def apply_upipe(
         raise ValueError(f"{type(hf_model).__name__} is already patched by apply_upipe")
     vlm = vision_language_parts(hf_model)  # a vision-language model: UPipe runs its text model (hf_patches.vlm)
     if vlm is not None:
-        check_vision_language(ring=ring_group is not None)
+        check_vision_language(hf_model, ring=ring_group is not None)
     text_model = hf_model if vlm is None else vlm.text
     found = find_decoder(text_model)
     arch, base, attentions = found.model_type, found.base, found.attentions

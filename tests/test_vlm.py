@@ -55,7 +55,7 @@ def test_vlm_parity_c4_and_c2(four_deepspeed_ranks):
     results = _ranks(four_deepspeed_ranks)
     for rank, result in enumerate(results):
         packed, checkpointed = len(vlm_cases.PACKED), len(vlm_cases.CHECKPOINTED)
-        assert len(result["parity"]) == 2 * len(vlm_cases.MODELS) + packed + checkpointed + 1
+        assert len(result["parity"]) == 2 * len(vlm_cases.MODELS) + packed + checkpointed + len(vlm_cases.STACKED) + 1
         for case, errors in result["parity"].items():
             assert max(errors.values()) <= F64, f"rank {rank} {case}: {errors}"
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import hf_patches
+from hf_patches.vlm import whole_sample_shift_labels
 from ds_upipe.tools.parity import GRADIENT_FLOOR, compare, float64_internals, relative_error
 
 IMAGE, VIDEO, VISION_START = 120, 121, 122
@@ -277,10 +278,22 @@ PACKED = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
 CHECKPOINTED = ("qwen2_5_vl", "qwen3_5")
 
 
-def parity_case(name: str, group: dist.ProcessGroup, seed: int = 0, checkpointing: bool = False) -> dict[str, float]:
+#: the models run with the long-context stack (C = 2)
+STACKED = ("qwen2_5_vl", "qwen3_vl")
+#: the long-context stack's keys of a ds_config's "upipe" block (tiles of 5 and 7 tokens: several per shard, the
+#: last one short)
+STACK = {"tiled_loss": {"tile_tokens": 5}, "tiled_norm": {"tile_tokens": 5}, "tiled_mlp": {"tile_tokens": 7}}
+
+
+def parity_case(
+    name: str, group: dist.ProcessGroup, seed: int = 0, checkpointing: bool = False, stack: bool = False
+) -> dict[str, float]:
     """The patched VLM given the whole sample on every rank == the unpatched VLM (float64).  The patched
     loss's gradients are for a group that averages them (``sequence_parallel_loss``'s "mean"): the sum over
-    the group divided by its size is compared."""
+    the group divided by its size is compared.  ``stack``: prepared as the engine route prepares it from a
+    ds_config with the long-context stack's keys (``STACK``: UPipe, then the tiled norms, MLPs and loss of the
+    text model); no logits, so loss and gradients are compared, and the loss of this rank's shard of the
+    shifted labels (a loader's ``shift_labels``) is the same."""
     build, make = MODELS[name]
     model = build(seed)
     if checkpointing:  # transformers' gradient checkpointing of the text layers and the vision blocks
@@ -293,7 +306,10 @@ def parity_case(name: str, group: dist.ProcessGroup, seed: int = 0, checkpointin
     ref.loss.backward()
     ref_grads = {n: p.grad.detach().clone() for n, p in ref_model.named_parameters() if p.grad is not None}
 
-    hf_patches.apply_upipe(model, group)
+    if stack:
+        _prepare_with_stack(model, group)
+    else:
+        hf_patches.apply_upipe(model, group)
     out = model(**sample)
     out.loss.backward()
     size = dist.get_world_size(group)
@@ -303,12 +319,46 @@ def parity_case(name: str, group: dist.ProcessGroup, seed: int = 0, checkpointin
             g = p.grad.detach().clone()
             dist.all_reduce(g, group=group)
             grads[n] = g / size
-    logits = hf_patches.gather_sequence(out.logits.detach(), group)
-    errors = compare((ref.logits.detach(), ref.loss.detach(), ref_grads), (logits, out.loss.detach(), grads), 10**6)
+    if stack:  # no logits to compare
+        errors = compare((ref.logits, ref.loss.detach(), ref_grads), (ref.logits, out.loss.detach(), grads), 10**6)
+        errors.pop("logits")
+        errors.update(_stack_checks(model, sample, out))
+    else:
+        logits = hf_patches.gather_sequence(out.logits.detach(), group)
+        errors = compare((ref.logits.detach(), ref.loss.detach(), ref_grads), (logits, out.loss.detach(), grads), 10**6)
     tower = [n for n in ref_grads if "visual" in n or "vision_tower" in n or "projector" in n]
     errors["tower_grads_present"] = float(not tower or any(n not in grads for n in tower))
     errors["tower_attention"] = float(model.config.vision_config._attn_implementation != "sdpa")
     return errors
+
+
+def _prepare_with_stack(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    """What ``ds_upipe.initialize`` does to the model with ``STACK`` in its ds_config (the loss over ``group``)."""
+    from ds_upipe.integration.hf_integration import upipe_settings
+    from ds_upipe.integration.sp_setup import prepare_for_run
+
+    settings = upipe_settings(
+        {"upipe": {"enabled": True, **STACK}, "zero_optimization": {"stage": 1}}, dist.get_world_size(group)
+    )
+    prepare_for_run(
+        model, settings, sequence_group=group, head_chunk_size=None, forward_loss="sequence_parallel", loss_group=group
+    )
+
+
+def _stack_checks(model: torch.nn.Module, sample: dict[str, torch.Tensor], out: Any) -> dict[str, float]:
+    """The stack's text modules only (2 layers' norms and MLPs, the final norm, the forward; no vision module's
+    forward replaced), no logits, and the same loss from this rank's shard of the shifted labels."""
+    patched = hf_patches.long_context_stack(model).patched
+    tower = model.model.visual if hasattr(model.model, "visual") else model.model.vision_tower
+    with torch.no_grad():
+        local = whole_sample_shift_labels(model, sample["labels"], sample.get("attention_mask"))
+        shard_loss = model(**{k: v for k, v in sample.items() if k != "labels"}, shift_labels=local).loss
+    return {
+        "stack_patched": float(len(patched) != 2 * 3 + 2 or "forward" not in patched),
+        "tower_untouched": float(any("forward" in vars(m) for m in tower.modules())),
+        "logits_none": float(out.logits is not None),
+        "shift_labels_loss": relative_error(shard_loss, out.loss.detach()),
+    }
 
 
 def packed_case(name: str, group: dist.ProcessGroup, seed: int = 0) -> dict[str, float]:
@@ -421,6 +471,8 @@ def vlm_suite(rank: int, world: int) -> dict[str, Any]:
             results[f"{name} C=2"] = parity_case(name, pair)
         for name in CHECKPOINTED:
             results[f"{name} C=2 checkpointing"] = parity_case(name, pair, checkpointing=True)
+        for name in STACKED:  # the long-context stack from the ds_config's keys
+            results[f"{name} C=2 long-context stack"] = parity_case(name, pair, stack=True)
         for name in PACKED:
             results[f"{name} C=4 packed"] = packed_case(name, dist.group.WORLD)
         results["llava C=2 deepcopy"] = deepcopy_case(pair)
