@@ -614,3 +614,57 @@ def test_cli_plan_config_auto_plans_the_u_auto_picks(tmp_path):
     args = build_parser().parse_args(["plan", "--model", str(model), "--config", str(tmp_path / "ds.json")])
     _, setup, methods = _plan_setup(args)
     assert [m.options.head_chunk_size for m in methods] == [want] and setup.mlp_tile_tokens == 4096
+
+
+def test_vision_language_configs_plan_their_text_model(tmp_path):
+    """A VLM's config.json (Qwen2.5-VL's, as transformers writes it and with the hub's top-level text keys; Qwen3-VL,
+    LLaVA): its text model's dims, the tower and projector counted in the parameters (equal to the built model's);
+    vision tokens counted as sequence tokens, the merged whole sample and the images' tower activations shared out
+    over the ranks (``vision_terms``); the plan's statement of both; images given for a text model refused.
+    Mutations: every rank counting all images (``images_per_rank`` without the share) fails the tower term; the
+    tower's parameters left out of ``total_params`` fail the counts."""
+    from tests import vlm_cases
+
+    for build, text_type in ((vlm_cases.build_qwen2_5_vl, "qwen2"), (vlm_cases.build_qwen3_vl, "qwen3")):
+        model = build()
+        folder = tmp_path / text_type
+        folder.mkdir()
+        model.config.to_json_file(folder / "config.json")
+        dims = planner.model_dims(str(folder))
+        text = sum(p.numel() for n, p in model.named_parameters() if "language_model" in n or "lm_head" in n)
+        assert dims.model_type == text_type and dims.vision_model_type == model.config.model_type
+        assert (dims.hidden_size, dims.num_layers, dims.num_heads, dims.num_kv_heads) == (64, 2, 8, 2)
+        assert dims.vision_params == sum(p.numel() for p in model.parameters()) - text
+        assert dims.total_params == sum(p.numel() for p in model.parameters())
+    assert planner.model_dims(str(tmp_path / "qwen2")).attention_bias and dims.qk_norm  # Qwen2's biases, Qwen3's norms
+    # the hub's Qwen2.5-VL config.json: text keys at the top level (transformers moves them into text_config)
+    hub = {k: v for k, v in vlm_cases.TEXT.items() if k not in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    hub.update(model_type="qwen2_5_vl", vision_config={"depth": 1, "hidden_size": 32, "out_hidden_size": 64})
+    (tmp_path / "hub.json").write_text(json.dumps(hub))
+    flat = planner.model_dims(str(tmp_path / "hub.json"))
+    assert (flat.hidden_size, flat.num_layers, flat.vocab_size, flat.model_type) == (64, 2, 128, "qwen2")
+    llava = vlm_cases.build_llava()
+    (tmp_path / "llava").mkdir()
+    llava.config.to_json_file(tmp_path / "llava" / "config.json")
+    assert planner.model_dims(str(tmp_path / "llava")).total_params == sum(p.numel() for p in llava.parameters())
+
+    dims = planner.model_dims(str(tmp_path / "qwen2"))
+    assert [planner.images_per_rank(planner.TrainSetup(gpus=4, images=n)) for n in (0, 1, 3, 8, 9)] == [0, 1, 1, 2, 3]
+    seq, vision, tower = 2048, 256, 3 << 20
+    setup = planner.TrainSetup(gpus=4, zero_stage=3, reserve_gib=0, kernel="none")
+    vlm = replace(setup, images=6, vision_tokens=vision, tower_bytes_per_image=tower)
+    row = 64 * 2  # bf16 hidden of one token
+    terms = planner.vision_terms(dims, vlm, seq)
+    assert terms["resident"][0] == seq * row + 2 * vision * row + 2 * tower  # 6 images over 4 ranks: 2 a rank
+    assert terms["merge"][0] == 2 * seq * row + 2 * vision * row + 2 * tower
+    method = planner.AttentionScheme.upipe(4)
+    text_only = replace(dims, vision_model_type="", vision_params=0)
+    plain, p = planner.predict(text_only, setup, method, seq), planner.predict(dims, vlm, method, seq)
+    assert p.phases_gib["vision merge"] * GiB == pytest.approx(terms["merge"][0])
+    for phase, gib in plain.phases_gib.items():  # every phase of the text model holds the resident terms
+        assert (p.phases_gib[phase] - gib) * GiB == pytest.approx(terms["resident"][0]), phase
+    note = planner.describe(dims, vlm)
+    assert "Vision tokens are sequence tokens" in note and "each length counts the 256 vision tokens" in note
+    assert "6 images a sample are shared out over 4 ranks, at most 2 a rank: 2 x 3.0 MiB" in note
+    with pytest.raises(ValueError, match="a text model: they plan a vision-language model's config.json"):
+        planner.predict(SMALL, replace(setup, images=2), method, seq)

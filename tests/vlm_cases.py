@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 import hf_patches
-from hf_patches.vlm import whole_sample_shift_labels
 from ds_upipe.tools.parity import GRADIENT_FLOOR, compare, float64_internals, relative_error
+from hf_patches.vlm import whole_sample_shift_labels
 
 IMAGE, VIDEO, VISION_START = 120, 121, 122
 TEXT = dict(
