@@ -322,7 +322,7 @@ def parity_case(
     if stack:  # no logits to compare
         errors = compare((ref.logits, ref.loss.detach(), ref_grads), (ref.logits, out.loss.detach(), grads), 10**6)
         errors.pop("logits")
-        errors.update(_stack_checks(model, sample, out))
+        errors.update(_stack_checks(model, sample, out, ref.logits.detach()))
     else:
         logits = hf_patches.gather_sequence(out.logits.detach(), group)
         errors = compare((ref.logits.detach(), ref.loss.detach(), ref_grads), (logits, out.loss.detach(), grads), 10**6)
@@ -345,19 +345,32 @@ def _prepare_with_stack(model: torch.nn.Module, group: dist.ProcessGroup) -> Non
     )
 
 
-def _stack_checks(model: torch.nn.Module, sample: dict[str, torch.Tensor], out: Any) -> dict[str, float]:
+def _stack_checks(
+    model: torch.nn.Module, sample: dict[str, torch.Tensor], out: Any, ref_logits: torch.Tensor
+) -> dict[str, float]:
     """The stack's text modules only (2 layers' norms and MLPs, the final norm, the forward; no vision module's
-    forward replaced), no logits, and the same loss from this rank's shard of the shifted labels."""
-    patched = hf_patches.long_context_stack(model).patched
+    forward replaced), no logits; from this rank's shard of the shifted labels (a loader's ``shift_labels``) the
+    same loss (``forward_loss`` "sequence_parallel", the engine's) and, with "local" (the Trainer route's), the
+    shard's own mean token loss of the unpatched model's logits."""
+    stack = hf_patches.long_context_stack(model)
     tower = model.model.visual if hasattr(model.model, "visual") else model.model.vision_tower
+    local = whole_sample_shift_labels(model, sample["labels"], sample.get("attention_mask"))
+    n = local.shape[1]
+    first = dist.get_rank(model._upipe_state.group) * n
+    shard = ref_logits[:, first : first + n]
+    own = torch.nn.functional.cross_entropy(shard.reshape(-1, shard.shape[-1]), local.reshape(-1), ignore_index=-100)
+    without_labels = {k: v for k, v in sample.items() if k != "labels"}
     with torch.no_grad():
-        local = whole_sample_shift_labels(model, sample["labels"], sample.get("attention_mask"))
-        shard_loss = model(**{k: v for k, v in sample.items() if k != "labels"}, shift_labels=local).loss
+        group_loss = model(**without_labels, shift_labels=local).loss
+        stack.forward_loss = "local"
+        shard_loss = model(**without_labels, shift_labels=local).loss
+        stack.forward_loss = "sequence_parallel"
     return {
-        "stack_patched": float(len(patched) != 2 * 3 + 2 or "forward" not in patched),
+        "stack_patched": float(len(stack.patched) != 2 * 3 + 2 or "forward" not in stack.patched),
         "tower_untouched": float(any("forward" in vars(m) for m in tower.modules())),
         "logits_none": float(out.logits is not None),
-        "shift_labels_loss": relative_error(shard_loss, out.loss.detach()),
+        "shift_labels_loss": relative_error(group_loss, out.loss.detach()),
+        "shift_labels_local_loss": relative_error(shard_loss, own),
     }
 
 
