@@ -296,6 +296,10 @@ def _shard_merged(text: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     for key in ("inputs_embeds", "input_ids", "attention_mask"):
         if torch.is_tensor(call.get(key)):
             call[key] = call[key][:, local]
+    if torch.is_tensor(call.get("inputs_embeds")):
+        # a copy of the shard: a view would keep the whole sample's merged [B, S, hidden] embeddings alive through
+        # the backward (as the first layer's saved input); the copy lets them go when the model's forward returns
+        call["inputs_embeds"] = call["inputs_embeds"].clone()
     visual = call.get("visual_pos_masks")
     if visual is not None:  # Qwen3-VL's deepstack: the rows of this shard's visual tokens
         mine = torch.zeros_like(visual)

@@ -655,14 +655,16 @@ def test_vision_language_configs_plan_their_text_model(tmp_path):
     vlm = replace(setup, images=6, vision_tokens=vision, tower_bytes_per_image=tower)
     row = 64 * 2  # bf16 hidden of one token
     terms = planner.vision_terms(dims, vlm, seq)
-    assert terms["resident"][0] == seq * row + 2 * vision * row + 2 * tower  # 6 images over 4 ranks: 2 a rank
+    assert terms["resident"][0] == vision * row + 2 * tower  # 6 images over 4 ranks: 2 a rank
+    assert terms["forward"][0] == seq * row + vision * row  # the whole merged sample, in the forward only
     assert terms["merge"][0] == 2 * seq * row + 2 * vision * row + 2 * tower
     method = planner.AttentionScheme.upipe(4)
     text_only = replace(dims, vision_model_type="", vision_params=0)
     plain, p = planner.predict(text_only, setup, method, seq), planner.predict(dims, vlm, method, seq)
     assert p.phases_gib["vision merge"] * GiB == pytest.approx(terms["merge"][0])
     for phase, gib in plain.phases_gib.items():  # every phase of the text model holds the resident terms
-        assert (p.phases_gib[phase] - gib) * GiB == pytest.approx(terms["resident"][0]), phase
+        forward = terms["forward"][0] if phase == "forward" else 0
+        assert (p.phases_gib[phase] - gib) * GiB == pytest.approx(terms["resident"][0] + forward), phase
     note = planner.describe(dims, vlm)
     assert "Vision tokens are sequence tokens" in note and "each length counts the 256 vision tokens" in note
     assert "6 images a sample are shared out over 4 ranks, at most 2 a rank: 2 x 3.0 MiB" in note

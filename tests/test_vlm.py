@@ -104,6 +104,8 @@ def test_vlm_tower_memory_shared_out(four_deepspeed_ranks):
     for rank, result in enumerate(_ranks(four_deepspeed_ranks)):
         memory = result["memory"]["C=4"]
         assert memory["shared"] * 4 == pytest.approx(memory["all"], rel=0.05), f"rank {rank}: {memory}"
+        # the whole merged sample is not kept for the backward (the planner counts it in the forward only)
+        assert result["memory"]["merged"]["merged_alive_after_forward"] == 0.0, f"rank {rank}"
 
 
 def test_vision_language_batches_are_padded_along_the_sequence_only():

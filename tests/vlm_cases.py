@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -589,6 +590,26 @@ def tower_memory(group: dist.ProcessGroup, images: int = 8) -> dict[str, int]:
     }
 
 
+def merged_embeddings_freed(group: dist.ProcessGroup) -> dict[str, float]:
+    """After the forward (its output held, the backward to come) the whole sample's merged embeddings are gone:
+    each rank's text model keeps a copy of its shard, not a view of them (``hf_patches.vlm._shard_merged``).
+    With transformers' gradient checkpointing, whose checkpoint of the first layer is its input."""
+    model = build_qwen2_5_vl()
+    model.gradient_checkpointing_enable()
+    model.train()
+    hf_patches.apply_upipe(model, group)
+    merged: list[weakref.ref] = []
+
+    def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:  # before the cut to the shard
+        merged.append(weakref.ref(kwargs["inputs_embeds"]))
+
+    model.model.language_model.register_forward_pre_hook(record, with_kwargs=True, prepend=True)
+    out = model(**qwen_sample(0))
+    alive = merged[0]() is not None
+    out.loss.backward()
+    return {"merged_alive_after_forward": float(alive)}
+
+
 def _saved_bytes(model: torch.nn.Module, encode: Any) -> int:
     """Bytes of the distinct activations (tensors other than the model's parameters) autograd saves while
     ``encode`` runs."""
@@ -640,7 +661,7 @@ def spawn_body(rank: int, world: int) -> dict[str, Any]:
     """The part of the shared spawn of 4 DeepSpeed ranks (tests/four_ranks.py): parity, refusals, ZeRO-3 and the
     tower's memory."""
     result = vlm_suite(rank, world)
-    result["memory"] = {"C=4": tower_memory(dist.group.WORLD)}
+    result["memory"] = {"C=4": tower_memory(dist.group.WORLD), "merged": merged_embeddings_freed(dist.group.WORLD)}
     result["zero3"] = zero3_case(rank, world)
     result["mismatch"] = mismatched_sample_case(rank)  # last: without the check it leaves its groups timed out
     return result

@@ -268,8 +268,9 @@ def images_per_rank(setup: TrainSetup) -> int:
 
 def vision_terms(dims: ModelDims, setup: TrainSetup, seq_len: int) -> dict[str, tuple[int, str]]:
     """What a vision-language model (``hf_patches.vlm``) adds on each rank to the text model's step, by term:
-    (bytes, basis).  "resident": held through every phase of the text model; "merge": the peak of the merge
-    before it (its phase of its own).  Empty for a text model."""
+    (bytes, basis).  "resident": held through every phase of the text model; "forward": held by the model's
+    forward while the text model's forward runs; "merge": the peak of the merge before it (a phase of its own).
+    Empty for a text model."""
     if not dims.vision_model_type:
         if setup.images or setup.vision_tokens or setup.tower_bytes_per_image:
             raise ValueError(
@@ -281,19 +282,24 @@ def vision_terms(dims: ModelDims, setup: TrainSetup, seq_len: int) -> dict[str, 
         raise ValueError(f"{dims.name}: a vision-language model with ring_size={setup.ring_size} is not supported")
     row = setup.batch * dims.hidden_size * setup.act_bytes  # one token of a [B, S, hidden] tensor
     vision = min(setup.vision_tokens, seq_len)
-    tower = images_per_rank(setup) * setup.tower_bytes_per_image
-    merged = seq_len * row + 2 * vision * row
+    images = images_per_rank(setup)
+    tower = images * setup.tower_bytes_per_image
+    given = f"{setup.tower_bytes_per_image / 2**20:.1f} MiB each, given" if tower else "not given: 0"
     return {
         "resident": (
-            merged + tower,
-            f"the whole sample's merged embeddings (every rank merges the whole sample; its shard is a view of them) "
-            f"and {vision} gathered vision tokens' features twice (the gathered rows, their concatenation), "
-            f"{images_per_rank(setup)} images' tower activations "
-            + (f"({setup.tower_bytes_per_image / 2**20:.1f} MiB each, given)" if tower else "(not given: 0)"),
+            vision * row + tower,
+            f"{vision} gathered vision tokens' features (the output's image features) and {images} images' tower "
+            f"activations ({given})",
+        ),
+        "forward": (
+            seq_len * row + vision * row,
+            "the whole sample's merged embeddings and the features' concatenation, held by the model's forward "
+            "(each rank's text model runs on a copy of its shard)",
         ),
         "merge": (
-            merged + seq_len * row + tower,
-            "the merge: the token embeddings and the merged copy of the whole sample, the gathered features",
+            2 * seq_len * row + 2 * vision * row + tower,
+            "the merge: the token embeddings and the merged copy of the whole sample, the gathered features and "
+            "their concatenation, the tower's activations",
         ),
     }
 
@@ -355,7 +361,9 @@ def predict(
     by_kind = {kind: {k: others[k][0] + v - s.weights for k, v in s.phases.items()} for kind, s in steps.items()}
     phases = {k: max(p[k] for p in by_kind.values()) for k in next(iter(by_kind.values()))}
     if vision:  # a vision-language model: its merge before the text model, and what it holds through it
-        phases = {k: v + vision["resident"][0] for k, v in phases.items()}
+        phases = {
+            k: v + vision["resident"][0] + (vision["forward"][0] if k == "forward" else 0) for k, v in phases.items()
+        }
         phases = {"vision merge": vision["merge"][0], **phases}
     phase = max(phases, key=lambda k: phases[k])
     kind = max(by_kind, key=lambda kd: by_kind[kd].get(phase, 0))
@@ -392,7 +400,8 @@ def predict(
         workspace_gib=step.workspace / GiB if at_peak else 0.0,
         peak_at=(f"{kind} layers: " if kind else "")
         + (step.at if at_peak else f"the {phase} phase's peak (the step's own peak is in another phase)")
-        + (f"; with the vision-language model's {vision['resident'][1]}" if vision else ""),
+        + (f"; with the vision-language model's {vision['resident'][1]}" if vision else "")
+        + (f" and {vision['forward'][1]}" if vision and phase == "forward" else ""),
         phases_gib={k: v / GiB for k, v in phases.items()},
         live_at_peak=[(label, b / GiB) for label, b in step.live] if at_peak else [],
     )

@@ -208,7 +208,8 @@ def vision_note(dims: ModelDims, setup: TrainSetup) -> str:
         f"vision-language model ({dims.vision_model_type}): its text model is planned, the vision tower and projector "
         f"({dims.vision_params / 1e9:.3f}B params) are in the model states.  Vision tokens are sequence tokens (merged "
         f"into the sequence): each length counts the {setup.vision_tokens} vision tokens of a sample.  Every rank "
-        f"merges the whole sample (its embeddings and the gathered vision features are held through the step); the "
+        f"merges the whole sample (held while the text model's forward runs; its gathered vision features through the "
+        f"step); the "
         f"{setup.images} images a sample are shared out over {setup.gpus} ranks, at most {per_rank} a rank: {tower}"
     )
 
