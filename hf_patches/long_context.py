@@ -199,6 +199,13 @@ def _check_aux_loss(hf_model: nn.Module) -> None:
     """The tiled loss adds an MoE model's load-balancing loss as its own forward does (transformers'
     Mixtral / Qwen3-MoE / GPT-OSS pattern); refuse an MoE causal LM that does it another way."""
     if not hasattr(hf_model, "router_aux_loss_coef"):
+        text = hf_model.config.get_text_config()
+        if text is not hf_model.config and getattr(text, "router_aux_loss_coef", None) is not None:
+            raise ValueError(
+                f"tiled_loss cannot add {type(hf_model).__name__}'s router aux loss: a vision-language model with a "
+                "mixture-of-experts text model (config.text_config.router_aux_loss_coef) adds it in its own forward, "
+                "which the tiled loss replaces; turn tiled_loss off for this model"
+            )
         return
     missing = [a for a in _AUX_ATTRIBUTES if not hasattr(hf_model, a)]
     if _aux_loss_function(hf_model) is None:

@@ -47,6 +47,20 @@ def test_registration_by_name_refuses_vision_language_models():
     hf_integration.refuse_vision_language(vlm_cases.build_llava(), no_sp, registered=False)
 
 
+def test_long_context_stack_refuses_a_vlm_whose_moe_aux_loss_it_would_drop():
+    """Qwen3-VL-MoE adds its router aux loss in its own forward (from its text config): the tiled loss, which replaces
+    that forward, refuses it by name; the tiled norms and MLPs are checked as for any text model."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    text = {**vlm_cases.TEXT, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "out_hidden_size": 64}
+    with torch.device("meta"):
+        model = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(text_config=text, vision_config=vision))
+    with pytest.raises(ValueError, match="Qwen3VLMoeForConditionalGeneration's router aux loss: a vision-language"):
+        hf_patches.check_long_context_stack(model, tiled_loss=True)
+    hf_patches.check_long_context_stack(model, tiled_norm=True)
+
+
 def _ranks(four_deepspeed_ranks):
     return four_deepspeed_ranks["test_vlm.py"]
 
