@@ -670,3 +670,10 @@ def test_vision_language_configs_plan_their_text_model(tmp_path):
     assert "6 images a sample are shared out over 4 ranks, at most 2 a rank: 2 x 3.0 MiB" in note
     with pytest.raises(ValueError, match="a text model: they plan a vision-language model's config.json"):
         planner.predict(SMALL, replace(setup, images=2), method, seq)
+    # the CLI's flags reach the setup (``cli._plan_setup``: no fake run), with and without --config
+    from ds_upipe.tools.cli import _plan_setup, build_parser
+
+    flags = ["plan", "--model", str(tmp_path / "qwen2"), "--images", "6", "--vision-tokens", "1K"]
+    for extra in ([], ["--config", "ds_configs/upipe_zero3.json"]):
+        _, got, _ = _plan_setup(build_parser().parse_args([*flags, "--tower-mib-per-image", "3", *extra]))
+        assert (got.images, got.vision_tokens, got.tower_bytes_per_image) == (6, 1024, tower), extra
