@@ -38,7 +38,13 @@ from .loss import tiled_causal_lm_loss, tiled_sequence_parallel_loss
 from .moe_tiling import find_router, mark_zero3_leaf, tiled_moe
 from .patch import supported_model_classes
 from .tiling import _forward_function, tiled_mlp, tiled_norm
-from .vlm import check_shift_labels, under_upipe, vision_language_parts, whole_sample_shift_labels
+from .vlm import (
+    check_same_sample,
+    check_shift_labels,
+    under_upipe,
+    vision_language_parts,
+    whole_sample_shift_labels,
+)
 
 ForwardLoss = Literal["local", "sequence_parallel"]
 _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -257,6 +263,9 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     stack: LongContextStack = self._long_context_stack
     loss_group = stack.loss_group if stack.forward_loss == "sequence_parallel" else None
     whole_sample = under_upipe(self) and shift_labels is None
+    if under_upipe(self):  # the patched VLM forward's check, before the tower's collectives
+        sample = {**arguments, "labels": labels, "shift_labels": shift_labels}
+        check_same_sample(type(self).__name__, sample, self._upipe_state)
     if under_upipe(self) and shift_labels is not None:
         check_shift_labels(self, shift_labels, arguments)  # this rank's shard: the stack's forward_loss applies
     elif whole_sample:  # the whole sample's labels: the VLM's loss over its UPipe group

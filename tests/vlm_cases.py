@@ -352,7 +352,8 @@ def _stack_checks(
     """The stack's text modules only (2 layers' norms and MLPs, the final norm, the forward; no vision module's
     forward replaced), no logits; from this rank's shard of the shifted labels (a loader's ``shift_labels``) the
     same loss (``forward_loss`` "sequence_parallel", the engine's) and, with "local" (the Trainer route's), the
-    shard's own mean token loss of the unpatched model's logits."""
+    shard's own mean token loss of the unpatched model's logits; ranks given different labels refused by the
+    same-sample check, as the patched forward refuses them."""
     stack = hf_patches.long_context_stack(model)
     tower = model.model.visual if hasattr(model.model, "visual") else model.model.vision_tower
     local = whole_sample_shift_labels(model, sample["labels"], sample.get("attention_mask"))
@@ -366,7 +367,14 @@ def _stack_checks(
         stack.forward_loss = "local"
         shard_loss = model(**without_labels, shift_labels=local).loss
         stack.forward_loss = "sequence_parallel"
+    other = {**sample, "labels": sample["labels"].roll(dist.get_rank(), dims=1)}  # rank 0's differs from rank 1's
+    try:
+        model(**other)
+        refused = "no error"
+    except ValueError as err:
+        refused = str(err)
     return {
+        "same_sample_checked": float("sample differs from rank 0's" not in refused),
         "stack_patched": float(len(stack.patched) != 2 * 3 + 2 or "forward" not in stack.patched),
         "tower_untouched": float(any("forward" in vars(m) for m in tower.modules())),
         "logits_none": float(out.logits is not None),
