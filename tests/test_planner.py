@@ -618,7 +618,7 @@ def test_cli_plan_config_auto_plans_the_u_auto_picks(tmp_path):
 
 def test_vision_language_configs_plan_their_text_model(tmp_path):
     """A VLM's config.json (Qwen2.5-VL's, as transformers writes it and with the hub's top-level text keys; Qwen3-VL,
-    LLaVA): its text model's dims, the tower and projector counted in the parameters (equal to the built model's);
+    Qwen3.5 (hybrid), LLaVA): its text model's dims, the tower and projector counted in the parameters (equal to the built model's);
     vision tokens counted as sequence tokens, the merged whole sample and the images' tower activations shared out
     over the ranks (``vision_terms``); the plan's statement of both; images given for a text model refused.
     Mutations: every rank counting all images (``images_per_rank`` without the share) fails the tower term; the
@@ -637,6 +637,18 @@ def test_vision_language_configs_plan_their_text_model(tmp_path):
         assert dims.vision_params == sum(p.numel() for p in model.parameters()) - text
         assert dims.total_params == sum(p.numel() for p in model.parameters())
     assert planner.model_dims(str(tmp_path / "qwen2")).attention_bias and dims.qk_norm  # Qwen2's biases, Qwen3's norms
+    for moe in (False, True):  # Qwen3.5: a hybrid text model planned as itself; its MoE refused (the aux loss)
+        folder = tmp_path / f"qwen3_5_{moe}"
+        folder.mkdir()
+        model = vlm_cases.build_qwen3_5_vl(moe=moe)
+        model.config.to_json_file(folder / "config.json")
+        if moe:
+            with pytest.raises(ValueError, match="a vision-language model with a mixture-of-experts text model"):
+                planner.model_dims(str(folder))
+        else:
+            hybrid = planner.model_dims(str(folder))
+            assert hybrid.layer_types == ("linear_attention", "full_attention") and hybrid.vision_params
+            assert hybrid.total_params == sum(p.numel() for p in model.parameters())
     # the hub's Qwen2.5-VL config.json: text keys at the top level (transformers moves them into text_config)
     hub = {k: v for k, v in vlm_cases.TEXT.items() if k not in ("pad_token_id", "bos_token_id", "eos_token_id")}
     hub.update(model_type="qwen2_5_vl", vision_config={"depth": 1, "hidden_size": 32, "out_hidden_size": 64})
