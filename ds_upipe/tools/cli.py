@@ -58,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=(
             "a preset (planner.PRESETS: llama3-8b, qwen3-32b, ..., the hybrids qwen3.5-9b, qwen3.5-27b, ...) or the "
             "path of a config.json (or its folder): a Llama-family, MoE or hybrid (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, "
-            "Nemotron-H) model, or a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, LLaVA, Mistral 3): its "
-            "text model is planned, its vision tower's parameters counted"
+            "Nemotron-H) model, or a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, LLaVA, "
+            "Mistral 3): its text model is planned, its vision tower's parameters counted"
         ),
     )
     plan.add_argument(
