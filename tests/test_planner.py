@@ -619,8 +619,9 @@ def test_cli_plan_config_auto_plans_the_u_auto_picks(tmp_path):
 def test_vision_language_configs_plan_their_text_model(tmp_path):
     """A VLM's config.json (Qwen2.5-VL's, as transformers writes it and with the hub's top-level text keys; Qwen3-VL,
     Qwen3.5 (hybrid), LLaVA): its text model's dims, the tower and projector counted in the parameters (equal to the
-    built model's); vision tokens counted as sequence tokens, the merged whole sample and the images' tower activations shared out
-    over the ranks (``vision_terms``); the plan's statement of both; images given for a text model refused.
+    built model's); vision tokens counted as sequence tokens, the merged whole sample and the images' tower
+    activations shared out over the ranks (``vision_terms``); the plan's statement of both; images given for a text
+    model refused; the CLI's flags.
     Mutations: every rank counting all images (``images_per_rank`` without the share) fails the tower term; the
     tower's parameters left out of ``total_params`` fail the counts."""
     from tests import vlm_cases
