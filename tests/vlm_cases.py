@@ -280,7 +280,7 @@ CHECKPOINTED = ("qwen2_5_vl", "qwen3_5")
 
 
 #: the models run with the long-context stack (C = 2)
-STACKED = ("qwen2_5_vl", "qwen3_vl")
+STACKED = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
 #: the long-context stack's keys of a ds_config's "upipe" block (tiles of 5 and 7 tokens: several per shard of
 #: 2 rows x 12 positions)
 STACK = {"tiled_loss": {"tile_tokens": 5}, "tiled_norm": {"tile_tokens": 5}, "tiled_mlp": {"tile_tokens": 7}}
