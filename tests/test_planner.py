@@ -614,3 +614,25 @@ def test_cli_plan_config_auto_plans_the_u_auto_picks(tmp_path):
     args = build_parser().parse_args(["plan", "--model", str(model), "--config", str(tmp_path / "ds.json")])
     _, setup, methods = _plan_setup(args)
     assert [m.options.head_chunk_size for m in methods] == [want] and setup.mlp_tile_tokens == 4096
+
+
+def test_readme_headline_is_the_committed_plan(tmp_path):
+    """The README's headline table is what ``benchmarks/plot_max_context.py`` makes of the committed plan
+    results (``plan_groups_*.json``: default margins, checkpoint groups); a setup planned twice with two
+    answers, or a row whose setups must agree (the 1 TB and 2 TB node) but differ, is refused.  Mutations:
+    one number changed in the README, or either check removed from the script, fail."""
+    from benchmarks import plot_max_context as headline
+
+    root = Path(__file__).resolve().parents[1]
+    paths = sorted((root / "benchmarks" / "results").glob("plan_groups_*.json"))
+    found = headline.load(paths)
+    assert headline.markdown(headline.rows(found)) in (root / "README.md").read_text()
+    rerun = json.loads(paths[0].read_text())
+    rerun[0]["max_context"] += 1024
+    (tmp_path / "rerun.json").write_text(json.dumps(rerun))
+    with pytest.raises(ValueError, match="planned twice"):
+        headline.load([*paths, tmp_path / "rerun.json"])
+    key = ("llama3-8b 8 x 80 GB, 1 TB", "UPipe")
+    found[key] = {**found[key], "max_context": found[key]["max_context"] - 1024}
+    with pytest.raises(ValueError, match="UPipe differs between"):
+        headline.rows(found)
