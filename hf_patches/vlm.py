@@ -24,6 +24,15 @@ changes (transformers has no hook between its merge and its text model):
   is ``sequence_parallel_loss`` of the shard's logits (the whole sample's token mean on every rank,
   gradients for a group that averages them, as DDP and ZeRO do); the logits are this rank's shard.
 
+Gemma 3 (``IMAGE_SPANS``): its mask lets the tokens of one image see each other both ways (transformers'
+``token_type_ids`` overlay, on full and sliding-window layers).  A forward pre-hook on the inner model turns the
+whole sample's ``token_type_ids`` into the image spans with the model's own ``get_block_sequence_ids_for_mask``
+(``ds_upipe.spans.BidirectionalSpans``) and passes them to the text model's forward as ``SPANS_KWARG``, which
+transformers threads to every attention call (``ds_upipe.spans.SpanKernel``: exact).  The model's own per-layer
+masks are None under UPipe's attention implementation (transformers has no mask function for it), so the whole
+sample's 2-D ``attention_mask`` travels beside them (``_PADDING_KWARG``) to the shard hook, where UPipe's input
+check reads it as for any VLM.
+
 Gradients: the text loss's gradient on a rank covers its tokens scaled by C (``loss.py``); the gathered
 features' gradient summed over the group is the whole sample's gradient of the features, scaled by C, and each
 rank keeps its own images' rows, so the tower's and projector's gradients averaged over the group are the
@@ -33,6 +42,7 @@ unsharded ones, as the text model's are.
 from __future__ import annotations
 
 import inspect
+import sys
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -41,17 +51,25 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ds_upipe.spans import BidirectionalSpans
 from ds_upipe.validation import mismatched_settings
 
 from .data import IGNORE_INDEX, shift_labels
 from .inputs import _as_kwargs, gather_over_sequence_group
 from .loss import sequence_parallel_loss
-from .state import UPipeState
+from .state import SPANS_KWARG, UPipeState
 
-#: model types whose attention mask is not causal over the image span (image tokens attend to each other both
-#: ways: Gemma 3's and Gemma 4's ``token_type_ids`` overlay, PaliGemma's bidirectional prefix); UPipe's kernels
-#: are causal, so they are refused rather than run with another mask than the unsharded model's
-NON_CAUSAL_IMAGE_MASKS = ("gemma3", "gemma4", "gemma4_unified", "paligemma")
+#: model types whose attention mask is not causal over the image span in a way UPipe does not run (image tokens
+#: attend to each other both ways: Gemma 4's ``mm_token_type_ids`` overlay over images, videos and audio, not
+#: tested; PaliGemma's bidirectional prefix, text included): refused rather than run with another mask than the
+#: unsharded model's
+NON_CAUSAL_IMAGE_MASKS = ("gemma4", "gemma4_unified", "paligemma")
+#: model types whose images attend to themselves both ways, run exactly with bidirectional spans
+#: (``ds_upipe.spans``): the inner model's argument that marks image tokens, and the function of the model's
+#: module that turns it into transformers' ``block_sequence_ids`` (the ids its mask overlays)
+IMAGE_SPANS = {"gemma3": ("token_type_ids", "get_block_sequence_ids_for_mask")}
+#: the inner model's 2-D ``attention_mask``, carried by the image-span hook to the shard hook (see the docstring)
+_PADDING_KWARG = "upipe_vlm_attention_mask"
 
 #: the encoders of the inner model whose inputs are shared out by image (video)
 ENCODERS = ("get_image_features", "get_video_features")
@@ -69,6 +87,7 @@ SAMPLE_ARGUMENTS = (
     "position_ids",
     "labels",
     "mm_token_type_ids",
+    "token_type_ids",  # Gemma 3's image spans (``IMAGE_SPANS``)
     "pixel_values",
     "image_grid_thw",
     "image_sizes",
@@ -102,8 +121,8 @@ def vision_language_parts(hf_model: nn.Module, caller: str = "apply_upipe") -> V
     if model_type in NON_CAUSAL_IMAGE_MASKS:
         raise ValueError(
             f"{caller}: {name} (model_type {model_type!r}) attends bidirectionally over image tokens (its mask "
-            "lets an image's tokens see each other both ways): UPipe's kernels are causal over the whole sequence, "
-            "so it would compute another model. Vision-language models with a causal mask run (docs/vlm.md)"
+            "lets an image's tokens see each other both ways) in a way UPipe does not run, so it would compute another "
+            "model. Vision-language models with a causal mask, and Gemma 3's image overlay, run (docs/vlm.md)"
         )
     if not callable(getattr(inner, "get_image_features", None)) or not callable(getattr(hf_model, "lm_head", None)):
         raise ValueError(
@@ -164,6 +183,10 @@ def patch_vision_language(hf_model: nn.Module, parts: VisionLanguageModel, state
         function = getattr(type(parts.inner), encoder, None)  # the class's: a copy.deepcopy encodes with its own
         if callable(function):
             setattr(parts.inner, encoder, types.MethodType(_shared_encoder(function), parts.inner))
+    spans = IMAGE_SPANS.get(getattr(hf_model.config, "model_type", None))
+    if spans is not None:
+        hook = _image_spans_hook(*spans)
+        parts.inner._upipe_spans_hook = parts.inner.register_forward_pre_hook(hook, with_kwargs=True)
     # before UPipe's own input check (registered earlier on the same module): it reads the shards
     parts.text._upipe_shard_hook = parts.text.register_forward_pre_hook(_shard_merged, with_kwargs=True, prepend=True)
     # a forward set on the instance before (TRL's fused LM head, ``add_fused_lm_head``) runs under ours
@@ -212,7 +235,9 @@ def _shared_encoder(function: Any) -> Any:
         encoded = range(first, end) if not empty else range(0, 1)  # an empty share runs the tower on image 0
         out = function(self, **_slice_images(call, pixel_name, grid, encoded))
         keep = 0 if empty else len(encoded)
-        out.pooler_output = _gather_images(list(out.pooler_output), keep, first, count, state)
+        gathered = _gather_images(list(out.pooler_output), keep, first, count, state)
+        # as the encoder returns them: a [images, tokens, hidden] tensor (Gemma 3) or one tensor per image
+        out.pooler_output = torch.stack(gathered) if torch.is_tensor(out.pooler_output) else gathered
         if getattr(out, "deepstack_features", None) is not None:  # Qwen3-VL: per layer, per image
             out.deepstack_features = [
                 _gather_images(list(layer), keep, first, count, state) for layer in out.deepstack_features
@@ -263,6 +288,23 @@ def _gather_images(encoded: list[Tensor], keep: int, first: int, count: int, sta
     return torch.split(full, sizes)
 
 
+def _image_spans_hook(marks: str, block_ids: str) -> Any:
+    """The inner model's forward pre-hook of an ``IMAGE_SPANS`` model: the whole sample's image spans from its
+    ``marks`` argument by the model module's ``block_ids`` function, to the text model as ``SPANS_KWARG``
+    (none without marks: the model's mask is then causal), the 2-D mask beside them (``_PADDING_KWARG``)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        call = _as_kwargs(type(module).forward, (module, *args), kwargs)
+        call.pop("self")
+        marked = call.get(marks)
+        ids = None if marked is None else getattr(sys.modules[type(module).__module__], block_ids)(marked)
+        call[SPANS_KWARG] = None if ids is None else BidirectionalSpans.of_block_ids(ids)
+        call[_PADDING_KWARG] = call.get("attention_mask")
+        return (), call
+
+    return hook
+
+
 def _local_slice(seq: int, state: UPipeState) -> slice:
     """This rank's contiguous shard of a ``seq``-token sequence (ValueError, on every rank alike, when the
     whole sample's length is no multiple of the group size)."""
@@ -293,6 +335,9 @@ def _shard_merged(text: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     elif positions.dim() == 3 and positions.shape[0] == 3:  # mrope: transformers' [4, B, S], text positions first
         positions = torch.cat([text_positions.unsqueeze(0).to(positions.dtype), positions])
     call["position_ids"] = positions[..., local]
+    padding, masks = call.pop(_PADDING_KWARG, None), call.get("attention_mask")
+    if isinstance(masks, dict) and all(m is None for m in masks.values()):  # an IMAGE_SPANS model's per-layer masks
+        call["attention_mask"] = padding
     for key in ("inputs_embeds", "input_ids", "attention_mask"):
         if torch.is_tensor(call.get(key)):
             call[key] = call[key][:, local]

@@ -690,3 +690,25 @@ def test_vision_language_configs_plan_their_text_model(tmp_path):
     for extra in ([], ["--config", "ds_configs/upipe_zero3.json"]):
         _, got, _ = _plan_setup(build_parser().parse_args([*flags, "--tower-mib-per-image", "3", *extra]))
         assert (got.images, got.vision_tokens, got.tower_bytes_per_image) == (6, 1024, tower), extra
+
+
+def test_readme_headline_is_the_committed_plan(tmp_path):
+    """The README's headline table is what ``benchmarks/plot_max_context.py`` makes of the committed plan
+    results (``plan_groups_*.json``: default margins, checkpoint groups); a setup planned twice with two
+    answers, or a row whose setups must agree (the 1 TB and 2 TB node) but differ, is refused.  Mutations:
+    one number changed in the README, or either check removed from the script, fail."""
+    from benchmarks import plot_max_context as headline
+
+    root = Path(__file__).resolve().parents[1]
+    paths = sorted((root / "benchmarks" / "results").glob("plan_groups_*.json"))
+    found = headline.load(paths)
+    assert headline.markdown(headline.rows(found)) in (root / "README.md").read_text()
+    rerun = json.loads(paths[0].read_text())
+    rerun[0]["max_context"] += 1024
+    (tmp_path / "rerun.json").write_text(json.dumps(rerun))
+    with pytest.raises(ValueError, match="planned twice"):
+        headline.load([*paths, tmp_path / "rerun.json"])
+    key = ("llama3-8b 8 x 80 GB, 1 TB", "UPipe")
+    found[key] = {**found[key], "max_context": found[key]["max_context"] - 1024}
+    with pytest.raises(ValueError, match="UPipe differs between"):
+        headline.rows(found)

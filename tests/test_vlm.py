@@ -16,7 +16,9 @@ F64 = 1e-10
 F32 = 1e-5
 
 REFUSALS = {
-    "gemma3": ("Gemma3ForConditionalGeneration", "bidirectionally", "causal"),
+    "paligemma": ("PaliGemmaForConditionalGeneration", "bidirectionally", "paligemma"),
+    "gemma3 packed": ("bidirectional spans", "packed documents"),
+    "gemma3 left padding": ("attention_mask has padding before real tokens",),
     "ring": ("ring_group", "vision-language"),
     "length": ("47 tokens", "multiple of the sequence-parallel size 2"),
 }
@@ -69,7 +71,8 @@ def test_vlm_parity_c4_and_c2(four_deepspeed_ranks):
     results = _ranks(four_deepspeed_ranks)
     for rank, result in enumerate(results):
         packed, checkpointed = len(vlm_cases.PACKED), len(vlm_cases.CHECKPOINTED)
-        assert len(result["parity"]) == 2 * len(vlm_cases.MODELS) + packed + checkpointed + len(vlm_cases.STACKED) + 1
+        # + the stacked cases, the deepcopy case and Gemma 3 unfused
+        assert len(result["parity"]) == 2 * len(vlm_cases.MODELS) + packed + checkpointed + len(vlm_cases.STACKED) + 2
         for case, errors in result["parity"].items():
             assert max(errors.values()) <= F64, f"rank {rank} {case}: {errors}"
 
