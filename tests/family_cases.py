@@ -169,14 +169,15 @@ def expected_all_to_alls(model, share: bool, checkpointed: bool) -> dict[str, in
 
 
 def shared_kv_exchange_case(world: int, share: bool, checkpointing: str | None) -> dict[str, float]:
-    """Gemma 4 (layers 0 and 1 produce the keys and values that layers 2 and 3 share; 4 key/value heads: 2 rounds at
-    C = 2) on shards == unpatched (float64), and its all-to-alls over forward + backward counted
-    (``OpCounter``) == ``expected_all_to_alls``: holding the exchanged K/V (the default) or re-exchanging."""
+    """Gemma 4 (layers 0 and 1 produce the keys and values that layers 2 and 3 share) on shards == unpatched
+    (float64), and its all-to-alls over forward + backward counted (``OpCounter``) == ``expected_all_to_alls``:
+    holding the exchanged K/V (the default) or re-exchanging.  At C = 2 with 4 key/value heads (2 rounds, so a
+    layer reading another round's K/V is wrong), at C = 4 with the family's 2 (each replicated on 2 ranks)."""
     group = dist.group.WORLD
     seq = 6 * world
     batch = hf_cases.make_batch(0, 2, seq)
     with hf_cases.float64_internals():
-        model = build_family("gemma4", num_key_value_heads=4)
+        model = build_family("gemma4", num_key_value_heads=4 if world == 2 else 2)
         ref = hf_cases.reference_step(copy.deepcopy(model), batch)
         hf_cases.patch_model(model, group, None, False, False, False, share_exchanged_kv=share)
         if checkpointing is not None:
