@@ -78,7 +78,10 @@ class ExchangedKeyValueAttention(torch.autograd.Function):
         query, key, value, out, *saved = fctx.saved_tensors
         pctx: PipelineContext = fctx.pctx
         acc = pctx.accumulate_dtype(key.dtype)
-        grads = (torch.zeros(key.shape, dtype=acc, device=key.device), torch.zeros(value.shape, dtype=acc, device=key.device))
+        grads = (
+            torch.zeros(key.shape, dtype=acc, device=key.device),
+            torch.zeros(value.shape, dtype=acc, device=key.device),
+        )
         source = _QuerySource(query, value.shape[-1])
         with torch.no_grad():
             exchanged = ExchangedKeyValue(key, value, len(pctx.plan.rounds), grads)
