@@ -43,8 +43,7 @@ class ExchangedKeyValues:
     (``ds_upipe.exchanged_kv``; transformers declares a producer ``store_full_length_kv``), for its KV-shared
     layers, which get the producer's very key and value tensors (``shared_kv_states``).  Made per forward by the
     model-level input check (``EXCHANGED_KV_KWARG``) and dropped with it: nothing outlives the forward except what
-    the autograd nodes saved.  One entry per producer module: a checkpointed producer's replay in backward replaces
-    its entry (its KV-shared layers, later in the model, have run their backward by then)."""
+    the autograd nodes saved (and, under checkpointing, what the replays need: ``keep``)."""
 
     by_producer: dict[int, _Exchanged] = field(default_factory=dict)
 
@@ -63,7 +62,11 @@ class ExchangedKeyValues:
         plan: StagePlan,
         exchanged: tuple[torch.Tensor, torch.Tensor],
     ) -> None:
-        self.by_producer[id(producer)] = _Exchanged(key, value, plan, exchanged)
+        """Keep a producer's exchange for its sharing layers.  A producer's second call in one forward is its
+        checkpointed replay in backward, after its sharing layers' backward: the forward's exchange is dropped
+        (freed now, not at the end of the backward) and the replay's is kept by its own autograd nodes only."""
+        if self.by_producer.pop(id(producer), None) is None:
+            self.by_producer[id(producer)] = _Exchanged(key, value, plan, exchanged)
 
 
 @dataclass(kw_only=True)
