@@ -168,18 +168,21 @@ def expected_all_to_alls(model, share: bool, checkpointed: bool) -> dict[str, in
     return counts
 
 
-def shared_kv_exchange_case(world: int, share: bool, checkpointing: str | None) -> dict[str, float]:
+def shared_kv_exchange_case(
+    world: int, share: bool, checkpointing: str | None, overlap: bool = False
+) -> dict[str, float]:
     """Gemma 4 (layers 0 and 1 produce the keys and values that layers 2 and 3 share) on shards == unpatched
     (float64), and its all-to-alls over forward + backward counted (``OpCounter``) == ``expected_all_to_alls``:
-    holding the exchanged K/V (the default) or re-exchanging.  At C = 2 with 4 key/value heads (2 rounds, so a
-    layer reading another round's K/V is wrong), at C = 4 with the family's 2 (each replicated on 2 ranks)."""
+    holding the exchanged K/V (the default) or re-exchanging (``overlap``: with overlap_comm).  At C = 2 with 4
+    key/value heads (2 rounds, so a layer reading another round's K/V is wrong), at C = 4 with the family's 2 (each
+    replicated on 2 ranks)."""
     group = dist.group.WORLD
     seq = 6 * world
     batch = hf_cases.make_batch(0, 2, seq)
     with hf_cases.float64_internals():
         model = build_family("gemma4", num_key_value_heads=4 if world == 2 else 2)
         ref = hf_cases.reference_step(copy.deepcopy(model), batch)
-        hf_cases.patch_model(model, group, None, False, False, False, share_exchanged_kv=share)
+        hf_cases.patch_model(model, group, None, False, overlap, False, share_exchanged_kv=share)
         if checkpointing is not None:
             hf_cases._checkpointing(model, checkpointing)
         with OpCounter() as counter:
@@ -241,6 +244,7 @@ def _cases(world: int) -> dict[str, tuple]:
         for checkpointing in (None, "non_reentrant"):
             name = f"gemma4_{'held' if share else 'reexchanged'}_kv{'_checkpointing' if checkpointing else ''}"
             cases[name] = (shared_kv_exchange_case, (world, share, checkpointing), {})
+    cases["gemma4_held_kv_overlap"] = (shared_kv_exchange_case, (world, True, None), dict(overlap=True))
     cases["minicpm3_unfused_U=H"] = (family_case, ("minicpm3", False, world), dict(u=h))
     if world == 4:  # packing and checkpointing at C = 2 only
         return {**cases, **_ring_cases(h)}
