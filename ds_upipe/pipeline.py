@@ -2,10 +2,12 @@
 
 Forward runs the stage plan: per round, gather the round's KV heads once; per stage, gather u query
 heads per rank over the full sequence, attend, send the output back and write it at the heads' own
-indices.  Only sequence-sharded tensors are saved (the inputs, the output, per-stage lse and kernel
-aux), so no gathered full-sequence tensor outlives its stage.  Backward replays each stage's all-to-alls
-and returns dK/dV as ``RoundKeyValueGrads`` decides: per stage into the source's own gradients when
-those can be the accumulator, else summed in float32 over the round and sent back once.
+indices. Only sequence-sharded tensors are saved (the inputs, the output, per-stage lse and kernel aux),
+so no gathered full-sequence tensor outlives its stage; the one exception is K/V a caller exchanged
+before the call for several layers (``ExchangedKeyValue``: KV-shared layers, ``ds_upipe.exchanged_kv``).
+Backward replays each stage's all-to-alls and returns dK/dV as ``RoundKeyValueGrads`` decides: per stage
+into the source's own gradients when those can be the accumulator, else summed in float32 over the round
+and sent back once.
 
 Where the stage inputs come from is abstracted by ``StageSource``: plain local q/k/v tensors here,
 per-stage projections of the layer input in hf_patches' fused mode.  The loop itself never changes.
