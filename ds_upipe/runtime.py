@@ -9,12 +9,12 @@ extra facts).  It owns what every UPipe attention call of its owner shares:
 - the stage plans, one per head counts (H, Hkv): built and validated where they are known (the HF routes:
   every layer's, from the model config), else per call (the core layer, from its inputs): ``plan_for``;
 - the local kernel and its wrapping for one call (``attention``): sliding window, ring, sinks,
-  packed documents, in that order;
+  packed documents, in that order, or the window and bidirectional spans (``ds_upipe.spans``) alone;
 - the one record of settings every rank must share (``settings``, compared by
   ``ds_upipe.validation.check_settings``), and the per-layout input-check cache (``checked_inputs``);
 - the pipeline context of one call (``context``), which the autograd node keeps until its backward.
 
-Per-forward data (packed boundaries, window, sinks) is passed to ``attention``/``context`` per call
+Per-forward data (packed boundaries, window, sinks, spans) is passed to ``attention``/``context`` per call
 and kept by the call's context only; nothing here is read back by a later call.
 """
 
@@ -39,6 +39,7 @@ from .pipeline import PipelineContext, plan_indices
 from .ring import RingAttentionKernel
 from .schedule import StagePlan, build_plan
 from .sinks import SinkKernel, sinks_shape_code
+from .spans import BidirectionalSpans, SpanKernel
 from .validation import CheckedInputs, RuntimeSettings, resolve_ulysses_head_chunk_size
 from .windows import windowed
 
@@ -211,6 +212,7 @@ class UPipeRuntime:
         window: int | None = None,
         sinks: Tensor | None = None,
         *,
+        spans: BidirectionalSpans | None = None,
         scale: float | None = None,
         batch_dim_idx: int = 0,
         args: tuple[Any, ...] = (),
@@ -222,12 +224,17 @@ class UPipeRuntime:
         attention over the ring group (``overlap_comm`` / ``ring_overlap`` as set now; not with packed
         rows: refused by the input checks), given the call's ``sinks`` (``ds_upipe.sinks``, on the
         ring's merged lse) and run per document of ``documents`` (this forward's packed boundaries,
-        ``DocumentKernel``).  ``scale``: the call's softmax scale (None: the kernel's;
-        ``kernels.with_softmax_scale``: a model's own scale, Gemma's query_pre_attn_scalar, Granite's
-        attention_multiplier, reaches the kernel's ops exactly)."""
+        ``DocumentKernel``); ``spans``: this forward's bidirectional spans (Gemma 3's images, ``SpanKernel``
+        around the windowed kernel; not with documents, sinks or a ring).  ``scale``: the call's softmax scale
+        (None: the kernel's; ``kernels.with_softmax_scale``: a model's own scale, Gemma's query_pre_attn_scalar,
+        Granite's attention_multiplier, reaches the kernel's ops exactly)."""
         if not isinstance(self.kernel, AttentionKernel):
             return CallableKernel(self.kernel, batch_dim_idx, args, kwargs)
-        kernel = windowed(with_softmax_scale(self.kernel, scale), window)
+        causal = with_softmax_scale(self.kernel, scale)
+        kernel = windowed(causal, window)
+        if spans is not None:
+            _check_spans_alone(documents, sinks, self.ring_size)
+            return SpanKernel(kernel, causal, spans)
         if documents is None and self.ring_size > 1:
             key = (window, self.overlaps_ring, scale)
             if key not in self.ring_kernels:
@@ -246,13 +253,15 @@ class UPipeRuntime:
         window: int | None = None,
         sinks: Tensor | None = None,
         *,
+        spans: BidirectionalSpans | None = None,
         scale: float | None = None,
         plan: StagePlan | None = None,
         attention: AttentionKernel | None = None,
     ) -> PipelineContext:
         """One attention call's pipeline context (the autograd node keeps it, so its backward sees the
-        same documents, window and sinks).  ``plan``: the call's (default the built one);
-        ``attention``: the call's kernel (default ``self.attention(documents, window, sinks, scale=scale)``)."""
+        same documents, window, sinks and spans).  ``plan``: the call's (default the built one);
+        ``attention``: the call's kernel (default ``self.attention(documents, window, sinks, spans=spans,
+        scale=scale)``)."""
         plan = self.plan if plan is None else plan
         if plan is None:
             raise ValueError("UPipeRuntime.context: no plan (pass plan=runtime.plan_for(num_heads, num_kv_heads))")
@@ -260,11 +269,28 @@ class UPipeRuntime:
             plan=plan,
             indices=plan_indices(plan, device),
             group=self.group,
-            attention=self.attention(documents, window, sinks, scale=scale) if attention is None else attention,
+            attention=self.attention(documents, window, sinks, spans=spans, scale=scale)
+            if attention is None
+            else attention,
             stage_counter=self.stage_runs,
             overlap_comm=self.overlap_comm,
             accumulate_in_input_dtype=self.accumulate_in_input_dtype,
             recompute_attention_output=self.recompute_attention_output,
+        )
+
+
+def _check_spans_alone(documents: DocumentBoundaries | None, sinks: Tensor | None, ring_size: int) -> None:
+    """Bidirectional spans run on the plain (or windowed) kernel only: ValueError naming what else the call has."""
+    others = {
+        "packed documents": documents is not None and not documents.is_trivial,
+        "attention sinks": sinks is not None,
+        "a ring group": ring_size > 1,
+    }
+    given = [name for name, on in others.items() if on]
+    if given:
+        raise ValueError(
+            f"bidirectional spans (Gemma 3's image tokens, ds_upipe.spans) with {' and '.join(given)}: not supported; "
+            "run one sample a row, without a ring"
         )
 
 

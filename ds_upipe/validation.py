@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -236,6 +237,14 @@ def _all_gather_rows(rows: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     everyone = [torch.empty_like(rows) for _ in range(world)]
     dist.all_gather(everyone, rows.contiguous(), group=group)
     return torch.cat(everyone)
+
+
+def mismatched_settings(per_rank: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """``{key: [value of rank 0, rank 1, ...]}`` for every key whose values differ (a missing key is None): the
+    one comparison of per-rank records (the ds_configs' agreement, a vision-language sample's digest)."""
+    keys = sorted({key for settings in per_rank for key in settings})
+    values = {key: [settings.get(key) for settings in per_rank] for key in keys}
+    return {key: vals for key, vals in values.items() if any(v != vals[0] for v in vals)}
 
 
 def _per_rank(values: list[object]) -> str:

@@ -26,7 +26,7 @@ from ds_upipe.sinks import check_sinks
 from ds_upipe.windows import check_window
 
 from .fused import FusedProjections, FusedUPipeAttention
-from .state import DOCUMENTS_KWARG, EXCHANGED_KV_KWARG, ExchangedKeyValues, UPipeState
+from .state import DOCUMENTS_KWARG, EXCHANGED_KV_KWARG, SPANS_KWARG, ExchangedKeyValues, UPipeState
 
 ATTN_IMPLEMENTATION = "upipe"
 logger = logging.getLogger("hf_patches")
@@ -90,6 +90,7 @@ def fused_attention_forward(
         kwargs.get(DOCUMENTS_KWARG),
         module_sliding_window(self),
         proj.sinks,
+        spans=kwargs.get(SPANS_KWARG),
         scale=getattr(self, "scaling", None),
         plan=state.plan_for(*heads),  # this layer's heads' plan (``UPipeRuntime.plans``)
     )
@@ -166,7 +167,8 @@ def upipe_attention_function(
     window = check_window(sliding_window, "sliding_window")
     # the plan of this layer's heads (``UPipeRuntime.plan_for``: built per head counts at patch time)
     plan = state.plan_for(query.shape[1], key.shape[1])
-    ctx = state.context(q.device, kwargs.get(DOCUMENTS_KWARG), window, sinks, scale=scaling, plan=plan)
+    documents, spans = kwargs.get(DOCUMENTS_KWARG), kwargs.get(SPANS_KWARG)
+    ctx = state.context(q.device, documents, window, sinks, spans=spans, scale=scaling, plan=plan)
     exchanged = _exchanged_key_value(module, key, value, k, v, ctx, kwargs.get(EXCHANGED_KV_KWARG))
     if exchanged is not None:
         out = apply_eagerly(ExchangedKeyValueAttention, q, *exchanged, ctx, sinks)

@@ -19,6 +19,9 @@ from ds_upipe.schedule import StagePlan
 #: layers -> attention), so a checkpointed layer's replay in backward gets the boundaries of the
 #: forward it replays, whatever forwards ran in between (never read back from shared state).
 DOCUMENTS_KWARG = "upipe_documents"
+#: The keyword argument that carries one forward's bidirectional spans (``ds_upipe.spans.BidirectionalSpans``:
+#: Gemma 3's images, computed by ``hf_patches.vlm`` on the whole sample), travelling as ``DOCUMENTS_KWARG`` does
+SPANS_KWARG = "upipe_image_spans"
 
 
 #: The keyword argument that carries one forward's ``ExchangedKeyValues`` (or None: every layer exchanges its

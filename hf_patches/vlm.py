@@ -2,8 +2,10 @@
 the merged sequence sharded, positions of the whole sequence.
 
 Every rank of the sequence-parallel group passes the FULL sample (``input_ids``, ``pixel_values``, the image
-grids or sizes, ``labels``, ...); the model's own forward then runs as without sequence parallelism, with
-three instance-level changes (transformers has no hook between its merge and its text model):
+grids or sizes, ``labels``, ...), checked first (``check_same_sample``: one all_gather of a digest, the same
+ValueError on every rank where a rank's sample differs, instead of ranks waiting in collectives sized by their
+own images); the model's own forward then runs as without sequence parallelism, with three instance-level
+changes (transformers has no hook between its merge and its text model):
 
 - ``get_image_features`` / ``get_video_features`` of the inner model: each rank encodes only its share of
   the images (videos): contiguous blocks of whole images in sample order, rank r gets images
@@ -22,6 +24,15 @@ three instance-level changes (transformers has no hook between its merge and its
   is ``sequence_parallel_loss`` of the shard's logits (the whole sample's token mean on every rank,
   gradients for a group that averages them, as DDP and ZeRO do); the logits are this rank's shard.
 
+Gemma 3 (``IMAGE_SPANS``): its mask lets the tokens of one image see each other both ways (transformers'
+``token_type_ids`` overlay, on full and sliding-window layers).  A forward pre-hook on the inner model turns the
+whole sample's ``token_type_ids`` into the image spans with the model's own ``get_block_sequence_ids_for_mask``
+(``ds_upipe.spans.BidirectionalSpans``) and passes them to the text model's forward as ``SPANS_KWARG``, which
+transformers threads to every attention call (``ds_upipe.spans.SpanKernel``: exact).  The model's own per-layer
+masks are None under UPipe's attention implementation (transformers has no mask function for it), so the whole
+sample's 2-D ``attention_mask`` travels beside them (``_PADDING_KWARG``) to the shard hook, where UPipe's input
+check reads it as for any VLM.
+
 Gradients: the text loss's gradient on a rank covers its tokens scaled by C (``loss.py``); the gathered
 features' gradient summed over the group is the whole sample's gradient of the features, scaled by C, and each
 rank keeps its own images' rows, so the tower's and projector's gradients averaged over the group are the
@@ -31,6 +42,7 @@ unsharded ones, as the text model's are.
 from __future__ import annotations
 
 import inspect
+import sys
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -39,15 +51,25 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .data import IGNORE_INDEX, shift_labels
-from .inputs import _as_kwargs
-from .loss import sequence_parallel_loss
-from .state import UPipeState
+from ds_upipe.spans import BidirectionalSpans
+from ds_upipe.validation import mismatched_settings
 
-#: model types whose attention mask is not causal over the image span (image tokens attend to each other both
-#: ways: Gemma 3's and Gemma 4's ``token_type_ids`` overlay, PaliGemma's bidirectional prefix); UPipe's kernels
-#: are causal, so they are refused rather than run with another mask than the unsharded model's
-NON_CAUSAL_IMAGE_MASKS = ("gemma3", "gemma4", "gemma4_unified", "paligemma")
+from .data import IGNORE_INDEX, shift_labels
+from .inputs import _as_kwargs, gather_over_sequence_group
+from .loss import sequence_parallel_loss
+from .state import SPANS_KWARG, UPipeState
+
+#: model types whose attention mask is not causal over the image span in a way UPipe does not run (image tokens
+#: attend to each other both ways: Gemma 4's ``mm_token_type_ids`` overlay over images, videos and audio, not
+#: tested; PaliGemma's bidirectional prefix, text included): refused rather than run with another mask than the
+#: unsharded model's
+NON_CAUSAL_IMAGE_MASKS = ("gemma4", "gemma4_unified", "paligemma")
+#: model types whose images attend to themselves both ways, run exactly with bidirectional spans
+#: (``ds_upipe.spans``): the inner model's argument that marks image tokens, and the function of the model's
+#: module that turns it into transformers' ``block_sequence_ids`` (the ids its mask overlays)
+IMAGE_SPANS = {"gemma3": ("token_type_ids", "get_block_sequence_ids_for_mask")}
+#: the inner model's 2-D ``attention_mask``, carried by the image-span hook to the shard hook (see the docstring)
+_PADDING_KWARG = "upipe_vlm_attention_mask"
 
 #: the encoders of the inner model whose inputs are shared out by image (video)
 ENCODERS = ("get_image_features", "get_video_features")
@@ -55,6 +77,29 @@ ENCODERS = ("get_image_features", "get_video_features")
 #: product of the row) and sizes
 _GRIDS = ("image_grid_thw", "video_grid_thw")
 _PER_IMAGE = (*_GRIDS, "image_sizes")
+
+#: the forward's whole-sample arguments, the same on every rank of the group (``check_same_sample``): the tower's
+#: collectives are sized by the images, the text model's by the length
+SAMPLE_ARGUMENTS = (
+    "input_ids",
+    "inputs_embeds",
+    "attention_mask",
+    "position_ids",
+    "labels",
+    "mm_token_type_ids",
+    "token_type_ids",  # Gemma 3's image spans (``IMAGE_SPANS``)
+    "pixel_values",
+    "image_grid_thw",
+    "image_sizes",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "shift_labels",
+)
+#: of them, each rank's own shard (compared by shape only): ``shift_labels``, and ``labels`` beside them (the
+#: Trainer / TRL routes pass the shard as both: ``trainer_sp.sequence_parallel_loss``)
+_SHARDS = ("shift_labels", "labels")
+#: dims of an argument's shape exchanged (the contents' digest covers the rest)
+_SHAPE_DIMS = 4
 
 
 @dataclass(frozen=True)
@@ -75,8 +120,8 @@ def vision_language_parts(hf_model: nn.Module) -> VisionLanguageModel | None:
     if model_type in NON_CAUSAL_IMAGE_MASKS:
         raise ValueError(
             f"apply_upipe: {name} (model_type {model_type!r}) attends bidirectionally over image tokens (its mask "
-            "lets an image's tokens see each other both ways): UPipe's kernels are causal over the whole sequence, "
-            "so it would compute another model. Vision-language models with a causal mask run (docs/vlm.md)"
+            "lets an image's tokens see each other both ways) in a way UPipe does not run, so it would compute another "
+            "model. Vision-language models with a causal mask, and Gemma 3's image overlay, run (docs/vlm.md)"
         )
     if not callable(getattr(inner, "get_image_features", None)) or not callable(getattr(hf_model, "lm_head", None)):
         raise ValueError(
@@ -104,6 +149,10 @@ def patch_vision_language(hf_model: nn.Module, parts: VisionLanguageModel, state
         function = getattr(type(parts.inner), encoder, None)  # the class's: a copy.deepcopy encodes with its own
         if callable(function):
             setattr(parts.inner, encoder, types.MethodType(_shared_encoder(function), parts.inner))
+    spans = IMAGE_SPANS.get(getattr(hf_model.config, "model_type", None))
+    if spans is not None:
+        hook = _image_spans_hook(*spans)
+        parts.inner._upipe_spans_hook = parts.inner.register_forward_pre_hook(hook, with_kwargs=True)
     # before UPipe's own input check (registered earlier on the same module): it reads the shards
     parts.text._upipe_shard_hook = parts.text.register_forward_pre_hook(_shard_merged, with_kwargs=True, prepend=True)
     # a forward set on the instance before (TRL's fused LM head, ``add_fused_lm_head``) runs under ours
@@ -152,7 +201,9 @@ def _shared_encoder(function: Any) -> Any:
         encoded = range(first, end) if not empty else range(0, 1)  # an empty share runs the tower on image 0
         out = function(self, **_slice_images(call, pixel_name, grid, encoded))
         keep = 0 if empty else len(encoded)
-        out.pooler_output = _gather_images(list(out.pooler_output), keep, first, count, state)
+        gathered = _gather_images(list(out.pooler_output), keep, first, count, state)
+        # as the encoder returns them: a [images, tokens, hidden] tensor (Gemma 3) or one tensor per image
+        out.pooler_output = torch.stack(gathered) if torch.is_tensor(out.pooler_output) else gathered
         if getattr(out, "deepstack_features", None) is not None:  # Qwen3-VL: per layer, per image
             out.deepstack_features = [
                 _gather_images(list(layer), keep, first, count, state) for layer in out.deepstack_features
@@ -203,6 +254,23 @@ def _gather_images(encoded: list[Tensor], keep: int, first: int, count: int, sta
     return torch.split(full, sizes)
 
 
+def _image_spans_hook(marks: str, block_ids: str) -> Any:
+    """The inner model's forward pre-hook of an ``IMAGE_SPANS`` model: the whole sample's image spans from its
+    ``marks`` argument by the model module's ``block_ids`` function, to the text model as ``SPANS_KWARG``
+    (none without marks: the model's mask is then causal), the 2-D mask beside them (``_PADDING_KWARG``)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        call = _as_kwargs(type(module).forward, (module, *args), kwargs)
+        call.pop("self")
+        marked = call.get(marks)
+        ids = None if marked is None else getattr(sys.modules[type(module).__module__], block_ids)(marked)
+        call[SPANS_KWARG] = None if ids is None else BidirectionalSpans.of_block_ids(ids)
+        call[_PADDING_KWARG] = call.get("attention_mask")
+        return (), call
+
+    return hook
+
+
 def _local_slice(seq: int, state: UPipeState) -> slice:
     """This rank's contiguous shard of a ``seq``-token sequence (ValueError, on every rank alike, when the
     whole sample's length is no multiple of the group size)."""
@@ -233,6 +301,9 @@ def _shard_merged(text: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     elif positions.dim() == 3 and positions.shape[0] == 3:  # mrope: transformers' [4, B, S], text positions first
         positions = torch.cat([text_positions.unsqueeze(0).to(positions.dtype), positions])
     call["position_ids"] = positions[..., local]
+    padding, masks = call.pop(_PADDING_KWARG, None), call.get("attention_mask")
+    if isinstance(masks, dict) and all(m is None for m in masks.values()):  # an IMAGE_SPANS model's per-layer masks
+        call["attention_mask"] = padding
     for key in ("inputs_embeds", "input_ids", "attention_mask"):
         if torch.is_tensor(call.get(key)):
             call[key] = call[key][:, local]
@@ -246,6 +317,73 @@ def _shard_merged(text: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     return (), call
 
 
+def _digest(t: Tensor) -> Tensor:
+    """A 0-d int64 digest of ``t``'s contents, exact and independent of its layout: the bits of each element
+    (floats viewed as integers of their width) summed per row of the last dim (integers: per element), each row
+    weighted by its index, so that a reordering changes it.  One pass over ``t``."""
+    bits = t.detach().contiguous()
+    if bits.dtype == torch.bool:
+        bits = bits.to(torch.uint8)
+    elif bits.is_floating_point():
+        bits = bits.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[bits.element_size()])
+    if bits.numel() == 0:
+        return torch.zeros((), dtype=torch.long, device=t.device)
+    rows = bits.reshape(-1)
+    if t.is_floating_point() and t.dim() > 0:  # large (pixels, embeddings): no int64 copy of every element
+        rows = bits.reshape(-1, bits.shape[-1]).sum(-1, dtype=torch.long)
+    weights = torch.arange(1, rows.numel() + 1, dtype=torch.long, device=t.device)
+    return (rows.long() * weights).sum()  # int64 wraps around: the same on every rank
+
+
+def check_same_sample(name: str, call: dict[str, Any], state: UPipeState) -> None:
+    """Raise the same ValueError on every rank of the group unless every rank passes the same sample (shape and
+    digest of each of ``SAMPLE_ARGUMENTS``): ranks given different samples (a loader that shards by rank) would
+    wait in the tower's collectives, sized by their own image counts, forever.  One all_gather of
+    ``len(SAMPLE_ARGUMENTS) * (_SHAPE_DIMS + 2)`` int64 per forward, before any collective whose shape depends on
+    the sample, and one host read of it."""
+    if state.group_size == 1:
+        return
+    shards = _SHARDS if torch.is_tensor(call.get("shift_labels")) else ()
+    tokens = call.get("input_ids") if torch.is_tensor(call.get("input_ids")) else call.get("inputs_embeds")
+    device = tokens.device if torch.is_tensor(tokens) else torch.device("cpu")
+    shapes: list[int] = []
+    digests = []
+    for key in SAMPLE_ARGUMENTS:
+        t = call.get(key)
+        present = torch.is_tensor(t)
+        dims = list(t.shape[:_SHAPE_DIMS]) if present else []
+        shapes += [t.dim() if present else -1, *dims, *[-1] * (_SHAPE_DIMS - len(dims))]
+        whole = present and key not in shards
+        digests.append(_digest(t).to(device) if whole else torch.zeros((), dtype=torch.long, device=device))
+    mine = torch.cat([torch.tensor(shapes, dtype=torch.long, device=device), torch.stack(digests)])
+    rows = [row.tolist() for row in gather_over_sequence_group(mine, state)]
+    per_rank = []
+    width, count = _SHAPE_DIMS + 1, len(SAMPLE_ARGUMENTS)
+    for row in rows:
+        record: dict[str, Any] = {}
+        for i, key in enumerate(SAMPLE_ARGUMENTS):
+            ndim, *dims = row[i * width : (i + 1) * width]
+            record[f"{key} shape"] = None if ndim < 0 else tuple(dims[: min(ndim, _SHAPE_DIMS)])
+            record[f"{key} contents"] = row[count * width + i]
+        per_rank.append(record)
+    differ = mismatched_settings(per_rank)
+    if not differ:
+        return
+    first = next(r for r, record in enumerate(per_rank) if record != per_rank[0])
+    shown = []
+    for key, values in differ.items():
+        if key.endswith(" shape"):
+            shown.append(f"{key} per rank {['absent' if v is None else v for v in values]}")
+        elif f"{key.removesuffix(' contents')} shape" not in differ:
+            shown.append(f"{key} differ on ranks {[r for r, v in enumerate(values) if v != values[0]]}")
+    raise ValueError(
+        f"{name} under UPipe: rank {first}'s sample differs from rank 0's (ranks of the sequence-parallel group): "
+        f"{'; '.join(shown)}. Every rank of the sequence-parallel group must pass the whole sample, the same "
+        "input_ids, images and labels (a loader that shards by rank gives each rank another one; the Trainer / TRL "
+        "routes exchange the whole sample: docs/vlm.md)"
+    )
+
+
 def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The causal LM's forward on the whole sample: logits of this rank's shard; the loss over the group of the
     whole sample's ``labels``, or, given this rank's shard of the shifted labels (``shift_labels``, as a
@@ -256,6 +394,7 @@ def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     inner = self.__dict__.get("_upipe_inner_forward")
     forward = inner if inner is not None else types.MethodType(type(self).forward, self)
     state: UPipeState = self._upipe_state
+    check_same_sample(type(self).__name__, call, state)  # before the tower's collectives, sized by the images
     shifted = call.get("shift_labels")
     if shifted is not None:
         tokens = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")

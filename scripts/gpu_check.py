@@ -4,6 +4,8 @@
    memory-efficient op in fp32; ``flash_attn`` too when installed) forward + backward over
    MHA / GQA / MQA x S not a multiple of 32 or 128 x head_dim 64 / 128 (and 20, padded to 24 for the
    flash op) x causal / full, packed documents (two rows, several documents each, 8 query heads),
+   Gemma 3's bidirectional image spans (``SpanKernel``, causal and a window shorter than a span, against
+   torch SDPA with the overlay's explicit mask),
    and through the UPipe stage loop (4 stages on one rank), there also with multi-head latent
    attention's shapes (q/k head dim 192, values of 128: the flash ops get v zero-padded to 192 and
    out, dv sliced back): out, dq, dk, dv against float64 may be off
@@ -58,6 +60,9 @@ HEADS = (("mha", 8, 8), ("gqa", 8, 2), ("mqa", 8, 1))
 FLOOR = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 #: per batch row, the cumulative document lengths of the packed-documents parity case (two rows)
 DOCUMENTS = {200: ((0, 1, 70, 71, 200), (0, 128, 199, 200)), 40: ((0, 1, 7, 40), (0, 33, 34, 40))}
+#: per batch row, the image spans of the bidirectional-spans case (Gemma 3's overlay), and a window shorter than them
+SPANS = {200: (((3, 70), (71, 120)), ((150, 200),)), 40: (((3, 15), (20, 22)), ((30, 40),))}
+SPAN_WINDOW = {200: 16, 40: 5}
 #: the layer table's planner check: allocated within this fraction of the prediction
 PLANNER_TOLERANCE = 0.15
 TIMED_SEQ = 2**18  # 256K: the timed row of the layer table
@@ -217,6 +222,34 @@ def _per_document(run: Callable, documents) -> Callable:
     return stitched
 
 
+def _overlay_mask(spans, seq: int, window: int | None, device: str):
+    """[b, 1, S, S] boolean mask of Gemma 3's image overlay: causal, or a whole span inside it, then the window
+    (transformers' ``AND(sliding_window_overlay, OR(causal, blockwise))``)."""
+    import torch
+
+    i, j = torch.arange(seq, device=device)[:, None], torch.arange(seq, device=device)[None, :]
+    mask = (j <= i).expand(len(spans), seq, seq).clone()
+    for r, row in enumerate(spans):
+        for s, e in row:
+            mask[r, s:e, s:e] = True
+    if window is not None:
+        mask &= j > i - window
+    return mask[:, None]
+
+
+def _sdpa_masked(mask) -> Callable:
+    """torch's own attention under an explicit mask, and its q/k/v gradients: the spans' reference."""
+    import torch
+    import torch.nn.functional as F
+
+    def run(q, k, v, dout, causal: bool):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    return run
+
+
 def _upipe_attention(kernel, q, k, v, dout, head_chunk_size: int):
     """The kernel inside the UPipe pipeline on one rank ([b, h, S, d] in and out): several stages,
     each saving its lse and aux for its own backward."""
@@ -281,6 +314,8 @@ def parity(
 def run_kernel_checks(device: str, smoke: bool) -> list[dict]:
     """Parity of every kernel with torch SDPA, alone, on packed documents and inside the pipeline."""
     from ds_upipe.packing import DocumentBoundaries, DocumentKernel
+    from ds_upipe.spans import BidirectionalSpans, SpanKernel
+    from ds_upipe.windows import windowed
 
     seqs, dims = ((40,), (16,)) if smoke else ((200, 333), (64, 128))
     rows = []
@@ -309,6 +344,17 @@ def run_kernel_checks(device: str, smoke: bool) -> list[dict]:
 
             reference = _per_document(_sdpa_autograd, documents)
             rows.append(_check(name, run, dtype_name, hq, hkv, device, seq, dims[0], True, reference))
+        spans = SPANS[seq]
+        for window in (None, SPAN_WINDOW[seq]):
+            name = f"spans {kernel_name} {dtype_name} gqa (H=8, KV=2) rows {spans} window {window}"
+
+            def run(q, k, v, dout, factory=factory, spans=spans, window=window):
+                base = factory(causal=True)
+                kernel = SpanKernel(windowed(base, window), base, BidirectionalSpans(spans))
+                return _kernel_attention(kernel, q, k, v, dout)
+
+            reference = _sdpa_masked(_overlay_mask(spans, seq, window, device))
+            rows.append(_check(name, run, dtype_name, 8, 2, device, seq, dims[0], True, reference))
         name = f"pipeline {kernel_name} {dtype_name} gqa (H=8, KV=2, U=2: 4 stages) S={seqs[0]} causal"
         rows.append(_check(name, _run_upipe(factory), dtype_name, 8, 2, device, seqs[0], dims[0]))
         # latent attention after its up-projection: every query head its own K/V head, values narrower

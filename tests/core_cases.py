@@ -480,16 +480,21 @@ def memory_by_head_chunk(rank, world, seq_per_rank=64, batch=1, heads=32, kv_hea
 # -- sliding windows and attention sinks --------------------------------------------------------------
 
 
-def masked_reference(q, k, v, window=None, sinks=None, rows=None):
+def masked_reference(q, k, v, window=None, sinks=None, rows=None, spans=None):
     """Single-process attention in float64 ([b, S, h, d]) with an explicit S x S mask: causal, restricted
     to transformers' sliding window (key j visible to query i iff i - W < j <= i) and to each document of
     ``rows`` (cu_seqlens per batch row); with ``sinks`` as GPT-OSS's eager_attention_forward adds them (one
-    logit per head appended to the scores, softmaxed with them, its column dropped)."""
+    logit per head appended to the scores, softmaxed with them, its column dropped); ``spans`` ([(start, end)]
+    per batch row): Gemma 3's image overlay, every token of a span seeing the whole span, before the window
+    (``AND(sliding_window_overlay, OR(causal, blockwise))``)."""
     b, seq, h, d = q.shape
     g = h // k.shape[2]
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(g, 1), v.transpose(1, 2).repeat_interleave(g, 1)
     i, j = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
     mask = (j <= i).expand(b, seq, seq).clone()
+    for r, row in enumerate(spans or []):
+        for s, e in row:
+            mask[r, s:e, s:e] = True
     if window is not None:
         mask &= j > i - window
     if rows is not None:

@@ -139,6 +139,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         "PASS kernel sdpa bfloat16 mqa (H=8, KV=1) S=40 d=16 full",
         "PASS documents sdpa bfloat16 gqa (H=8, KV=2) rows ((0, 1, 7, 40), (0, 33, 34, 40)) causal",
         "PASS pipeline sdpa float32 gqa (H=8, KV=2, U=2: 4 stages) S=40 causal",
+        "PASS spans sdpa bfloat16 gqa (H=8, KV=2) rows (((3, 15), (20, 22)), ((30, 40),)) window 5",
         "PASS latent sdpa bfloat16 (H=8, KV=8, d=24, d_v=16, U=2: 4 stages) S=40 causal",
         "PASS ranks stage loop C=4 sdpa bfloat16 gqa (H=8, KV=2, U=C: 2 stages)",
         "PASS ranks fused HF Llama C=2 float32 (U=C) vs the single-process model",
@@ -154,10 +155,10 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         assert want in lines, (want, lines)
     assert any(line.startswith("PASS layer upipe-recompute-8 1K [default allocator]") for line in lines), lines
     summary = next(line for line in lines if line.endswith("skipped"))
-    assert summary == "35 passed, 0 failed, 3 skipped", summary
+    assert summary == "39 passed, 0 failed, 3 skipped", summary
     assert lines[-1].startswith("upipe-recompute-8")  # the table comes last
     result = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert len(result["checks"]) == 38 and [r["method"] for r in result["layer"]] == [
+    assert len(result["checks"]) == 42 and [r["method"] for r in result["layer"]] == [
         "alst", "upipe-fused-8", "upipe-recompute-8",
     ]  # fmt: skip
 
@@ -175,4 +176,5 @@ def test_gpu_check_reports_a_wrong_kernel_and_exits_nonzero(monkeypatch, capsys,
     assert "FAIL documents math-noncausal float32 mqa" in text
     assert "PASS kernel sdpa float32 gqa (H=8, KV=2) S=40 d=16 causal" in lines
     assert "FAIL latent math-noncausal float32 (H=8, KV=8, d=24, d_v=16, U=2: 4 stages) S=40 causal" in text
-    assert lines[-1] == "14 passed, 8 failed, 1 skipped"
+    assert "FAIL spans math-noncausal float32 gqa (H=8, KV=2) rows (((3, 15), (20, 22)), ((30, 40),)) window" in text
+    assert lines[-1] == "16 passed, 10 failed, 1 skipped"

@@ -168,7 +168,8 @@ def _efficient_backward(rec: Recorder):
         # kernel_backward.h reads out through its head stride but takes its token stride to be
         # num_heads * head_dim (o_strideM): only token-major out, as the forward returns it, is read right
         b, h, seq, d = out.shape
-        token_major = out.stride(2) == h * d and (h == 1 or out.stride(1) == d)  # one head: its stride is moot
+        # one head: its stride is moot; one token (a 2-token image span's piece): the token stride is moot
+        token_major = (seq == 1 or out.stride(2) == h * d) and (h == 1 or out.stride(1) == d)
         assert token_major and out.stride(3) == 1, f"out must be token-major [b, S, h, d] memory, got {out.stride()}"
         want = (b, h, _padded_lse_len(seq))
         assert tuple(logsumexp.shape) == want, f"logsumexp must be {want} (padded to 32), got {tuple(logsumexp.shape)}"
@@ -830,6 +831,77 @@ def test_sliding_window_tiles_on_torch_cuda_paths(as_cuda, dtype, op):
     assert len(forwards) == len(backwards) > 3 * (40 // 4 - 2)  # three pieces per tile past the first ones
     is_causal = 4 if op == "flash" else 6  # where each forward op takes its causal flag
     assert {args[is_causal] for args, _, _ in forwards} == {True, False}  # causal and unmasked pieces
+
+
+#: bidirectional spans (Gemma 3's images) of the two rows of ``_inputs``: one longer than the windows below
+_SPANS = (((3, 15), (20, 22)), ((30, 40),))
+
+
+def _spans_reference(q, k, v, dout, window):
+    """float64 out, dq, dk, dv under the image overlay's explicit mask (``core_cases.masked_reference``)."""
+    from tests.core_cases import masked_reference
+
+    leaves = [t.detach().double().transpose(1, 2).requires_grad_(True) for t in (q, k, v)]
+    out = masked_reference(*leaves, window, spans=_SPANS)
+    out.backward(dout.double().transpose(1, 2))
+    return [t.transpose(1, 2) for t in (out.detach(), *(x.grad for x in leaves))]
+
+
+@pytest.mark.parametrize("dtype, op", [(torch.bfloat16, "flash"), (torch.float32, "efficient")])
+def test_span_kernel_on_torch_cuda_paths(as_cuda, dtype, op):
+    """Gemma 3's image spans (``SpanKernel``) on TorchSDPAKernel's CUDA ops (CPU stand-ins), causal and around the
+    window's fused tiles: each span piece is one causal call of equal q/k lengths on contiguous reversed rows (no
+    non-causal call of unequal lengths), the efficient op's lse sliced and padded to 32 again for each piece's
+    backward; the result is the overlay's explicit mask."""
+    from ds_upipe.spans import BidirectionalSpans, SpanKernel
+    from ds_upipe.windows import SlidingWindowKernel
+
+    q, k, v, dout = _inputs(4, 2, dtype)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    base = TorchSDPAKernel(causal=True)
+    for window in (None, 9):
+        inner = base if window is None else SlidingWindowKernel(base, window, tile=4, fused=True)
+        kernel = SpanKernel(inner, base, BidirectionalSpans(_SPANS))
+        as_cuda.clear()
+        out, lse, aux = kernel.forward(q, k, v)
+        grads = kernel.backward(dout, q, k, v, out, lse, aux)
+        for got, want in zip((out, *grads), _spans_reference(q, k, v, dout, window)):
+            assert got.dtype == q.dtype
+            torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    # the last kernel's calls: the window's tiles, then one causal call per span of its length - 1 rows and keys
+    pieces = [(args[0].shape[2], args[1].shape[2]) for args, _, _ in as_cuda.of(op)[-3:]]
+    assert pieces == [(e - s - 1, e - s - 1) for row in _SPANS for s, e in row]
+    is_causal = 4 if op == "flash" else 6  # where each forward op takes its causal flag
+    assert all(args[is_causal] for args, _, _ in as_cuda.of(op)[-3:])
+    assert len(as_cuda.of(op)) == len(as_cuda.of(f"{op}_backward"))
+
+
+@pytest.mark.parametrize("version", ["2.6.3", "2.8.3"])
+def test_span_kernel_around_flash_attn(install_flash_attn, version):
+    """``SpanKernel`` around flash-attn's own window: one windowed call (W - 1, 0) over the sequence, then per span
+    one causal call without a window, q and k of equal lengths; each piece's backward gets its reversed rows' merged
+    lse as flash-attn reads it (float32, [1, h, rows], contiguous); the result is the overlay's explicit mask."""
+    from ds_upipe.spans import BidirectionalSpans, SpanKernel
+    from ds_upipe.windows import windowed
+
+    rec = install_flash_attn(version)
+    old = version.startswith("2.6")
+    base = FlashAttnKernel(causal=True)
+    kernel = SpanKernel(windowed(base, 5), base, BidirectionalSpans(_SPANS))
+    q, k, v, dout = _inputs(4, 2, torch.bfloat16, d=16)
+    out, lse, aux = kernel.forward(q, k, v)
+    grads = kernel.backward(dout, q, k, v, out, lse, aux)
+    for got, want in zip((out, *grads), _spans_reference(q, k, v, dout, 5)):
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+    lengths = [e - s - 1 for row in _SPANS for s, e in row]
+    for name in ("fa_forward", "fa_backward"):
+        calls = [a for _, a, _ in rec.of(name)]
+        windows = [a["window_size"] if old else (a["window_size_left"], a["window_size_right"]) for a in calls]
+        assert windows == [(4, 0)] + [(-1, -1)] * len(lengths) and all(a["causal"] for a in calls)
+        assert [(a["q"].shape[1], a["k"].shape[1]) for a in calls[1:]] == [(n, n) for n in lengths]
+    for a, n in zip([a for _, a, _ in rec.of("fa_backward")][1:], lengths):
+        lse_piece = a["softmax_lse"]
+        assert lse_piece.dtype == torch.float32 and lse_piece.shape == (1, 4, n) and lse_piece.is_contiguous()
 
 
 #: flash-attn releases whose varlen signatures differ (see _varlen_signatures), and the pinned ones

@@ -16,7 +16,9 @@ F64 = 1e-10
 F32 = 1e-5
 
 REFUSALS = {
-    "gemma3": ("Gemma3ForConditionalGeneration", "bidirectionally", "causal"),
+    "paligemma": ("PaliGemmaForConditionalGeneration", "bidirectionally", "paligemma"),
+    "gemma3 packed": ("bidirectional spans", "packed documents"),
+    "gemma3 left padding": ("attention_mask has padding before real tokens",),
     "ring": ("ring_group", "vision-language"),
     "length": ("47 tokens", "multiple of the sequence-parallel size 2"),
 }
@@ -54,7 +56,9 @@ def _ranks(four_deepspeed_ranks):
 def test_vlm_parity_c4_and_c2(four_deepspeed_ranks):
     results = _ranks(four_deepspeed_ranks)
     for rank, result in enumerate(results):
-        assert len(result["parity"]) == 2 * len(vlm_cases.MODELS) + 4
+        packed, checkpointed = len(vlm_cases.PACKED), len(vlm_cases.CHECKPOINTED)
+        # + the deepcopy case and Gemma 3 unfused
+        assert len(result["parity"]) == 2 * len(vlm_cases.MODELS) + packed + checkpointed + 2
         for case, errors in result["parity"].items():
             assert max(errors.values()) <= F64, f"rank {rank} {case}: {errors}"
 
@@ -67,6 +71,27 @@ def test_vlm_refusals(four_deepspeed_ranks):
         for case, words in REFUSALS.items():
             for word in words:
                 assert word in messages[case], f"{case}: {messages[case]!r} lacks {word!r}"
+
+
+def test_vlm_ranks_given_different_samples_raise_instead_of_hanging(four_deepspeed_ranks):
+    """Each pair's rank 1 given another sample (other ids, no video): every rank of both pairs raises the same-sample
+    check's ValueError naming what differs, long before the groups' collective timeout (without the check the
+    ranks wait in the tower's collectives until gloo's timeout fails them); the group then runs a same sample."""
+    results = _ranks(four_deepspeed_ranks)
+    for rank, result in enumerate(results):
+        r = result["mismatch"]
+        message = r["message"]
+        for words in (
+            "ValueError: Qwen2_5_VLForConditionalGeneration under UPipe: rank 1's sample differs from rank 0's",
+            "input_ids contents differ on ranks [1]",
+            "pixel_values_videos shape per rank [(32, 12), 'absent']",
+            "video_grid_thw shape per rank [(1, 3), 'absent']",
+            "every rank of the sequence-parallel group must pass the whole sample",
+        ):
+            assert words.lower() in message.lower(), f"rank {rank}: {message!r} lacks {words!r}"
+        assert message == results[0]["mismatch"]["message"], "every rank raises the same error"
+        assert r["seconds"] < vlm_cases.MISMATCH_TIMEOUT_S / 3, f"rank {rank}: {r}"
+        assert r["same_sample_loss"] == pytest.approx(results[0]["mismatch"]["same_sample_loss"], rel=1e-12), r
 
 
 def test_vlm_zero3_training_equals_one_process(four_deepspeed_ranks):

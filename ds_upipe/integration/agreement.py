@@ -19,6 +19,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ds_upipe.validation import mismatched_settings
+
 #: the ds_config sections (besides sequence_parallel_size and the "upipe" block) whose values decide
 #: which collectives a rank runs before or inside the first training step
 AGREED_SECTIONS = ("activation_checkpointing", "zero_optimization", "bf16", "fp16")
@@ -64,10 +66,3 @@ def check_ranks_agree(error: str | None, settings: dict[str, Any], group: Any = 
             f"ds_config settings differ across ranks: {shown}. Every rank must be given the same ds_config "
             "(sequence_parallel_size, the upipe block, zero_optimization, activation_checkpointing, bf16/fp16)"
         )
-
-
-def mismatched_settings(per_rank: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    """``{key: [value of rank 0, rank 1, ...]}`` for every key whose values differ (a missing key is None)."""
-    keys = sorted({key for settings in per_rank for key in settings})
-    values = {key: [settings.get(key) for settings in per_rank] for key in keys}
-    return {key: vals for key, vals in values.items() if any(v != vals[0] for v in vals)}
