@@ -115,7 +115,8 @@ GROUP_STEP_ARGS = {
 
 def calibration_group(rank: int, world: int, points: list[tuple], whole_step_args: dict, group_step_args: dict) -> dict:
     """One spawn for the planner's measurements: the decoder-layer points, then every whole-step case
-    (benchmarks/whole_step.py's run_case: per-rank peak bytes), then the checkpoint-group cases (run_group_case).  The layer points register ALST in
+    (benchmarks/whole_step.py's run_case: per-rank peak bytes), then the checkpoint-group cases
+    (run_group_case).  The layer points register ALST in
     transformers' registry (ds_upipe.tools.hf_memory's cached registration); the registry is restored,
     the cache dropped and DeepSpeed's sequence-parallel groups released, so that the whole step's ALST
     registers as it does on its own."""
