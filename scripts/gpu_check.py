@@ -77,7 +77,8 @@ LATENT_DIMS = {False: (192, 128), True: (24, 16)}
 PARTS = ("kernels", "ranks", "layer", "memory")
 #: the memory rows' tokens per rank (smoke: 128) and their method: the long-context configs' attention
 MEMORY_TOKENS_PER_RANK = (2**20, 2**21)
-MEMORY_METHOD = "upipe-recompute-8"
+#: the memory rows run the attention and long-context stack of the config the long-context plans are made for
+MEMORY_CONFIG = REPO / "ds_configs" / "upipe_llama3_8b_8m.json"
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -590,6 +591,7 @@ def layer_rows(args: argparse.Namespace, device_name: str, alloc: str) -> list[d
             rows.append(row)
             label = f"layer {m.name} {planner.fmt_tokens(seq)} [{alloc or 'default allocator'}]"
             report(f"{label} ({time.monotonic() - start:.0f}s)", row.get("error"))
+    _close_fake_group()
     return rows
 
 
@@ -599,7 +601,7 @@ def memory_rows(args: argparse.Namespace, device_name: str, alloc: str) -> list[
     import torch
 
     from ds_upipe.tools import planner
-    from ds_upipe.tools.bench import BenchSpec, build_layer, layer_inputs
+    from ds_upipe.tools.bench import BenchSpec, Method, build_layer, layer_inputs
     from ds_upipe.tools.memory_mode import use_memory_stand_in
 
     smoke = args.cpu_smoke
@@ -609,18 +611,22 @@ def memory_rows(args: argparse.Namespace, device_name: str, alloc: str) -> list[
     # bf16 on CPU too: the stand-in is the flash op, which has no float32 kernel
     spec = BenchSpec(world=WORLD, seq_lens=seqs, levels=("layer",), tiled_mlp=True, dtype="bfloat16",
                      repeats=0, warmup=0, device=device_name, **shapes)  # fmt: skip
-    method = _method(MEMORY_METHOD)
+    # the config's attention (fused, recompute, input-dtype accumulation) at U = C and its stack (tiled norms and
+    # MLP), checkpointed; the stand-in allocates flash-attn 2's workspace; no ZeRO terms: the rows measure the layer
+    # phase to which the planner's whole step adds them
+    raw = {**json.loads(MEMORY_CONFIG.read_text()), "sequence_parallel_size": WORLD}
+    setup, scheme, _ = planner.from_ds_config(raw)
+    setup = dataclasses.replace(setup, kernel="fa2", offload_checkpoints=False)
+    scheme = dataclasses.replace(scheme, options=dataclasses.replace(scheme.options, head_chunk_size=WORLD))
+    method = Method(scheme.label, "upipe", scheme.options)
     dims = planner.ModelDims(
         "check", spec.heads, spec.kv_heads, spec.head_dim, spec.hidden_size, spec.intermediate_size, 1, 128
     )
-    setup = planner.measured_layer_setup(WORLD, "bfloat16", True, checkpointing=True, hidden_size=spec.hidden_size)
-    setup = dataclasses.replace(setup, kernel="fa2")  # the stand-in allocates flash-attn 2's workspace
-    scheme = planner.measured_scheme(method.kind, method.options)
     predicted = {seq: planner.layer_peak(dims, setup, scheme, seq).total for seq in seqs}  # before the fake group
     _init_fake_group(device_name)
     device = torch.device(device_name, 0) if device_name == "cuda" else torch.device("cpu")
     capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else math.inf
-    layer, rotary = build_layer(method, spec, device)
+    layer, rotary = build_layer(method, spec, device, long_context=True)
     use_memory_stand_in(layer)
     rows: list[dict] = []
     for seq in seqs:
@@ -655,7 +661,22 @@ def memory_rows(args: argparse.Namespace, device_name: str, alloc: str) -> list[
             torch.cuda.empty_cache()
         rows.append(row)
         report(label, row.get("error"))
+    _close_fake_group()
     return rows
+
+
+def _close_fake_group() -> None:
+    """Undo ``_init_fake_group``, so that the next part's planner runs its fake runs (they need a process without a
+    process group) and opens the group again (on CPU the parts share one process)."""
+    import torch.distributed as dist
+
+    from ds_upipe.integration.fake_run import _release_deepspeed_sp_groups
+
+    _release_deepspeed_sp_groups()
+    dist.destroy_process_group()
+    comm = sys.modules.get("deepspeed.comm.comm")
+    if comm is not None:
+        comm.cdb = None
 
 
 def _replay_peak(layer, inputs: tuple, device) -> int:
@@ -723,21 +744,11 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name(0) if device_name == "cuda" else "cpu"
     print(f"ds-upipe GPU acceptance on {gpu}: torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
     checks: list[dict] = []
-    layer: list[dict] = []
     if args.only in (None, "kernels"):
         checks += run_kernel_checks(device_name, args.cpu_smoke)
         checks.append(fla_memory_check(device_name, args.cpu_smoke))
     if args.only in (None, "ranks"):
         checks += run_rank_checks(device_name, args.cpu_smoke)
-    if args.only in (None, "layer"):
-        layer = run_child_rows(args, device_name, deadline, "layer")
-        checks += [
-            {
-                "check": f"layer {r['method']} {r['seq_len']} [{r['alloc']}]",
-                "status": "FAIL" if "error" in r else "PASS",
-            }
-            for r in layer
-        ]
     memory: list[dict] = []
     if args.only in (None, "memory"):
         memory = run_child_rows(args, device_name, deadline, "memory")
@@ -747,6 +758,16 @@ def main(argv: list[str] | None = None) -> int:
                 "status": "SKIP" if "skipped" in r else "FAIL" if "error" in r else "PASS",
             }
             for r in memory
+        ]
+    layer: list[dict] = []
+    if args.only in (None, "layer"):
+        layer = run_child_rows(args, device_name, deadline, "layer")
+        checks += [
+            {
+                "check": f"layer {r['method']} {r['seq_len']} [{r['alloc']}]",
+                "status": "FAIL" if "error" in r else "PASS",
+            }
+            for r in layer
         ]
     failed = sum(c["status"] == "FAIL" for c in checks)
     passed = sum(c["status"] == "PASS" for c in checks)
@@ -764,26 +785,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _memory_table(rows: list[dict], gpu: str) -> str:
-    """The memory rows: GiB allocated (the step's peak: weights, inputs and what it allocates), the allocator's
-    max allocated / reserved, memory outside the allocator (CUDA context, libraries), the planner's figure."""
+    """The memory rows: the step's peak (weights, inputs and what it allocates), the allocator's max allocated /
+    reserved, memory outside the allocator (CUDA context, libraries), the planner's figure."""
     from ds_upipe.tools.planner import fmt_tokens
 
+    done = [r for r in rows if "allocated_gib" in r]
+    unit, div = ("GiB", 1.0) if done and max(r["allocated_gib"] for r in done) >= 1 else ("MiB", 1 / 1024)
     lines = [
         f"one rank's checkpointed Llama3-8B layer replay + backward, rank 0 of C={WORLD} (FAKE group), attention "
-        f"as memory (tools.memory_mode), {gpu}; GiB",
-        f"{'method':<19}{'tokens/rank':>12} {'allocator':<11}{'step peak':>10}{'max alloc':>10}{'max resvd':>10}"
+        f"as memory (tools.memory_mode), {gpu}; {unit}",
+        f"{'method':<31}{'tokens/rank':>12} {'allocator':<11}{'step peak':>10}{'max alloc':>10}{'max resvd':>10}"
         f"{'outside':>9}{'planner':>9}{'x plan':>8}",
     ]
     for r in rows:
         alloc = "expandable" if r["alloc"] else "default"
-        head = f"{r['method']:<19}{fmt_tokens(r.get('tokens_per_rank', 0)):>12} {alloc:<11}"
+        head = f"{r['method']:<31}{fmt_tokens(r.get('tokens_per_rank', 0)):>12} {alloc:<11}"
         if "allocated_gib" not in r:
             lines.append(head + f" {r.get('skipped') or r.get('error', '')[:80]}")
             continue
-        cuda = [r.get(k, math.nan) for k in ("max_allocated_gib", "max_reserved_gib", "outside_allocator_gib")]
+        cuda = [r.get(k, math.nan) / div for k in ("max_allocated_gib", "max_reserved_gib", "outside_allocator_gib")]
         lines.append(
-            head + f"{r['allocated_gib']:>10.3f}{cuda[0]:>10.3f}{cuda[1]:>10.3f}{cuda[2]:>9.3f}"
-            f"{r['planner_gib']:>9.3f}{r['allocated_gib'] / r['planner_gib']:>8.3f}"
+            head + f"{r['allocated_gib'] / div:>10.2f}{cuda[0]:>10.2f}{cuda[1]:>10.2f}{cuda[2]:>9.2f}"
+            f"{r['planner_gib'] / div:>9.2f}{r['allocated_gib'] / r['planner_gib']:>8.3f}"
             + ("  FAIL" if "error" in r else "")
         )
     return "\n".join(lines)
