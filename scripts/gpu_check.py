@@ -622,7 +622,11 @@ def memory_rows(args: argparse.Namespace, device_name: str, alloc: str) -> list[
     dims = planner.ModelDims(
         "check", spec.heads, spec.kv_heads, spec.head_dim, spec.hidden_size, spec.intermediate_size, 1, 128
     )
-    predicted = {seq: planner.layer_peak(dims, setup, scheme, seq).total for seq in seqs}  # before the fake group
+    # before the fake group; the second allocator's process reads the first's (the fake runs take ~30 s a length)
+    cache = _out_dir(args) / f"memory-planned{'-smoke' if smoke else ''}.json"
+    known = {int(k): v for k, v in json.loads(cache.read_text()).items()} if cache.exists() else {}
+    predicted = {seq: known.get(seq) or planner.layer_peak(dims, setup, scheme, seq).total for seq in seqs}
+    cache.write_text(json.dumps(predicted))
     _init_fake_group(device_name)
     device = torch.device(device_name, 0) if device_name == "cuda" else torch.device("cpu")
     capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else math.inf
@@ -698,6 +702,8 @@ def run_child_rows(args: argparse.Namespace, device_name: str, deadline: float, 
     """``part``'s rows ("layer" or "memory") with the default allocator and with expandable segments, each in a
     fresh process on CUDA (the allocator setting is read at CUDA's start); on CPU the default in this process."""
     rows_of = layer_rows if part == "layer" else memory_rows
+    for cache in _out_dir(args).glob("memory-planned*.json"):  # the memory rows' plans are made afresh each run
+        cache.unlink()
     if device_name == "cpu":
         rows = rows_of(args, device_name, "")
         skip(f"{part} [expandable_segments:True]", "needs a CUDA device")
