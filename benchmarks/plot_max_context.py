@@ -23,6 +23,10 @@ ALST = "ulysses (ALST)"
 ROWS = (
     ("Llama3-8B, 8 x 80 GB, 1 TB or 2 TB of host", ("llama3-8b 8 x 80 GB, 1 TB", "llama3-8b 8 x 80 GB, 2 TB")),
     ("Llama3-8B, 8 x H200, 2 TB of host", ("llama3-8b 8 x H200, 2 TB",)),
+    (
+        "Llama3-8B, 16 x 80 GB (UPipe: Ulysses 8 x Ring 2), 1 TB or 2 TB of host per node",
+        ("llama3-8b 16 x 80 GB (2 nodes), 1 TB/node", "llama3-8b 16 x 80 GB (2 nodes), 2 TB/node"),
+    ),
     ("Qwen3-32B, 16 x 80 GB (UPipe: Ulysses 8 x Ring 2)", ("qwen3-32b 16 x 80 GB (2 nodes), 2 TB/node",)),
     ("Llama3-8B, 32 x 80 GB (UPipe: Ulysses 8 x Ring 4)", ("llama3-8b 32 x 80 GB (4 nodes), 2 TB/node",)),
 )

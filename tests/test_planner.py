@@ -281,6 +281,7 @@ def calibration():
         bench_cases.CALIBRATION_WORLD,
         bench_cases.CALIBRATION_POINTS,
         bench_cases.WHOLE_STEP_ARGS,
+        bench_cases.GROUP_STEP_ARGS,
         use_deepspeed=True,
     )
 
@@ -388,6 +389,30 @@ def test_whole_step_plan_matches_memtracker_on_cpu(calibration):
         )
     assert len(report) == 4
     assert all(abs(r[3]) <= 0.05 for r in report), "\n".join(map(str, report))
+
+
+def test_grouped_step_plan_matches_memtracker_on_cpu(calibration):
+    """Checkpoint groups on (benchmarks/whole_step.py's GROUP_CASES: N groups of k = 2 and 3 below a top layer, UPipe,
+    installed by the run's configure_activation_checkpointing): the planner's whole step against the real one's
+    MemTracker peak, worst rank, with every checkpoint in memory (as a CPU run keeps them) and with the groups'
+    inputs in their host stores (offloaded, as on CUDA; the device side is the peak less what the stores hold), and
+    its host term against the bytes the stores hold: within 5%.  Fails when the planner ignores k or the groups
+    (one layer input is ~3.5% of this step: 3 more fail the device side, 1 more the host side) or counts L - 1
+    offloaded inputs."""
+    from benchmarks.whole_step import GROUP_CASES
+
+    args = bench_cases.GROUP_STEP_ARGS
+    report = []
+    for n, k in GROUP_CASES:
+        measured = {
+            part: max(r["groups"][f"{n}x{k}"][part] for r in calibration) for part in ("device", "offloaded", "host")
+        }
+        kept = planner_prediction(args, "upipe", False, (n, k), offload=False)
+        offloaded = planner_prediction(args, "upipe", False, (n, k), offload=True)
+        host = sum(offloaded.host_terms_gib.values()) * GiB
+        for part, pred in (("device", kept.total_gib * GiB), ("offloaded", offloaded.total_gib * GiB), ("host", host)):
+            report.append((f"{n} groups of {k}", part, measured[part], pred, pred / measured[part] - 1))
+    assert all(abs(r[-1]) <= 0.05 for r in report), "\n".join(map(str, report))
 
 
 def test_host_memory_is_planned_and_bounds_the_max_context():

@@ -333,6 +333,13 @@ def other_layers(dims: ModelDims, setup: TrainSetup, seq_len: int, saved_per_lay
     else:
         grads = extra * dims.params_per_layer * setup.act_bytes
         above = (grads, f"{extra} more layers' weight gradients (kept from their creation on: no optimizer)")
+    inner = kept_checkpoints(dims, setup)[2]
+    if setup.checkpointing and not setup.offload_checkpoints and inner and not setup.optimizer:
+        # the lowest group's top layer replays with its k - 2 inner inputs held while nearly every gradient is
+        # alive (no optimizer: measured, tests/test_planner.py's grouped step); with one the top-layer phase,
+        # which counts the inner inputs, is the larger
+        inner_bytes = inner * hidden_state_bytes(dims, setup, seq_len)
+        above = (above[0] + inner_bytes, f"{above[1]}; {inner} inner layer inputs of the lowest group's backward")
     return {"forward": below, "loss": below, "top layer": below, "bottom layer": above}
 
 
