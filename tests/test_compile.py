@@ -38,7 +38,8 @@ LAST_LAYER_BITWISE += ("model.layers.1.self_attn.k_proj.weight", "model.layers.1
 
 
 #: cases comparing a model (patched variants and the unpatched one) compiled against eager
-MODEL_CASES = ("per_layer_aot_eager", "whole_model_aot_eager", "per_layer_inductor", "hybrid_lfm2_aot_eager")
+MODEL_CASES = ("per_layer_aot_eager", "whole_model_aot_eager", "per_layer_inductor")
+MODEL_CASES += ("hybrid_lfm2_aot_eager", "hybrid_qwen3_5_aot_eager", "hybrid_bamba_aot_eager")
 
 
 def check_results(results: list[dict]) -> None:
@@ -47,7 +48,7 @@ def check_results(results: list[dict]) -> None:
         for name in [n for n in MODEL_CASES if n in result]:
             cases = result[name]
             bar = _bar(cases["unpatched"])
-            exact = LAST_LAYER_BITWISE if "aot_eager" in name and "lfm2" not in name else ()
+            exact = LAST_LAYER_BITWISE if "aot_eager" in name and not name.startswith("hybrid") else ()
             for variant, case in cases.items():
                 assert len(case["errors"]) == 2 + case["num_parameters"], f"{name} {variant}: {case['errors']}"
                 _check(f"rank {rank} {name} {variant}", case, bar, exact if variant != "unpatched" else ())
