@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from ds_upipe.packing import DocumentBoundaries
 
@@ -51,27 +52,32 @@ def check_head_chunk_size(
     )
 
 
+@torch.compiler.disable
+def checkpointed_stage(stage: Callable[..., Tensor], *args: object) -> Tensor:
+    """``stage(*args)`` under a non-reentrant checkpoint (between forward and backward a mixer stage keeps its
+    input, shared, and its local output only), run eagerly under ``torch.compile``: a graph break before and after
+    the stage, which autograd links like any other node (as the attention stage loop's ``apply_eagerly``).
+
+    Why eager: dynamo traces a checkpoint whole (a higher-order op) or not at all (torch's ``checkpoint`` is
+    dynamo-disabled, so any graph break inside runs the whole stage eagerly), and on GPU a stage calls FLA's
+    ``chunk_gated_delta_rule``, which is ``torch.compiler.disable``d: made explicit here, CPU and GPU runs compile
+    the same pieces.  Traced whole on transformers' torch fallbacks, the tiny Qwen3.5 of tests/test_compile.py
+    (4 gated delta stages, aot_eager) took 95-175 s to compile against 10-35 s for its unpatched model on the whole
+    sequence, once a stage.  Eager, the stage's exchanges (collectives inside autograd Functions, the pattern that
+    lost gradients in DeepSpeed #8491) never enter a graph either."""
+    return checkpoint(stage, *args, use_reentrant=False)
+
+
 def model_function(module: nn.Module, *names: str) -> Callable[..., Tensor]:
     """The module-level function the module's own modeling file calls (first of ``names`` it defines), looked
     up at call time: transformers' wrapper runs the CUDA kernel where its package is installed, its torch
-    fallback otherwise.  Returned run eagerly under ``torch.compile`` (``_call_eagerly``)."""
+    fallback otherwise."""
     source = sys.modules[type(module).__module__]
     for name in names:
         fn = getattr(source, name, None)
         if fn is not None:
-            return functools.partial(_call_eagerly, fn)
+            return fn
     raise ValueError(f"{type(module).__module__} defines none of {', '.join(names)}")
-
-
-@torch.compiler.disable
-def _call_eagerly(fn: Callable[..., Tensor], *args: object, **kwargs: object) -> Tensor:
-    """``fn(*args, **kwargs)`` as a graph break under ``torch.compile``: the model's kernel functions (the conv,
-    the gated delta rule, the SSD scan) run eagerly between the compiled pieces of a mixer stage.  Why: a mixer
-    runs them once a stage inside a checkpoint, and dynamo traced transformers' torch fallback of the gated delta
-    rule anew in every stage (a tiny Qwen3.5, 4 stages, aot_eager: 95-175 s to compile, against 10-35 s for the
-    unpatched model and with these calls eager); the CUDA kernels (FLA's Triton, mamba_ssm, causal-conv1d) are
-    their own autograd Functions, which dynamo has nothing to fuse in.  Their numerics are eager ones."""
-    return fn(*args, **kwargs)
 
 
 def kernel_runs(package: str, device: torch.device) -> bool:
