@@ -1,9 +1,11 @@
 """UPipe under torch.compile (aot_eager and inductor, CPU, 2 gloo ranks, one spawn): a tiny Llama patched fused and
 unfused with each decoder layer compiled (and the whole model), the core ``UPipeDistributedAttention`` compiled,
-and a hybrid (LFM2: short conv halo exchanges) compiled per layer give the outputs and every gradient of the same
-module run eagerly.  The UPipe nodes run eagerly inside compiled code (``ds_upipe.pipeline.apply_eagerly``); what
-the compiler changes around them is held to the unpatched model's own compiled-vs-eager difference, measured in
-the same run.  A gradient that goes missing or to zero under compile (DeepSpeed #8491) fails every case."""
+and three hybrids compiled per layer (LFM2: short conv halo exchanges; Qwen3.5: gated delta net stages; Bamba:
+Mamba-2 stages) give the outputs and every gradient of the same module run eagerly.  The UPipe nodes and the
+mixer stages run eagerly inside compiled code (``ds_upipe.pipeline.apply_eagerly``,
+``hf_patches.mixers.common.checkpointed_stage``); what the compiler changes around them is held to the unpatched
+model's own compiled-vs-eager difference, measured in the same run.  A gradient that goes missing or to zero
+under compile (DeepSpeed #8491) fails every case."""
 
 import torch
 
