@@ -27,6 +27,7 @@ SETUPS = [
     ("llama3-8b 16 x 80 GB (2 nodes), 2 TB/node", "llama3-8b", 16, H100, 2048, 2),
     ("llama3-8b 32 x 80 GB (4 nodes), 2 TB/node", "llama3-8b", 32, H100, 2048, 4),
     ("qwen3-32b 16 x 80 GB (2 nodes), 2 TB/node", "qwen3-32b", 16, H100, 2048, 2),
+    ("llama3-8b 16 x 80 GB (2 nodes), 1 TB/node", "llama3-8b", 16, H100, 1024, 2),
 ]
 
 

@@ -129,14 +129,76 @@ def run_case(method: str, stack: bool, args: argparse.Namespace, rank: int) -> d
     }
 
 
-def planner_prediction(args: dict[str, Any], method: str, stack: bool) -> Any:
+#: (checkpoint_groups N, checkpoint_group_size k) of the checkpointed whole-step cases, on N k + 1 layers: every
+#: layer but the top one grouped (DeepSpeed keeps the newest checkpoint on the GPU: the top layer's, as planned)
+GROUP_CASES = ((3, 2), (2, 3))
+
+
+def run_group_case(groups: int, size: int, args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    """One whole step of UPipe (no stack) on ``groups * size + 1`` layers, checkpointed as the run installs it
+    (``sp_setup.configure_activation_checkpointing``: DeepSpeed's reentrant checkpoint with the replayed output
+    released, the lowest ``groups * size`` layers in checkpoint groups), measured twice:
+
+    - ``device``: as a CPU run keeps them, every checkpoint in (device) memory: the step's peak;
+    - ``offloaded``: the groups' inputs in their host stores (``install_checkpoint_groups(offload=True)``, as on
+      CUDA with cpu_checkpointing): ``host`` = the bytes the stores hold, ``offloaded`` = the step's peak less them.
+      A first step fills the stores' pools; the measured second one reuses them (asserted), so its tracker sees
+      them from the start, as the constant ``host`` bytes.  (On CUDA a restored input is a device copy; here it
+      is the host buffer itself: the device side can be lower by one layer input while a group's layer replays.)"""
+    import torch
+    import torch.distributed as dist
+
+    import hf_patches
+    from ds_upipe.integration.checkpoint_groups import install_checkpoint_groups
+    from ds_upipe.integration.config import parse_config
+    from ds_upipe.integration.sp_setup import configure_activation_checkpointing
+    from ds_upipe.tools.memory import measure_peak
+
+    group = dist.group.WORLD
+    case = argparse.Namespace(**{**vars(args), "layers": groups * size + 1})
+    model, restore = prepare("upipe", False, case, group)
+    model.train()
+    grouping = {"checkpoint_groups": groups, "checkpoint_group_size": size}
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "activation_checkpointing": {}, "upipe": grouping}
+    try:
+        assert configure_activation_checkpointing(model, ds_config, parse_config(ds_config), None) == "reentrant"
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, args.vocab, (1, args.seq), generator=gen)
+        shard = hf_patches.shard_batch({"input_ids": ids, "labels": ids.clone()}, group)
+
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+            loss = hf_patches.sequence_parallel_loss(out.logits, shard["shift_labels"], group)
+            del out
+            loss.backward()
+
+        device = measure_peak(step, [model, *shard.values()], torch.device("cpu"))
+        installed = install_checkpoint_groups(model, groups, size, offload=True)
+        stores = [g.store for g in installed] + [installed[0].inner_store]
+        step()  # fills the pools
+        pools = [buffer for store in stores for buffer in store._free]
+        host = sum(store.allocated_bytes for store in stores)
+        model.zero_grad(set_to_none=True)
+        peak = measure_peak(step, [model, *shard.values(), *pools], torch.device("cpu"))
+        assert sum(store.allocated_bytes for store in stores) == host, "the measured step allocated host buffers"
+    finally:
+        restore()
+    return {"device": device, "offloaded": peak - host, "host": host}
+
+
+def planner_prediction(
+    args: dict[str, Any], method: str, stack: bool, groups: tuple[int, int] | None = None, offload: bool = False
+) -> Any:
     """The planner's prediction for one case of benchmarks/whole_step.py: no ZeRO, no checkpointing,
     no optimizer (gradients from None), CPU (no kernel workspace, no reserve), gloo.  ``args``: this
-    script's arguments as a dict.  Runs the fake-tensor phases in this process (it must have no
-    process group)."""
+    script's arguments as a dict.  ``groups`` (N, k): a ``run_group_case`` instead (N k + 1 layers,
+    checkpointed, N groups of k; ``offload``: checkpoints offloaded, exact-size host buffers; host terms per
+    rank, without the OS).  Runs the fake-tensor phases in this process (it must have no process group)."""
     from ds_upipe.options import UPipeOptions
     from ds_upipe.tools import planner
 
+    n, k = groups or (0, 2)
     dims = planner.ModelDims(
         "whole-step",
         args["heads"],
@@ -144,15 +206,21 @@ def planner_prediction(args: dict[str, Any], method: str, stack: bool) -> Any:
         args["hidden"] // args["heads"],
         args["hidden"],
         args["intermediate"],
-        args["layers"],
+        n * k + 1 if groups else args["layers"],
         args["vocab"],
     )
     setup = planner.TrainSetup(
         gpus=args["world"],
         gpu_memory_gib=1e6,
         zero_stage=0,
-        checkpointing=False,
-        offload_checkpoints=False,
+        checkpointing=groups is not None,
+        offload_checkpoints=offload,
+        checkpoint_groups=n,
+        checkpoint_group_size=k,
+        checkpoint_pinning="exact",
+        gpus_per_node=1,
+        host_os_gib=0.0,
+        host_per_rank_gib=0.0,
         tiled_mlp=stack,
         tiled_norm=stack,
         tiled_loss=stack,

@@ -37,6 +37,10 @@ class UPipeOptions:
     accumulate_in_input_dtype: bool = False
     #: fused mode keeps no attention output: backward recomputes each stage's attention forward
     recompute_attention_output: bool = False
+    #: KV-shared layers (Gemma 3n, Gemma 4) attend with their producing layer's keys and values as it exchanged
+    #: them, kept from its forward to its backward (``ds_upipe.exchanged_kv``: one exchange per producer, none per
+    #: sharing layer), instead of exchanging them again in every sharing layer (less memory, more all-to-alls)
+    share_exchanged_kv: bool = True
 
     def __post_init__(self) -> None:
         for name in ("head_chunk_size", "mixer_head_chunk_size"):

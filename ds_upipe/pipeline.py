@@ -2,10 +2,12 @@
 
 Forward runs the stage plan: per round, gather the round's KV heads once; per stage, gather u query
 heads per rank over the full sequence, attend, send the output back and write it at the heads' own
-indices.  Only sequence-sharded tensors are saved (the inputs, the output, per-stage lse and kernel
-aux), so no gathered full-sequence tensor outlives its stage.  Backward replays each stage's all-to-alls
-and returns dK/dV as ``RoundKeyValueGrads`` decides: per stage into the source's own gradients when
-those can be the accumulator, else summed in float32 over the round and sent back once.
+indices. Only sequence-sharded tensors are saved (the inputs, the output, per-stage lse and kernel aux),
+so no gathered full-sequence tensor outlives its stage; the one exception is K/V a caller exchanged
+before the call for several layers (``ExchangedKeyValue``: KV-shared layers, ``ds_upipe.exchanged_kv``).
+Backward replays each stage's all-to-alls and returns dK/dV as ``RoundKeyValueGrads`` decides: per stage
+into the source's own gradients when those can be the accumulator, else summed in float32 over the round
+and sent back once.
 
 Where the stage inputs come from is abstracted by ``StageSource``: plain local q/k/v tensors here,
 per-stage projections of the layer input in hf_patches' fused mode.  The loop itself never changes.
@@ -299,6 +301,19 @@ class PipelineContext:
         n = slot.heads.numel()
         return self.start_gather(source, lambda out: source.key_value(slot, *out), (n, n), 1, prefetch=False).wait()
 
+    def round_key_value(
+        self, source: StageSource, slot: Slot, exchanged: ExchangedKeyValue | None
+    ) -> tuple[Tensor, ...]:
+        """A round's K and V ([b, n, S, d] each): exchanged now, or taken from the call's ``exchanged``."""
+        return self.gather_key_value(source, slot) if exchanged is None else exchanged.round(slot.round)
+
+    def every_round_slot(self) -> Slot:
+        """One key/value slot of the KV heads of every round (``ExchangedKeyValue``): per destination rank
+        its heads round after round, so rank p receives [b, rounds * n, S, d], round r at heads r * n ..."""
+        c = self.plan.group_size
+        heads = torch.cat([kv.view(c, -1) for kv in self.indices.kv], dim=1).flatten()
+        return Slot("key_value", 0, None, heads)
+
     def prefetched(
         self, items: Sequence[Slot], start: Callable[[Slot], PendingExchange]
     ) -> Iterator[tuple[Slot, tuple[Tensor, ...]]]:
@@ -345,12 +360,15 @@ def _stage_slots(ctx: PipelineContext, round_idx: int) -> list[Slot]:
     return [Slot("query", round_idx, i, idx) for i, idx in enumerate(ctx.indices.query[round_idx])]
 
 
-def pipeline_forward(ctx: PipelineContext, source: StageSource, out: Tensor) -> list[Tensor | None]:
+def pipeline_forward(
+    ctx: PipelineContext, source: StageSource, out: Tensor, exchanged: ExchangedKeyValue | None = None
+) -> list[Tensor | None]:
     """Run all stages, writing into ``out`` ([b, s, H, d_v] view, d_v the source's ``value_head_dim``).  Returns,
-    stage after stage, the kernel's lse followed by its aux (tensors or None, for ``save_for_backward``)."""
+    stage after stage, the kernel's lse followed by its aux (tensors or None, for ``save_for_backward``).
+    ``exchanged``: every round's K/V, exchanged before the call (none exchanged here)."""
     saved: list[Tensor | None] = []
     for round_idx, kv_idx in enumerate(ctx.indices.kv):
-        k_full, v_full = ctx.gather_key_value(source, Slot("key_value", round_idx, None, kv_idx))
+        k_full, v_full = ctx.round_key_value(source, Slot("key_value", round_idx, None, kv_idx), exchanged)
 
         def start(slot: Slot) -> PendingExchange:
             return ctx.start_gather(source, lambda out: source.query(slot, out[0]), (slot.heads.numel(),))
@@ -405,9 +423,11 @@ def pipeline_backward(
     out: Tensor | RecomputedOutput,
     grad_out: Tensor | Callable[[Slot, Tensor], None],
     saved: Sequence[Tensor | None],
+    exchanged: ExchangedKeyValue | None = None,
 ) -> None:
     """Replay every stage and hand q/k/v gradients (local layout) to ``source``; ``saved`` is what
-    ``pipeline_forward`` returned (empty with a ``RecomputedOutput``).
+    ``pipeline_forward`` returned (empty with a ``RecomputedOutput``).  With ``exchanged`` (the K/V the
+    forward was given) no K/V is exchanged: dK/dV are summed into its gradients (full-sequence layout).
 
     ``grad_out`` is the output gradient ([b, s, H, d_v] view) or a function ``grad_out(slot, out)``
     writing the gradient of the stage's heads into ``out`` ([b, s, C, n, d], as ``query``): a caller that fuses the
@@ -424,8 +444,11 @@ def pipeline_backward(
     needs_output = ctx.attention.needs_output_in_backward and recomputed is None
     for round_idx, kv_idx in enumerate(ctx.indices.kv):
         kv_slot = Slot("key_value", round_idx, None, kv_idx)
-        k_full, v_full = ctx.gather_key_value(source, kv_slot)
-        kv_grads = RoundKeyValueGrads(ctx, source, kv_slot, k_full, dtype)
+        k_full, v_full = ctx.round_key_value(source, kv_slot, exchanged)
+        if exchanged is None:
+            kv_grads = RoundKeyValueGrads(ctx, source, kv_slot, k_full, dtype)
+        else:
+            kv_grads = ExchangedKeyValueGrads(ctx, source, kv_slot, exchanged.round_grads(round_idx), dtype)
 
         def start_stage(slot: Slot) -> PendingExchange:
             def write(views: list[Tensor]) -> None:
@@ -511,19 +534,24 @@ class RoundKeyValueGrads:
         With overlap_comm the exchanges are asynchronous and handed over after the next stage's
         kernel backward (or at the round's end): their buffers stay alive meanwhile."""
         _run(self.later)  # the previous stage's gradients, received while this stage's kernel ran
-        stage_kv = Slot("key_value", self.kv_slot.round, slot.stage, self.kv_slot.heads)
-        if not self.ctx.overlap_comm:
-            self._hand_over_query(slot, self.ctx.start_scatter([grads.pop(0)], self.dtype))
-            if self.acc is None:
-                self._hand_over_key_value(stage_kv, self.ctx.start_scatter(grads, self.dtype))
+        dq = self.ctx.start_scatter([grads.pop(0)], self.dtype, overlap=True)
+        self._then(functools.partial(self._hand_over_query, slot, dq))
+        del dq
+        self._add_key_value(Slot("key_value", self.kv_slot.round, slot.stage, self.kv_slot.heads), grads)
+
+    def _then(self, hand_over: Callable[[], None]) -> None:
+        """Hand an exchange's result over now, or (overlap_comm: it is asynchronous) after the next stage's kernel."""
+        if self.ctx.overlap_comm:
+            self.later.append(hand_over)
         else:
-            dq = self.ctx.start_scatter([grads.pop(0)], self.dtype, overlap=True)
-            self.later.append(functools.partial(self._hand_over_query, slot, dq))
-            del dq
-            if self.acc is None:
-                dkdv = self.ctx.start_scatter(grads, self.dtype, overlap=True)
-                self.later.append(functools.partial(self._hand_over_key_value, stage_kv, dkdv))
-                del dkdv
+            hand_over()
+
+    def _add_key_value(self, stage_kv: Slot, grads: list[Tensor]) -> None:
+        """A stage's [dK, dV] ([b, n, S, d], taken out of ``grads``): sent back now or into the round's accumulator."""
+        if self.acc is None:
+            dkdv = self.ctx.start_scatter(grads, self.dtype, overlap=True)
+            self._then(functools.partial(self._hand_over_key_value, stage_kv, dkdv))
+            del dkdv
         for acc in self.acc_views:
             acc += to_send_layout(grads.pop(0), self.ctx.plan.group_size)
 
@@ -554,6 +582,52 @@ class RoundKeyValueGrads:
             self._hand_over_key_value(self.kv_slot, pending)
             return
         self.source.finish(self.kv_slot)
+
+
+class ExchangedKeyValueGrads(RoundKeyValueGrads):
+    """``RoundKeyValueGrads`` of a round whose K/V were exchanged before the call (``ExchangedKeyValue``): dQ
+    goes back per stage as usual; each stage's dK/dV is summed into ``grads`` (the round's [b, n, S, d] views of
+    the call's full-sequence dK/dV), which the exchange's own backward sends back, once for every layer that
+    attended with them (``ds_upipe.exchanged_kv``)."""
+
+    def __init__(
+        self, ctx: PipelineContext, source: StageSource, kv_slot: Slot, grads: tuple[Tensor, Tensor], dtype: torch.dtype
+    ):
+        self.ctx, self.source, self.kv_slot, self.dtype = ctx, source, kv_slot, dtype
+        self.by_rank = source.grads_per_source_rank
+        self.later: list[Callable[[], None]] = []
+        self.acc, self.acc_views = None, ()
+        self.grads = grads
+
+    def _add_key_value(self, stage_kv: Slot, grads: list[Tensor]) -> None:
+        for acc in self.grads:
+            acc += grads.pop(0)
+
+
+@dataclass
+class ExchangedKeyValue:
+    """The KV heads of every round of a plan that this rank attends with, over the whole sequence, exchanged
+    once before an attention call (``ds_upipe.exchanged_kv``): ``key`` [b, rounds * n, S, d], ``value``
+    [b, rounds * n, S, d_v], round r at heads [r * n, (r + 1) * n) (``PipelineContext.every_round_slot``);
+    in backward ``grads`` (dK, dV) of the same shapes, in the accumulation dtype."""
+
+    key: Tensor
+    value: Tensor
+    num_rounds: int
+    grads: tuple[Tensor, Tensor] | None = None
+
+    def _heads(self, round_idx: int) -> tuple[int, int]:
+        n = self.key.shape[1] // self.num_rounds
+        return round_idx * n, n
+
+    def round(self, round_idx: int) -> tuple[Tensor, Tensor]:
+        start, n = self._heads(round_idx)
+        return self.key.narrow(1, start, n), self.value.narrow(1, start, n)
+
+    def round_grads(self, round_idx: int) -> tuple[Tensor, Tensor]:
+        assert self.grads is not None
+        start, n = self._heads(round_idx)
+        return self.grads[0].narrow(1, start, n), self.grads[1].narrow(1, start, n)
 
 
 def _hand_over(add: Callable[..., Any], slot: Slot, by_rank_tensors: tuple[Tensor, ...], by_rank: bool) -> None:

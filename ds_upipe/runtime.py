@@ -199,6 +199,7 @@ class UPipeRuntime:
             accumulate_in_input_dtype=self.accumulate_in_input_dtype,
             fused_projections=self.fused_projections,
             recompute_attention_output=self.recompute_attention_output,
+            share_exchanged_kv=self.options.share_exchanged_kv,
             num_heads=None if self.plan is None else self.plan.num_heads,
             num_kv_heads=None if self.plan is None else self.plan.num_kv_heads,
             window=window,

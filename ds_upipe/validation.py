@@ -53,6 +53,8 @@ class RuntimeSettings:
     #: kernel forward per stage; fused only); always False in the core layer
     fused_projections: bool = False
     recompute_attention_output: bool = False
+    #: KV-shared layers attend with their producer's exchanged keys and values (no exchange of their own)
+    share_exchanged_kv: bool = True
     #: the model's head counts where the runtime knows them (HF: the config; None in the core layer,
     #: whose exchange compares the q/k/v shapes instead)
     num_heads: int | None = None
@@ -262,6 +264,7 @@ _SETTING_LABELS = {
     "accumulate_in_input_dtype": "accumulate_in_input_dtype",
     "fused_projections": "fused_projections",
     "recompute_attention_output": "recompute_attention_output",
+    "share_exchanged_kv": "share_exchanged_kv",
     "num_heads": "num_attention_heads",
     "num_kv_heads": "num_key_value_heads",
     "window": "the sliding window",

@@ -20,12 +20,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ds_upipe.pipeline import UPipeAttentionFunction, apply_eagerly
+from ds_upipe.exchanged_kv import ExchangedKeyValueAttention, KeyValueExchange
+from ds_upipe.pipeline import PipelineContext, UPipeAttentionFunction, apply_eagerly
 from ds_upipe.sinks import check_sinks
 from ds_upipe.windows import check_window
 
 from .fused import FusedProjections, FusedUPipeAttention
-from .state import DOCUMENTS_KWARG, SPANS_KWARG, UPipeState
+from .state import DOCUMENTS_KWARG, EXCHANGED_KV_KWARG, SPANS_KWARG, ExchangedKeyValues, UPipeState
 
 ATTN_IMPLEMENTATION = "upipe"
 logger = logging.getLogger("hf_patches")
@@ -168,11 +169,37 @@ def upipe_attention_function(
     plan = state.plan_for(query.shape[1], key.shape[1])
     documents, spans = kwargs.get(DOCUMENTS_KWARG), kwargs.get(SPANS_KWARG)
     ctx = state.context(q.device, documents, window, sinks, spans=spans, scale=scaling, plan=plan)
-    if sinks is None:
+    exchanged = _exchanged_key_value(module, key, value, k, v, ctx, kwargs.get(EXCHANGED_KV_KWARG))
+    if exchanged is not None:
+        out = apply_eagerly(ExchangedKeyValueAttention, q, *exchanged, ctx, sinks)
+    elif sinks is None:
         out = apply_eagerly(UPipeAttentionFunction, q, k, v, ctx)
     else:
         out = apply_eagerly(UPipeAttentionFunction, q, k, v, ctx, 0, sinks)
     return out, None
+
+
+def _exchanged_key_value(
+    module: nn.Module,
+    key: Tensor,
+    value: Tensor,
+    k: Tensor,
+    v: Tensor,
+    ctx: PipelineContext,
+    exchanges: ExchangedKeyValues | None,
+) -> tuple[Tensor, Tensor] | None:
+    """The keys and values of this call exchanged once for its forward (``ds_upipe.exchanged_kv``), or None (the
+    call exchanges its own: ``share_exchanged_kv`` off, or a layer neither producing nor sharing K/V).  A KV-shared
+    layer, given its producer's very ``key`` and ``value``, gets what the producer's exchange gave; a producer
+    (transformers' ``store_full_length_kv``) exchanges ``k``, ``v`` (``key``, ``value`` in the kernel's dtype,
+    [b, s, h, d]) once for itself and its sharing layers."""
+    if exchanges is None:
+        return None
+    held = exchanges.find(key, value, ctx.plan)
+    if held is None and getattr(module, "store_full_length_kv", False):
+        held = apply_eagerly(KeyValueExchange, k, v, ctx)
+        exchanges.keep(module, key, value, ctx.plan, held)
+    return held
 
 
 #: attention-function arguments some transformers models pass that UPipe's kernels do not implement

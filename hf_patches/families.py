@@ -39,14 +39,19 @@ class Family:
 #: Gemma 4: per-layer head dims (full-attention layers: global_head_dim), KV-shared layers (their keys and values are
 #: the producing layer's, through the forward's shared_kv_states: architectures.SHARED_KV_KWARG), scaling 1
 def latent_unfused(attention: str) -> str:
-    """Why fused mode cannot reproduce a multi-head latent attention module (``config.kv_lora_rank``): low-rank q/kv
-    projections whose up-projection gives values of ``v_head_dim``, narrower than the queries and keys
-    (``qk_nope_head_dim + qk_rope_head_dim``).  Unfused, the module's own projections, RoPE on the rope part and
-    softmax scale run, then the registry call, whose q/k/v the stage loop carries at their own head dims (the flash
-    kernels get the value zero-padded to the q/k head dim and the output sliced back)."""
+    """Why fused mode cannot reproduce a multi-head latent attention module (``config.kv_lora_rank``): fused mode
+    projects a stage's K/V heads from x on the tokens' own rank and sends them to the heads' rank; MLA's K/V of every
+    head are up-projected (``kv_b_proj``) from one latent a token shared by all heads (``kv_a_layernorm`` of
+    ``kv_lora_rank`` numbers and one roped key of ``qk_rope_head_dim``), with values of ``v_head_dim``.  Its fused
+    form would gather that latent and up-project a stage's heads on their own rank: a K/V slot filled in head
+    layout, which the core's stage loop does not have (the design and its numbers: docs/hf_patches.md,
+    "Multi-head latent attention").  Unfused, the module's own projections, RoPE on the rope part and softmax
+    scale run, then the registry call, whose q/k/v the stage loop carries at their own head dims."""
     return (
-        f"{attention} is multi-head latent attention (low-rank q/kv projections, RoPE on part of each head, values "
-        "narrower than queries and keys): fused per-stage projections reproduce only Llama-shaped attention"
+        f"{attention} is multi-head latent attention: its K/V of every head are up-projected from one latent a token "
+        "(kv_lora_rank + qk_rope_head_dim) shared by all heads; fused per-stage projections compute a stage's K/V "
+        "heads from x and send them, and a fused form gathering the latent needs a K/V stage source the stage loop "
+        "does not have (docs/hf_patches.md, 'Multi-head latent attention')"
     )
 
 

@@ -35,7 +35,7 @@ from ds_upipe.ring import zigzag_unshard
 from ds_upipe.validation import RuntimeSettings, check_settings
 
 from .rope import set_last_position
-from .state import DOCUMENTS_KWARG, UPipeState
+from .state import DOCUMENTS_KWARG, EXCHANGED_KV_KWARG, ExchangedKeyValues, UPipeState
 
 _MASK_NONE, _MASK_2D, _MASK_OTHER = 0, 1, 2
 logger = logging.getLogger("hf_patches")
@@ -141,6 +141,8 @@ def check_and_prepare(model: nn.Module, args: tuple, kwargs: dict, state: UPipeS
     call["attention_mask"] = None  # honoured: right padding needs no mask under causal attention
     call["use_cache"] = False
     call[DOCUMENTS_KWARG] = documents  # this forward's, to its attention modules (and their replays)
+    # this forward's producers' exchanged keys and values, for its KV-shared layers (ds_upipe.exchanged_kv)
+    call[EXCHANGED_KV_KWARG] = ExchangedKeyValues() if state.options.share_exchanged_kv else None
     return (), call
 
 

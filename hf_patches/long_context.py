@@ -38,6 +38,13 @@ from .loss import tiled_causal_lm_loss, tiled_sequence_parallel_loss
 from .moe_tiling import find_router, mark_zero3_leaf, tiled_moe
 from .patch import supported_model_classes
 from .tiling import _forward_function, tiled_mlp, tiled_norm
+from .vlm import (
+    check_same_sample,
+    check_shift_labels,
+    under_upipe,
+    vision_language_parts,
+    whole_sample_shift_labels,
+)
 
 ForwardLoss = Literal["local", "sequence_parallel"]
 _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -110,7 +117,8 @@ def _check_options(
                 f"tiled_loss=True needs a causal LM with an lm_head; {type(hf_model).__name__} has none "
                 "(pass the *ForCausalLM model, not the base model)"
             )
-        softcap = getattr(hf_model.config, "final_logit_softcapping", None)
+        # a vision-language model's is its text config's
+        softcap = getattr(hf_model.config.get_text_config(), "final_logit_softcapping", None)
         if softcap:
             raise ValueError(f"tiled_loss does not apply final_logit_softcapping={softcap}; it must be None")
 
@@ -152,9 +160,11 @@ def _per_token_modules(base: nn.Module) -> tuple[list[tuple[str, nn.Module]], li
 
 
 def _decoder_of(hf_model: nn.Module) -> nn.Module:
-    """The decoder stack the stack tiles (``architectures.decoder_stack``: the rule ``apply_upipe`` uses),
-    with its layers in an ``nn.ModuleList`` (their norms and MLPs: ``_per_token_modules``)."""
-    base = decoder_stack(hf_model, "apply_long_context_stack")
+    """The decoder stack the stack tiles (``architectures.decoder_stack``: the rule ``apply_upipe`` uses; a
+    vision-language model's text model, its vision tower untouched, as ``apply_upipe`` finds it), with its
+    layers in an ``nn.ModuleList`` (their norms and MLPs: ``_per_token_modules``)."""
+    vlm = vision_language_parts(hf_model, "apply_long_context_stack")
+    base = decoder_stack(hf_model if vlm is None else vlm.text, "apply_long_context_stack")
     if not isinstance(getattr(base, "layers", None), nn.ModuleList):
         raise _layout_error(f"{type(hf_model).__name__}'s decoder ({type(base).__name__})")
     return base
@@ -195,6 +205,13 @@ def _check_aux_loss(hf_model: nn.Module) -> None:
     """The tiled loss adds an MoE model's load-balancing loss as its own forward does (transformers'
     Mixtral / Qwen3-MoE / GPT-OSS pattern); refuse an MoE causal LM that does it another way."""
     if not hasattr(hf_model, "router_aux_loss_coef"):
+        text = hf_model.config.get_text_config()
+        if text is not hf_model.config and getattr(text, "router_aux_loss_coef", None) is not None:
+            raise ValueError(
+                f"tiled_loss cannot add {type(hf_model).__name__}'s router aux loss: a vision-language model with a "
+                "mixture-of-experts text model (config.text_config.router_aux_loss_coef) adds it in its own forward, "
+                "which the tiled loss replaces; turn tiled_loss off for this model"
+            )
         return
     missing = [a for a in _AUX_ATTRIBUTES if not hasattr(hf_model, a)]
     if _aux_loss_function(hf_model) is None:
@@ -209,8 +226,16 @@ def _check_aux_loss(hf_model: nn.Module) -> None:
 def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The causal LM's forward with the tiled loss: with ``labels`` or ``shift_labels``, the base
     model's last hidden state goes to the tiled loss and no logits are made.  An MoE model's router
-    aux loss (``output_router_logits``) is added as its own forward adds it."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+    aux loss (``output_router_logits``) is added as its own forward adds it.  A vision-language model's
+    inner model (``self.model``: encoders, merge, text model) gives the last hidden state; under UPipe
+    its whole sample's ``labels`` give this rank's shard of the shifted labels and the loss over the
+    UPipe group, as its patched forward does (``hf_patches.vlm``)."""
+    from transformers.modeling_outputs import (
+        CausalLMOutputWithPast,
+        MoeCausalLMOutputWithPast,
+        MultimodalBaseModelOutputWithPast,
+        MultimodalCausalLMOutputWithPast,
+    )
 
     original = self._long_context_forward
     signature = inspect.signature(original)
@@ -236,16 +261,26 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         want_aux = bool(self.config.output_router_logits if want_aux is None else want_aux)
         arguments["output_router_logits"] = want_aux
     stack: LongContextStack = self._long_context_stack
+    loss_group = stack.loss_group if stack.forward_loss == "sequence_parallel" else None
+    whole_sample = under_upipe(self) and shift_labels is None
+    if under_upipe(self):  # the patched VLM forward's check, before the tower's collectives
+        sample = {**arguments, "labels": labels, "shift_labels": shift_labels}
+        check_same_sample(type(self).__name__, sample, self._upipe_state)
+    if under_upipe(self) and shift_labels is not None:
+        check_shift_labels(self, shift_labels, arguments)  # this rank's shard: the stack's forward_loss applies
+    elif whole_sample:  # the whole sample's labels: the VLM's loss over its UPipe group
+        shift_labels = whole_sample_shift_labels(self, labels, arguments.get("attention_mask"))
+        loss_group = self._upipe_state.group
     outputs = self.model(**arguments)
     hidden = outputs.last_hidden_state
     if shift_labels is None:  # transformers' ForCausalLMLoss shift: label of the next token, -100 at the end
         shift_labels = nn.functional.pad(labels, (0, 1), value=stack.ignore_index)[..., 1:]
-    if stack.forward_loss == "sequence_parallel":
+    if stack.forward_loss == "sequence_parallel" or whole_sample:
         loss = tiled_sequence_parallel_loss(
             self,
             hidden,
             shift_labels,
-            stack.loss_group,
+            loss_group,
             grad_reduction=stack.grad_reduction,
             ignore_index=stack.ignore_index,
             tile_tokens=stack.loss_tile_tokens,
@@ -260,6 +295,8 @@ def _loss_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             tile_tokens=stack.loss_tile_tokens,
         )
     rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
+    if isinstance(outputs, MultimodalBaseModelOutputWithPast):  # a VLM's: its encoders' outputs too
+        return MultimodalCausalLMOutputWithPast(loss=loss, logits=None, **rest)
     if aux_function is None:
         return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
     aux_loss = None

@@ -66,7 +66,8 @@ def apply_upipe(
             ``overlap_comm``, ``accumulate_in_input_dtype`` (bf16/fp16 gradients summed over the stages in
             that dtype: docs/config.md, ``accumulate_dtype``, has the measured error),
             ``recompute_attention_output`` (fused mode keeps no attention output; where fused mode falls
-            back, the warning says it is off too).  Each field's meaning: ``UPipeOptions``.
+            back, the warning says it is off too), ``share_exchanged_kv`` (KV-shared layers attend with their
+            producer's exchanged K/V: ``ds_upipe.exchanged_kv``).  Each field's meaning: ``UPipeOptions``.
         ring_group: UPipe x Ring (None: no ring).  ``process_group`` is then the Ulysses group
             (C_u ranks) and each stage attends over the whole sequence by ring attention over this
             group (R ranks); both come from ``ds_upipe.ring.build_sequence_groups``.  The heads are
@@ -84,7 +85,7 @@ def apply_upipe(
         raise ValueError(f"{type(hf_model).__name__} is already patched by apply_upipe")
     vlm = vision_language_parts(hf_model)  # a vision-language model: UPipe runs its text model (hf_patches.vlm)
     if vlm is not None:
-        check_vision_language(ring=ring_group is not None)
+        check_vision_language(hf_model, ring=ring_group is not None)
     text_model = hf_model if vlm is None else vlm.text
     found = find_decoder(text_model)
     arch, base, attentions = found.model_type, found.base, found.attentions

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from ds_upipe.packing import DocumentBoundaries
 from ds_upipe.pipeline import PipelineContext
 from ds_upipe.runtime import UPipeRuntime
+from ds_upipe.schedule import StagePlan
 
 #: The keyword argument that carries one forward's packed-sequence boundaries (``DocumentBoundaries``,
 #: or None) from the model-level input check to every attention module of that forward.  It travels
@@ -20,6 +22,54 @@ DOCUMENTS_KWARG = "upipe_documents"
 #: The keyword argument that carries one forward's bidirectional spans (``ds_upipe.spans.BidirectionalSpans``:
 #: Gemma 3's images, computed by ``hf_patches.vlm`` on the whole sample), travelling as ``DOCUMENTS_KWARG`` does
 SPANS_KWARG = "upipe_image_spans"
+
+
+#: The keyword argument that carries one forward's ``ExchangedKeyValues`` (or None: every layer exchanges its
+#: own keys and values) from the model-level input check to every attention module of that forward, as
+#: ``DOCUMENTS_KWARG`` travels (a checkpointed layer's replay gets the object of the forward it replays).
+EXCHANGED_KV_KWARG = "upipe_exchanged_kv"
+
+
+@dataclass(frozen=True)
+class _Exchanged:
+    """One producer's exchange: the local key and value it was given, the plan, and what the exchange gave."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    plan: StagePlan
+    exchanged: tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class ExchangedKeyValues:
+    """One forward's keys and values as its KV-producing attention layers exchanged them
+    (``ds_upipe.exchanged_kv``; transformers declares a producer ``store_full_length_kv``), for its KV-shared
+    layers, which get the producer's very key and value tensors (``shared_kv_states``).  Made per forward by the
+    model-level input check (``EXCHANGED_KV_KWARG``) and dropped with it: nothing outlives the forward except what
+    the autograd nodes saved (and, under checkpointing, what the replays need: ``keep``)."""
+
+    by_producer: dict[int, _Exchanged] = field(default_factory=dict)
+
+    def find(self, key: torch.Tensor, value: torch.Tensor, plan: StagePlan) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The exchanged K/V of the producer that was given this very ``key`` and ``value`` under ``plan``."""
+        for held in self.by_producer.values():
+            if held.key is key and held.value is value and held.plan == plan:
+                return held.exchanged
+        return None
+
+    def keep(
+        self,
+        producer: nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        plan: StagePlan,
+        exchanged: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """Keep a producer's exchange for its sharing layers.  A producer's second call in one forward is its
+        checkpointed replay in backward, after its sharing layers' backward: the forward's exchange is dropped
+        (freed now, not at the end of the backward) and the replay's is kept by its own autograd nodes only."""
+        if self.by_producer.pop(id(producer), None) is None:
+            self.by_producer[id(producer)] = _Exchanged(key, value, plan, exchanged)
 
 
 @dataclass(kw_only=True)

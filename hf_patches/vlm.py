@@ -141,8 +141,9 @@ class VisionLanguageModel:
     text: nn.Module
 
 
-def vision_language_parts(hf_model: nn.Module) -> VisionLanguageModel | None:
-    """The parts of a vision-language model (None: not one; ValueError: one UPipe cannot run exactly)."""
+def vision_language_parts(hf_model: nn.Module, caller: str = "apply_upipe") -> VisionLanguageModel | None:
+    """The parts of a vision-language model (None: not one; ValueError naming ``caller``: one UPipe cannot run
+    exactly)."""
     inner = hf_model if _has_text_model(hf_model) else getattr(hf_model, "model", None)
     if not isinstance(inner, nn.Module) or not _has_text_model(inner):
         return None
@@ -150,14 +151,14 @@ def vision_language_parts(hf_model: nn.Module) -> VisionLanguageModel | None:
     name = type(hf_model).__name__
     if model_type in NON_CAUSAL_IMAGE_MASKS:
         raise ValueError(
-            f"apply_upipe: {name} (model_type {model_type!r}) attends bidirectionally over image tokens (its mask "
+            f"{caller}: {name} (model_type {model_type!r}) attends bidirectionally over image tokens (its mask "
             "lets an image's tokens see each other both ways) in a way UPipe does not run, so it would compute another "
             "model. Vision-language models with a causal mask, and Gemma 3's and Gemma 4's image overlays, run "
             "(docs/vlm.md)"
         )
     if not callable(getattr(inner, "get_image_features", None)) or not callable(getattr(hf_model, "lm_head", None)):
         raise ValueError(
-            f"apply_upipe: {name} has a language_model but no get_image_features / lm_head: UPipe runs "
+            f"{caller}: {name} has a language_model but no get_image_features / lm_head: UPipe runs "
             "vision-language models laid out as transformers' ...ForConditionalGeneration (docs/vlm.md)"
         )
     return VisionLanguageModel(inner, inner.language_model)
@@ -167,11 +168,44 @@ def _has_text_model(module: Any) -> bool:
     return isinstance(getattr(module, "language_model", None), nn.Module) and not hasattr(module, "layers")
 
 
-def check_vision_language(ring: bool) -> None:
+def check_vision_language(hf_model: nn.Module, ring: bool) -> None:
     if ring:
         raise ValueError(
             "apply_upipe: a vision-language model with ring_group: not supported yet (its merged sequence is cut "
             "into contiguous shards); run UPipe without a ring"
+        )
+    stack = getattr(hf_model, "_long_context_stack", None)
+    if stack is not None and stack.tiled_loss:  # its forward would run under ours, given no labels: untiled
+        raise ValueError(
+            f"apply_upipe: {type(hf_model).__name__} already has the long-context stack's tiled loss: apply UPipe "
+            "first, then apply_long_context_stack (prepare_model does), so the tiled loss takes this rank's shard "
+            "of the whole sample's labels"
+        )
+
+
+def under_upipe(hf_model: nn.Module) -> bool:
+    """Whether ``hf_model`` is a vision-language model patched by ``apply_upipe`` (``patch_vision_language``)."""
+    return hasattr(hf_model, "_upipe_inner_forward")
+
+
+def whole_sample_shift_labels(hf_model: nn.Module, labels: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """This rank's shard of the shifted labels of the whole sample's ``labels`` (padding, attention mask 0,
+    ignored): what the patched forward's loss (and the long-context stack's tiled loss) takes over the group."""
+    if attention_mask is not None:
+        labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
+    return shift_labels(labels)[:, _local_slice(labels.shape[1], hf_model._upipe_state)]
+
+
+def check_shift_labels(hf_model: nn.Module, shifted: Tensor, call: dict[str, Any]) -> None:
+    """``shift_labels`` given to a patched VLM must be this rank's shard of the whole sample's (``call``: the
+    forward's arguments, the whole sample's ``input_ids`` or ``inputs_embeds``)."""
+    tokens = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
+    local = _local_slice(int(tokens.shape[1]), hf_model._upipe_state)
+    if shifted.shape[-1] != local.stop - local.start:
+        raise ValueError(
+            f"{type(hf_model).__name__} under UPipe takes the whole sample's labels (it shifts and shards them), or "
+            f"this rank's shard of the shifted labels ({local.stop - local.start} of the sample's "
+            f"{tokens.shape[1]} tokens); got shift_labels of {shifted.shape[-1]}"
         )
 
 
@@ -348,6 +382,10 @@ def _shard_merged(text: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     for key in ("inputs_embeds", "input_ids", "attention_mask", "per_layer_inputs"):  # Gemma 4's [B, S, layers, D]
         if torch.is_tensor(call.get(key)):
             call[key] = call[key][:, local]
+    if torch.is_tensor(call.get("inputs_embeds")):
+        # a copy of the shard: a view would keep the whole sample's merged [B, S, hidden] embeddings alive through
+        # the backward (as the first layer's saved input); the copy lets them go when the model's forward returns
+        call["inputs_embeds"] = call["inputs_embeds"].clone()
     visual = call.get("visual_pos_masks")
     if visual is not None:  # Qwen3-VL's deepstack: the rows of this shard's visual tokens
         mine = torch.zeros_like(visual)
@@ -444,14 +482,7 @@ def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         )
     shifted = call.get("shift_labels")
     if shifted is not None:
-        tokens = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
-        local = _local_slice(int(tokens.shape[1]), state)
-        if shifted.shape[-1] != local.stop - local.start:
-            raise ValueError(
-                f"{type(self).__name__} under UPipe takes the whole sample's labels (it shifts and shards them), or "
-                f"this rank's shard of the shifted labels ({local.stop - local.start} of the sample's "
-                f"{tokens.shape[1]} tokens); got shift_labels of {shifted.shape[-1]}"
-            )
+        check_shift_labels(self, shifted, call)
         return forward(**call)
     labels = call.pop("labels", None)
     if labels is not None and call.get("fused_lm_head"):
@@ -461,9 +492,6 @@ def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         )
     out = forward(**call)
     if labels is not None:
-        mask = call.get("attention_mask")
-        if mask is not None:
-            labels = labels.masked_fill(mask == 0, IGNORE_INDEX)
-        shifted = shift_labels(labels)[:, _local_slice(labels.shape[1], state)]
+        shifted = whole_sample_shift_labels(self, labels, call.get("attention_mask"))
         out.loss = sequence_parallel_loss(out.logits, shifted, state.group)
     return out

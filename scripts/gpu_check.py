@@ -24,12 +24,23 @@
    default allocator and with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (each in a fresh
    process); forward + backward time of UPipe fused, fused + recompute and ALST at 256K.
 
+4. The memory rows (issue 41: calibrating the planner's reserve).  One rank's step at 1M and 2M tokens per
+   rank (8M and 16M over C = 8; the fake group as above): the Llama3-8B layer's checkpointed replay and
+   backward (UPipe fused + recompute, U = 8; x and dy alive, the replayed output released: the top-layer
+   phase where a long-context step peaks), the attention kernel replaced by ``tools.memory_mode``'s
+   stand-in (torch's CUDA flash op's outputs and workspace, no compute: a real stage at 1M tokens a rank is
+   ~10^17 FLOP), so ``max_memory_allocated`` and ``max_memory_reserved`` are real for everything else;
+   printed beside the planner's figure of the same phase, with the CUDA context and other non-allocator
+   memory (``mem_get_info``'s used less reserved), for both allocator settings (fresh processes).  A length
+   whose plan exceeds the GPU SKIPs.  On CPU (``--cpu-smoke``) the same rows run at 128 tokens per rank
+   with MemTracker against the planner (fa2 workspace).
+
 Every check prints one line, ``PASS name``, ``FAIL name: detail`` or ``SKIP name: why``; a summary
 and the table come last; everything is written as JSON to ``--out`` (default ``$OUT``, else
 runs/gpu_check); the exit status is 1 if any check failed.
 
     python scripts/gpu_check.py                 # the whole acceptance (about 4 minutes on an H200)
-    python scripts/gpu_check.py --only kernels  # one part: kernels, ranks or layer
+    python scripts/gpu_check.py --only kernels  # one part: kernels, ranks, layer or memory
     python scripts/gpu_check.py --cpu-smoke     # the CPU dry run: tiny shapes, CUDA rows SKIP
 """
 
@@ -68,6 +79,11 @@ PLANNER_TOLERANCE = 0.15
 TIMED_SEQ = 2**18  # 256K: the timed row of the layer table
 #: multi-head latent attention's (q/k, value) head dims: DeepSeek-V3's 128 + 64 and 128 (smoke: 24 and 16)
 LATENT_DIMS = {False: (192, 128), True: (24, 16)}
+PARTS = ("kernels", "ranks", "layer", "memory")
+#: the memory rows' tokens per rank (smoke: 128) and their method: the long-context configs' attention
+MEMORY_TOKENS_PER_RANK = (2**20, 2**21)
+#: the memory rows run the attention and long-context stack of the config the long-context plans are made for
+MEMORY_CONFIG = REPO / "ds_configs" / "upipe_llama3_8b_8m.json"
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -78,7 +94,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--methods", default="alst,upipe-fused-8,upipe-recompute-8")
     p.add_argument("--repeats", type=int, default=2, help="timed steps at 256K after one warm-up step (0: none)")
     p.add_argument("--budget-s", type=float, default=420.0, help="start no new layer length after this many seconds")
-    p.add_argument("--only", choices=("kernels", "ranks", "layer"), default=None, help="run one part")
+    p.add_argument("--only", choices=PARTS, default=None, help="run one part")
     p.add_argument("--cpu-smoke", action="store_true", help="the CPU dry run: tiny shapes, CUDA rows SKIP")
     p.add_argument("--out", type=Path, default=None, help="folder for gpu_check.json (default $OUT or runs/gpu_check)")
     p.add_argument("--alloc-conf", default="", help=argparse.SUPPRESS)  # the layer child's allocator setting
@@ -621,32 +637,139 @@ def layer_rows(args: argparse.Namespace, device_name: str, alloc: str) -> list[d
             rows.append(row)
             label = f"layer {m.name} {planner.fmt_tokens(seq)} [{alloc or 'default allocator'}]"
             report(f"{label} ({time.monotonic() - start:.0f}s)", row.get("error"))
+    _close_fake_group()
     return rows
 
 
-def run_layer_checks(args: argparse.Namespace, device_name: str, deadline: float) -> list[dict]:
-    """The layer rows with the default allocator and with expandable segments, each in a fresh process
-    on CUDA (the allocator setting is read at CUDA's start); on CPU the default in this process."""
+def memory_rows(args: argparse.Namespace, device_name: str, alloc: str) -> list[dict]:
+    """This process's memory rows (one allocator setting): one rank's checkpointed layer replay + backward at each
+    length, the attention kernel as ``memory_mode.FlashMemoryStandIn``, beside the planner's figure."""
+    import torch
+
+    from ds_upipe.tools import planner
+    from ds_upipe.tools.bench import BenchSpec, Method, build_layer, layer_inputs
+    from ds_upipe.tools.memory_mode import use_memory_stand_in
+
+    smoke = args.cpu_smoke
+    per_rank = (128,) if smoke else MEMORY_TOKENS_PER_RANK
+    seqs = [WORLD * t for t in per_rank]
+    shapes = TINY if smoke else LLAMA3_8B
+    # bf16 on CPU too: the stand-in is the flash op, which has no float32 kernel
+    spec = BenchSpec(world=WORLD, seq_lens=seqs, levels=("layer",), tiled_mlp=True, dtype="bfloat16",
+                     repeats=0, warmup=0, device=device_name, **shapes)  # fmt: skip
+    # the config's attention (fused, recompute, input-dtype accumulation) at U = C and its stack (tiled norms and
+    # MLP), checkpointed; the stand-in allocates flash-attn 2's workspace; no ZeRO terms: the rows measure the layer
+    # phase to which the planner's whole step adds them
+    raw = {**json.loads(MEMORY_CONFIG.read_text()), "sequence_parallel_size": WORLD}
+    setup, scheme, _ = planner.from_ds_config(raw)
+    setup = dataclasses.replace(setup, kernel="fa2", offload_checkpoints=False)
+    scheme = dataclasses.replace(scheme, options=dataclasses.replace(scheme.options, head_chunk_size=WORLD))
+    method = Method(scheme.label, "upipe", scheme.options)
+    dims = planner.ModelDims(
+        "check", spec.heads, spec.kv_heads, spec.head_dim, spec.hidden_size, spec.intermediate_size, 1, 128
+    )
+    # before the fake group; the second allocator's process reads the first's (the fake runs take ~30 s a length)
+    cache = _out_dir(args) / f"memory-planned{'-smoke' if smoke else ''}.json"
+    known = {int(k): v for k, v in json.loads(cache.read_text()).items()} if cache.exists() else {}
+    predicted = {seq: known.get(seq) or planner.layer_peak(dims, setup, scheme, seq).total for seq in seqs}
+    cache.write_text(json.dumps(predicted))
+    _init_fake_group(device_name)
+    device = torch.device(device_name, 0) if device_name == "cuda" else torch.device("cpu")
+    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else math.inf
+    layer, rotary = build_layer(method, spec, device, long_context=True)
+    use_memory_stand_in(layer)
+    rows: list[dict] = []
+    for seq in seqs:
+        label = f"memory {method.name} {planner.fmt_tokens(seq // WORLD)}/rank [{alloc or 'default allocator'}]"
+        row = {"method": method.name, "seq_len": seq, "tokens_per_rank": seq // WORLD, "alloc": alloc,
+               "planner_gib": predicted[seq] / 2**30}  # fmt: skip
+        if predicted[seq] > capacity:
+            why = f"planned {predicted[seq] / 2**30:.1f} GiB > this GPU's {capacity / 2**30:.1f} GiB"
+            skip(label, why)
+            rows.append({**row, "skipped": why})
+            continue
+        try:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            peak = _replay_peak(layer, layer_inputs(rotary, spec, seq, 0, device), device)
+            row["allocated_gib"] = peak / 2**30
+            if device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(device)
+                row["max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                row["max_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+                # the CUDA context, cuBLAS/NCCL-free library memory: what the device uses outside the allocator
+                row["outside_allocator_gib"] = (total - free - torch.cuda.memory_reserved(device)) / 2**30
+            layer.zero_grad(set_to_none=True)
+            off = row["allocated_gib"] / row["planner_gib"] - 1
+            if abs(off) > PLANNER_TOLERANCE:
+                row["error"] = f"allocated {row['allocated_gib']:.3f} GiB is {off:+.0%} off the planner's"
+        except Exception as err:  # noqa: BLE001 - reported in the table, the other rows still run
+            row["error"] = f"{type(err).__name__}: {err}"
+            traceback.print_exc()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        rows.append(row)
+        report(label, row.get("error"))
+    _close_fake_group()
+    return rows
+
+
+def _close_fake_group() -> None:
+    """Undo ``_init_fake_group``, so that the next part's planner runs its fake runs (they need a process without a
+    process group) and opens the group again (on CPU the parts share one process)."""
+    import torch.distributed as dist
+
+    from ds_upipe.integration.fake_run import _release_deepspeed_sp_groups
+
+    _release_deepspeed_sp_groups()
+    dist.destroy_process_group()
+    comm = sys.modules.get("deepspeed.comm.comm")
+    if comm is not None:
+        comm.cdb = None
+
+
+def _replay_peak(layer, inputs: tuple, device) -> int:
+    """Peak bytes of what a checkpoint's backward runs for ``layer`` (tests/bench_cases.py's replay point): the
+    replay through ``without_recomputed_outputs`` (its output released) and the backward from dy, x and dy alive."""
+    from ds_upipe.integration.checkpointing import without_recomputed_outputs
+    from ds_upipe.tools.memory import measure_peak
+
+    x0, dy, pos, cos, sin = inputs
+    x = x0.requires_grad_(True)
+
+    def step() -> None:
+        without_recomputed_outputs(layer, x, position_embeddings=(cos, sin), position_ids=pos).backward(dy)
+
+    return measure_peak(step, [layer, x, dy, cos, sin, pos], device)
+
+
+def run_child_rows(args: argparse.Namespace, device_name: str, deadline: float, part: str) -> list[dict]:
+    """``part``'s rows ("layer" or "memory") with the default allocator and with expandable segments, each in a
+    fresh process on CUDA (the allocator setting is read at CUDA's start); on CPU the default in this process."""
+    rows_of = layer_rows if part == "layer" else memory_rows
+    for cache in _out_dir(args).glob("memory-planned*.json"):  # the memory rows' plans are made afresh each run
+        cache.unlink()
     if device_name == "cpu":
-        rows = layer_rows(args, device_name, "")
-        skip("layer [expandable_segments:True]", "needs a CUDA device")
+        rows = rows_of(args, device_name, "")
+        skip(f"{part} [expandable_segments:True]", "needs a CUDA device")
         return rows
     rows: list[dict] = []
     for alloc in ("", "expandable_segments:True"):
         left = deadline - time.monotonic()
         if left < 30:
-            skip(f"layer [{alloc or 'default allocator'}]", "the acceptance's time is spent")
+            skip(f"{part} [{alloc or 'default allocator'}]", "the acceptance's time is spent")
             continue
-        out = _out_dir(args) / f"layer{'-expandable' if alloc else ''}.json"
+        out = _out_dir(args) / f"{part}{'-expandable' if alloc else ''}.json"
         env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": alloc} if alloc else dict(os.environ)
-        cmd = [sys.executable, __file__, "--only", "layer", "--layer-child", str(out), "--methods", args.methods]
+        cmd = [sys.executable, __file__, "--only", part, "--layer-child", str(out), "--methods", args.methods]
         cmd += ["--repeats", str(args.repeats), "--budget-s", str(min(args.budget_s, left * 0.45))]
         cmd += ["--alloc-conf", alloc] + (["--seq", ",".join(map(str, args.seq))] if args.seq else [])
         try:
             subprocess.run(cmd, env=env, timeout=max(left - 10, 1), check=False)
             rows += json.loads(out.read_text())
         except Exception as err:  # noqa: BLE001 - a crashed or timed-out child fails its rows
-            report(f"layer [{alloc or 'default allocator'}]", f"{type(err).__name__}: {err}")
+            report(f"{part} [{alloc or 'default allocator'}]", f"{type(err).__name__}: {err}")
             rows.append({"method": "-", "seq_len": 0, "alloc": alloc, "error": f"{type(err).__name__}: {err}"})
     return rows
 
@@ -665,21 +788,32 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: run with --cpu-smoke for the CPU dry run", file=sys.stderr)
         return 2
     device_name = "cpu" if args.cpu_smoke else "cuda"
-    if args.layer_child is not None:  # one allocator setting's layer rows, for the parent
-        args.layer_child.write_text(json.dumps(layer_rows(args, device_name, args.alloc_conf)))
+    if args.layer_child is not None:  # one allocator setting's layer or memory rows, for the parent
+        rows_of = memory_rows if args.only == "memory" else layer_rows
+        args.layer_child.write_text(json.dumps(rows_of(args, device_name, args.alloc_conf)))
         return 0
     deadline = time.monotonic() + 450  # 7.5 minutes: inside one 8-minute device call
     gpu = torch.cuda.get_device_name(0) if device_name == "cuda" else "cpu"
     print(f"ds-upipe GPU acceptance on {gpu}: torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
     checks: list[dict] = []
-    layer: list[dict] = []
     if args.only in (None, "kernels"):
         checks += run_kernel_checks(device_name, args.cpu_smoke)
         checks.append(fla_memory_check(device_name, args.cpu_smoke))
     if args.only in (None, "ranks"):
         checks += run_rank_checks(device_name, args.cpu_smoke)
+    memory: list[dict] = []
+    if args.only in (None, "memory"):
+        memory = run_child_rows(args, device_name, deadline, "memory")
+        checks += [
+            {
+                "check": f"memory {r['method']} {r['seq_len']} [{r['alloc']}]",
+                "status": "SKIP" if "skipped" in r else "FAIL" if "error" in r else "PASS",
+            }
+            for r in memory
+        ]
+    layer: list[dict] = []
     if args.only in (None, "layer"):
-        layer = run_layer_checks(args, device_name, deadline)
+        layer = run_child_rows(args, device_name, deadline, "layer")
         checks += [
             {
                 "check": f"layer {r['method']} {r['seq_len']} [{r['alloc']}]",
@@ -692,13 +826,42 @@ def main(argv: list[str] | None = None) -> int:
     skipped = sum(c["status"] == "SKIP" for c in checks)
     out = _out_dir(args) / "gpu_check.json"
     versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": gpu}
-    out.write_text(json.dumps({**versions, "checks": checks, "layer": layer}, indent=2))
+    out.write_text(json.dumps({**versions, "checks": checks, "layer": layer, "memory": memory}, indent=2))
     print(f"wrote {out}", flush=True)
-    table = _table(layer, gpu) if layer else None
     print(f"{passed} passed, {failed} failed, {skipped} skipped", flush=True)
-    if table is not None:
-        print(table)  # last, so it is what a reader sees
+    if memory:
+        print(_memory_table(memory, gpu))
+    if layer:
+        print(_table(layer, gpu))  # last, so it is what a reader sees
     return 1 if failed else 0
+
+
+def _memory_table(rows: list[dict], gpu: str) -> str:
+    """The memory rows: the step's peak (weights, inputs and what it allocates), the allocator's max allocated /
+    reserved, memory outside the allocator (CUDA context, libraries), the planner's figure."""
+    from ds_upipe.tools.planner import fmt_tokens
+
+    done = [r for r in rows if "allocated_gib" in r]
+    unit, div = ("GiB", 1.0) if done and max(r["allocated_gib"] for r in done) >= 1 else ("MiB", 1 / 1024)
+    lines = [
+        f"one rank's checkpointed Llama3-8B layer replay + backward, rank 0 of C={WORLD} (FAKE group), attention "
+        f"as memory (tools.memory_mode), {gpu}; {unit}",
+        f"{'method':<31}{'tokens/rank':>12} {'allocator':<11}{'step peak':>10}{'max alloc':>10}{'max resvd':>10}"
+        f"{'outside':>9}{'planner':>9}{'x plan':>8}",
+    ]
+    for r in rows:
+        alloc = "expandable" if r["alloc"] else "default"
+        head = f"{r['method']:<31}{fmt_tokens(r.get('tokens_per_rank', 0)):>12} {alloc:<11}"
+        if "allocated_gib" not in r:
+            lines.append(head + f" {r.get('skipped') or r.get('error', '')[:80]}")
+            continue
+        cuda = [r.get(k, math.nan) / div for k in ("max_allocated_gib", "max_reserved_gib", "outside_allocator_gib")]
+        lines.append(
+            head + f"{r['allocated_gib'] / div:>10.2f}{cuda[0]:>10.2f}{cuda[1]:>10.2f}{cuda[2]:>9.2f}"
+            f"{r['planner_gib'] / div:>9.2f}{r['allocated_gib'] / r['planner_gib']:>8.3f}"
+            + ("  FAIL" if "error" in r else "")
+        )
+    return "\n".join(lines)
 
 
 def _table(rows: list[dict], gpu: str) -> str:

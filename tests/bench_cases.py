@@ -105,9 +105,18 @@ WHOLE_STEP_ARGS = dict(
 )
 
 
-def calibration_group(rank: int, world: int, points: list[tuple], whole_step_args: dict) -> dict:
+#: benchmarks/whole_step.py's checkpoint-group cases (run_group_case): a model small enough that a layer input is a few
+#: percent of the step (so that one checkpoint more or less shows), float32, vocabulary 128
+GROUP_STEP_ARGS = {
+    **WHOLE_STEP_ARGS,
+    **dict(seq=2048, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=128, dtype="float32"),
+}
+
+
+def calibration_group(rank: int, world: int, points: list[tuple], whole_step_args: dict, group_step_args: dict) -> dict:
     """One spawn for the planner's measurements: the decoder-layer points, then every whole-step case
-    (benchmarks/whole_step.py's run_case: per-rank peak bytes).  The layer points register ALST in
+    (benchmarks/whole_step.py's run_case: per-rank peak bytes), then the checkpoint-group cases
+    (run_group_case).  The layer points register ALST in
     transformers' registry (ds_upipe.tools.hf_memory's cached registration); the registry is restored,
     the cache dropped and DeepSpeed's sequence-parallel groups released, so that the whole step's ALST
     registers as it does on its own."""
@@ -129,7 +138,9 @@ def calibration_group(rank: int, world: int, points: list[tuple], whole_step_arg
     steps = {
         f"{m}{'+stack' if s else ''}": whole_step.run_case(m, s, args, rank)["peak_bytes"] for m, s in whole_step.CASES
     }
-    return {"whole_step": steps, "layers": layers, "replay": replay}
+    group_args = argparse.Namespace(**group_step_args)
+    groups = {f"{n}x{k}": whole_step.run_group_case(n, k, group_args, rank) for n, k in whole_step.GROUP_CASES}
+    return {"whole_step": steps, "layers": layers, "replay": replay, "groups": groups}
 
 
 #: a checkpointed layer's replay in backward

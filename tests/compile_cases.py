@@ -18,7 +18,7 @@ from torch import nn
 
 import hf_patches
 from ds_upipe import TorchSDPAKernel, UPipeDistributedAttention
-from tests import core_cases, hf_cases, mixer_gated_delta_cases, mixer_short_conv_cases
+from tests import core_cases, hf_cases, mixer_gated_delta_cases, mixer_mamba2_cases, mixer_short_conv_cases
 
 #: float32: the dtype users compile in; float64 would hide the compiler's reassociations
 DTYPE = torch.float32
@@ -107,10 +107,11 @@ def core_case(backend: str) -> dict:
     return {"errors": errors(eager, compiled), "lost": lost, "seconds": time.perf_counter() - start}
 
 
-#: the hybrid models of ``mixer_case``: name -> builder of a tiny float64 model.  Only LFM2 is in ``CASES``:
-#: Qwen3.5's gated delta layers took 125 s to compile (docs/hf_patches.md, "torch.compile")
+#: the hybrid models of ``mixer_case``: name -> builder of a tiny float64 model (one mixer kind each: gated delta
+#: net, Mamba-2, short conv; each with a softmax attention layer)
 HYBRIDS = {
     "qwen3_5": lambda: mixer_gated_delta_cases.build_model("qwen3_5"),
+    "bamba": lambda: mixer_mamba2_cases.build("bamba"),
     "lfm2": lambda: mixer_short_conv_cases.build_model(False),
 }
 
@@ -137,6 +138,8 @@ CASES = {
     "core_aot_eager": lambda: core_case("aot_eager"),
     "core_inductor": lambda: core_case("inductor"),
     "hybrid_lfm2_aot_eager": lambda: mixer_case("aot_eager", "lfm2"),
+    "hybrid_qwen3_5_aot_eager": lambda: mixer_case("aot_eager", "qwen3_5"),
+    "hybrid_bamba_aot_eager": lambda: mixer_case("aot_eager", "bamba"),
 }
 
 

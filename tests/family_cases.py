@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 import hf_patches
+from ds_upipe.heads import layer_head_layouts
 from ds_upipe.tools import sweep
+from ds_upipe.tools.opcount import OpCounter
 from tests import hf_cases
 
 #: every family shares the sweep's tiny config (hidden 64, 2 layers, H = 8 query heads of head_dim 8, 2 KV heads:
@@ -140,6 +142,56 @@ def shared_kv_reentrant_case(world) -> dict[str, float]:
     return {"refused": 1.0}
 
 
+def expected_all_to_alls(model, share: bool, checkpointed: bool) -> dict[str, int]:
+    """The all-to-alls one float64 forward + backward of a patched Gemma 4 runs, by what the stage plans say (each layer
+    N stages in R rounds): per layer 2N in forward (queries in, outputs back) and 2N in backward (queries, outputs
+    and their gradients in; dQ back); the keys and values ("kv"): re-exchanging, R in forward, R again in backward
+    and dK/dV back per stage (N, float64); holding (``share_exchanged_kv``), one exchange per producing layer in
+    forward and one back in backward, none per KV-shared layer.  Non-reentrant checkpointing runs every layer's
+    forward again in backward (a KV-shared layer's replay takes the held K/V too)."""
+    state = hf_patches.upipe_state(model)
+    layouts = layer_head_layouts(model.config)
+    counts = {"stages": 0, "kv": 0}
+    for layer, heads in zip(model.model.layers, layouts):
+        attention = layer.self_attn
+        plan = state.plan_for(heads.num_heads, heads.num_kv_heads)
+        n, r = plan.num_stages, len(plan.rounds)
+        forwards = 2 if checkpointed else 1
+        if share and attention.is_kv_shared_layer:
+            kv_forward, kv_backward = 0, 0
+        elif share and attention.store_full_length_kv:
+            kv_forward, kv_backward = 1, 1
+        else:
+            kv_forward, kv_backward = r, r + n
+        counts["stages"] += forwards * 2 * n + 2 * n
+        counts["kv"] += forwards * kv_forward + kv_backward
+    return counts
+
+
+def shared_kv_exchange_case(
+    world: int, share: bool, checkpointing: str | None, overlap: bool = False
+) -> dict[str, float]:
+    """Gemma 4 (layers 0 and 1 produce the keys and values that layers 2 and 3 share) on shards == unpatched
+    (float64), and its all-to-alls over forward + backward counted (``OpCounter``) == ``expected_all_to_alls``:
+    holding the exchanged K/V (the default) or re-exchanging (``overlap``: with overlap_comm).  At C = 2 with 4
+    key/value heads (2 rounds, so a layer reading another round's K/V is wrong), at C = 4 with the family's 2 (each
+    replicated on 2 ranks)."""
+    group = dist.group.WORLD
+    seq = 6 * world
+    batch = hf_cases.make_batch(0, 2, seq)
+    with hf_cases.float64_internals():
+        model = build_family("gemma4", num_key_value_heads=4 if world == 2 else 2)
+        ref = hf_cases.reference_step(copy.deepcopy(model), batch)
+        hf_cases.patch_model(model, group, None, False, overlap, False, share_exchanged_kv=share)
+        if checkpointing is not None:
+            hf_cases._checkpointing(model, checkpointing)
+        with OpCounter() as counter:
+            got = hf_cases.sharded_step(model, batch, group)
+    all_to_alls = sum(n for name, n in counter.collectives.items() if "alltoall" in name or "all_to_all" in name)
+    expected = expected_all_to_alls(model, share, checkpointing is not None)
+    return {**hf_cases.compare(ref, got, seq), "all_to_alls": float(all_to_alls != sum(expected.values()))}
+
+
 def family_ring_case(family, fused, layout, u=None, **overrides):
     """The family under UPipe x Ring (C_u x R = layout) on zigzag shards == unpatched, float64."""
     cu, r = layout
@@ -186,6 +238,13 @@ def _cases(world: int) -> dict[str, tuple]:
     cases["gemma4_unfused_U=H"] = (family_case, ("gemma4", False, world), dict(u=h))
     cases["gemma4_kv_unfused_U=H"] = (family_case, ("gemma4_kv", False, world), dict(u=h))
     cases["deepseek_v3_unfused_U=H"] = (family_case, ("deepseek_v3", False, world), dict(u=h))
+    # Gemma 4's KV-shared layers: the producers' exchanged K/V held (the default) or exchanged again, with and
+    # without checkpointing: parity and the count of all-to-alls
+    for share in (True, False):
+        for checkpointing in (None, "non_reentrant"):
+            name = f"gemma4_{'held' if share else 'reexchanged'}_kv{'_checkpointing' if checkpointing else ''}"
+            cases[name] = (shared_kv_exchange_case, (world, share, checkpointing), {})
+    cases["gemma4_held_kv_overlap"] = (shared_kv_exchange_case, (world, True, None), dict(overlap=True))
     cases["minicpm3_unfused_U=H"] = (family_case, ("minicpm3", False, world), dict(u=h))
     if world == 4:  # packing and checkpointing at C = 2 only
         return {**cases, **_ring_cases(h)}

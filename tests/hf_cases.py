@@ -794,6 +794,7 @@ def refusal_cases(rank, world):
             overlap_comm=rank == 1,
             accumulate_in_input_dtype=rank == 0,
             recompute_attention_output=rank == 0,  # on only where fused: no refusal at apply_upipe
+            share_exchanged_kv=rank == 1,
         )(ids, pos),
     )
     # the model still works after the refused calls (no rank left behind in a collective)

@@ -1,9 +1,11 @@
 """UPipe under torch.compile (aot_eager and inductor, CPU, 2 gloo ranks, one spawn): a tiny Llama patched fused and
 unfused with each decoder layer compiled (and the whole model), the core ``UPipeDistributedAttention`` compiled,
-and a hybrid (LFM2: short conv halo exchanges) compiled per layer give the outputs and every gradient of the same
-module run eagerly.  The UPipe nodes run eagerly inside compiled code (``ds_upipe.pipeline.apply_eagerly``); what
-the compiler changes around them is held to the unpatched model's own compiled-vs-eager difference, measured in
-the same run.  A gradient that goes missing or to zero under compile (DeepSpeed #8491) fails every case."""
+and three hybrids compiled per layer (LFM2: short conv halo exchanges; Qwen3.5: gated delta net stages; Bamba:
+Mamba-2 stages) give the outputs and every gradient of the same module run eagerly.  The UPipe nodes and the
+mixer stages run eagerly inside compiled code (``ds_upipe.pipeline.apply_eagerly``,
+``hf_patches.mixers.common.checkpointed_stage``); what the compiler changes around them is held to the unpatched
+model's own compiled-vs-eager difference, measured in the same run.  A gradient that goes missing or to zero
+under compile (DeepSpeed #8491) fails every case."""
 
 import torch
 
@@ -38,7 +40,8 @@ LAST_LAYER_BITWISE += ("model.layers.1.self_attn.k_proj.weight", "model.layers.1
 
 
 #: cases comparing a model (patched variants and the unpatched one) compiled against eager
-MODEL_CASES = ("per_layer_aot_eager", "whole_model_aot_eager", "per_layer_inductor", "hybrid_lfm2_aot_eager")
+MODEL_CASES = ("per_layer_aot_eager", "whole_model_aot_eager", "per_layer_inductor")
+MODEL_CASES += ("hybrid_lfm2_aot_eager", "hybrid_qwen3_5_aot_eager", "hybrid_bamba_aot_eager")
 
 
 def check_results(results: list[dict]) -> None:
@@ -47,7 +50,7 @@ def check_results(results: list[dict]) -> None:
         for name in [n for n in MODEL_CASES if n in result]:
             cases = result[name]
             bar = _bar(cases["unpatched"])
-            exact = LAST_LAYER_BITWISE if "aot_eager" in name and "lfm2" not in name else ()
+            exact = LAST_LAYER_BITWISE if "aot_eager" in name and not name.startswith("hybrid") else ()
             for variant, case in cases.items():
                 assert len(case["errors"]) == 2 + case["num_parameters"], f"{name} {variant}: {case['errors']}"
                 _check(f"rank {rank} {name} {variant}", case, bar, exact if variant != "unpatched" else ())

@@ -121,8 +121,8 @@ def _gpu_check_module():
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     """The whole acceptance script on CPU (``--cpu-smoke``: tiny shapes), so it cannot fail on the device
     for a Python error: kernel parity, documents and pipeline rows run on CPU, the 4 gloo ranks (C = 2
-    and 4) run the stage loop and the fused HF path, the layer table runs over the fake group; the
-    CUDA-only rows print SKIP; the JSON lands in --out."""
+    and 4) run the stage loop and the fused HF path, the layer table and the memory rows run over the fake
+    group; the CUDA-only rows print SKIP; the JSON lands in --out."""
     import json
 
     proc = subprocess.run(
@@ -154,11 +154,16 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     ):
         assert want in lines, (want, lines)
     assert any(line.startswith("PASS layer upipe-recompute-8 1K [default allocator]") for line in lines), lines
+    # the memory rows: the attention as memory (tools.memory_mode), MemTracker against the planner on CPU
+    assert "PASS memory upipe+input-acc+recompute U=8 128/rank [default allocator]" in lines, lines
+    assert "SKIP memory [expandable_segments:True]: needs a CUDA device" in lines
     summary = next(line for line in lines if line.endswith("skipped"))
-    assert summary == "39 passed, 0 failed, 3 skipped", summary
+    assert summary == "40 passed, 0 failed, 3 skipped", summary
     assert lines[-1].startswith("upipe-recompute-8")  # the table comes last
     result = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert len(result["checks"]) == 42 and [r["method"] for r in result["layer"]] == [
+    (memory,) = result["memory"]
+    assert memory["tokens_per_rank"] == 128 and abs(memory["allocated_gib"] / memory["planner_gib"] - 1) < 0.05
+    assert len(result["checks"]) == 43 and [r["method"] for r in result["layer"]] == [
         "alst", "upipe-fused-8", "upipe-recompute-8",
     ]  # fmt: skip
 

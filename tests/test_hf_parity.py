@@ -49,7 +49,8 @@ REFUSALS = {  # case -> words its message must contain (the offending value and 
     "rank_flags": [f"fused_projections {DIFFERS}rank 0: True, rank 1: False)"]
     + [f"overlap_comm {DIFFERS}rank 0: False, rank 1: True)"]
     + [f"accumulate_in_input_dtype {DIFFERS}rank 0: True, rank 1: False)"]
-    + [f"recompute_attention_output {DIFFERS}rank 0: True, rank 1: False)"],
+    + [f"recompute_attention_output {DIFFERS}rank 0: True, rank 1: False)"]
+    + [f"share_exchanged_kv {DIFFERS}rank 0: False, rank 1: True)"],
     "generate_use_cache": ["Qwen2ForCausalLM.generate()", "is not supported under UPipe sequence parallelism"],
     "uneven_shards": ["[5, 4]", "equal"],
 }

@@ -1040,3 +1040,40 @@ def test_pipeline_threads_varlen_aux_per_stage(install_flash_attn):
     got = tuple(t.transpose(1, 2) for t in (out, q.grad, k.grad, v.grad))
     for g, want in zip(got, (out_ref, *grads_ref)):
         torch.testing.assert_close(g.double(), want, rtol=2e-2, atol=2e-2)
+
+
+# -- the GPU kit's memory mode: torch's CUDA flash op as memory (ds_upipe.tools.memory_mode) ------------
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.dtype
+
+
+@pytest.mark.parametrize("hq, hkv", [(4, 2), (4, 4)])
+def test_flash_memory_stand_in_allocates_what_the_flash_op_does(as_cuda, hq, hkv):
+    """The memory rows' stand-in: out, lse and the aux handed to the backward, then dq, dk, dv, of the layouts and
+    dtypes the CUDA flash op gives TorchSDPAKernel (this module's CPU implementation of the op, which checks its
+    inputs as mha_fwd / mha_bwd do, out token-major) and the real CPU flash op; its backward allocates exactly
+    dq + dk + dv and the planner's flash-attn 2 workspace (fake_run.kernel_workspace_bytes), nothing else."""
+    from ds_upipe.integration.fake_run import kernel_workspace_bytes
+    from ds_upipe.tools.memory import measure_peak
+    from ds_upipe.tools.memory_mode import FlashMemoryStandIn
+
+    q, k, v, dout = _inputs(hq, hkv, torch.bfloat16, d=16)
+    dout = dout.transpose(1, 2).contiguous().transpose(1, 2)  # as the pipeline hands it: token-major
+    stand_in, cuda = FlashMemoryStandIn(causal=True), TorchSDPAKernel(causal=True)
+    got, want = stand_in.forward(q, k, v), cuda.forward(q, k, v)
+    assert [_layout(t) for t in got[:2]] == [_layout(t) for t in want[:2]]
+    assert [None if t is None else _layout(t)[0::2] for t in got[2]] == [
+        None if t is None else (tuple(t.shape), torch.uint64) for t in want[2]
+    ]  # cum_q, cum_k undefined; the RNG state and the unused tensor (uint64 on CUDA; the CPU stand-in's int64)
+    grads = stand_in.backward(dout, q, k, v, *got)
+    assert [_layout(g) for g in grads] == [_layout(g) for g in cuda.backward(dout, q, k, v, *want)]
+    # the real CPU flash op (native GQA: dk, dv with the KV heads): the same shapes and dtypes
+    cpu = torch_sdpa.CPU_FLASH.forward(q, k, v, True, 0.25)
+    assert [t.shape for t in got[:2]] == [t.shape for t in cpu[:2]] and got[1].dtype == cpu[1].dtype
+    peak = measure_peak(lambda: stand_in.backward(dout, q, k, v, *got), [], torch.device("cpu"))
+    workspace = kernel_workspace_bytes("fa2", q.shape, k.shape, q.element_size())
+    assert workspace > 0 and peak == sum(g.numel() * g.element_size() for g in grads) + workspace
+    with pytest.raises(ValueError, match="stands in for torch's CUDA flash op: fp16/bf16, head_dim a multiple of 8"):
+        stand_in.forward(*(t.float() for t in (q, k, v)))

@@ -281,6 +281,7 @@ def calibration():
         bench_cases.CALIBRATION_WORLD,
         bench_cases.CALIBRATION_POINTS,
         bench_cases.WHOLE_STEP_ARGS,
+        bench_cases.GROUP_STEP_ARGS,
         use_deepspeed=True,
     )
 
@@ -388,6 +389,30 @@ def test_whole_step_plan_matches_memtracker_on_cpu(calibration):
         )
     assert len(report) == 4
     assert all(abs(r[3]) <= 0.05 for r in report), "\n".join(map(str, report))
+
+
+def test_grouped_step_plan_matches_memtracker_on_cpu(calibration):
+    """Checkpoint groups on (benchmarks/whole_step.py's GROUP_CASES: N groups of k = 2 and 3 below a top layer, UPipe,
+    installed by the run's configure_activation_checkpointing): the planner's whole step against the real one's
+    MemTracker peak, worst rank, with every checkpoint in memory (as a CPU run keeps them) and with the groups'
+    inputs in their host stores (offloaded, as on CUDA; the device side is the peak less what the stores hold), and
+    its host term against the bytes the stores hold: within 5%.  Fails when the planner ignores k or the groups
+    (one layer input is ~3.5% of this step: 3 more fail the device side, 1 more the host side) or counts L - 1
+    offloaded inputs."""
+    from benchmarks.whole_step import GROUP_CASES
+
+    args = bench_cases.GROUP_STEP_ARGS
+    report = []
+    for n, k in GROUP_CASES:
+        measured = {
+            part: max(r["groups"][f"{n}x{k}"][part] for r in calibration) for part in ("device", "offloaded", "host")
+        }
+        kept = planner_prediction(args, "upipe", False, (n, k), offload=False)
+        offloaded = planner_prediction(args, "upipe", False, (n, k), offload=True)
+        host = sum(offloaded.host_terms_gib.values()) * GiB
+        for part, pred in (("device", kept.total_gib * GiB), ("offloaded", offloaded.total_gib * GiB), ("host", host)):
+            report.append((f"{n} groups of {k}", part, measured[part], pred, pred / measured[part] - 1))
+    assert all(abs(r[-1]) <= 0.05 for r in report), "\n".join(map(str, report))
 
 
 def test_host_memory_is_planned_and_bounds_the_max_context():
@@ -614,3 +639,101 @@ def test_cli_plan_config_auto_plans_the_u_auto_picks(tmp_path):
     args = build_parser().parse_args(["plan", "--model", str(model), "--config", str(tmp_path / "ds.json")])
     _, setup, methods = _plan_setup(args)
     assert [m.options.head_chunk_size for m in methods] == [want] and setup.mlp_tile_tokens == 4096
+
+
+def test_vision_language_configs_plan_their_text_model(tmp_path):
+    """A VLM's config.json (Qwen2.5-VL's, as transformers writes it and with the hub's top-level text keys; Qwen3-VL,
+    Qwen3.5 (hybrid), LLaVA): its text model's dims, the tower and projector counted in the parameters (equal to the
+    built model's); vision tokens counted as sequence tokens, the merged whole sample and the images' tower
+    activations shared out over the ranks (``vision_terms``); the plan's statement of both; images given for a text
+    model refused; the CLI's flags.
+    Mutations: every rank counting all images (``images_per_rank`` without the share) fails the tower term; the
+    tower's parameters left out of ``total_params`` fail the counts."""
+    from tests import vlm_cases
+
+    for build, text_type in ((vlm_cases.build_qwen2_5_vl, "qwen2"), (vlm_cases.build_qwen3_vl, "qwen3")):
+        model = build()
+        folder = tmp_path / text_type
+        folder.mkdir()
+        model.config.to_json_file(folder / "config.json")
+        dims = planner.model_dims(str(folder))
+        text = sum(p.numel() for n, p in model.named_parameters() if "language_model" in n or "lm_head" in n)
+        assert dims.model_type == text_type and dims.vision_model_type == model.config.model_type
+        assert (dims.hidden_size, dims.num_layers, dims.num_heads, dims.num_kv_heads) == (64, 2, 8, 2)
+        assert dims.vision_params == sum(p.numel() for p in model.parameters()) - text
+        assert dims.total_params == sum(p.numel() for p in model.parameters())
+    assert planner.model_dims(str(tmp_path / "qwen2")).attention_bias and dims.qk_norm  # Qwen2's biases, Qwen3's norms
+    for moe in (False, True):  # Qwen3.5: a hybrid text model planned as itself; its MoE refused (the aux loss)
+        folder = tmp_path / f"qwen3_5_{moe}"
+        folder.mkdir()
+        model = vlm_cases.build_qwen3_5_vl(moe=moe)
+        model.config.to_json_file(folder / "config.json")
+        if moe:
+            with pytest.raises(ValueError, match="a vision-language model with a mixture-of-experts text model"):
+                planner.model_dims(str(folder))
+        else:
+            hybrid = planner.model_dims(str(folder))
+            assert hybrid.layer_types == ("linear_attention", "full_attention") and hybrid.vision_params
+            assert hybrid.total_params == sum(p.numel() for p in model.parameters())
+    # the hub's Qwen2.5-VL config.json: text keys at the top level (transformers moves them into text_config)
+    hub = {k: v for k, v in vlm_cases.TEXT.items() if k not in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    hub.update(model_type="qwen2_5_vl", vision_config={"depth": 1, "hidden_size": 32, "out_hidden_size": 64})
+    (tmp_path / "hub.json").write_text(json.dumps(hub))
+    flat = planner.model_dims(str(tmp_path / "hub.json"))
+    assert (flat.hidden_size, flat.num_layers, flat.vocab_size, flat.model_type) == (64, 2, 128, "qwen2")
+    llava = vlm_cases.build_llava()
+    (tmp_path / "llava").mkdir()
+    llava.config.to_json_file(tmp_path / "llava" / "config.json")
+    assert planner.model_dims(str(tmp_path / "llava")).total_params == sum(p.numel() for p in llava.parameters())
+
+    dims = planner.model_dims(str(tmp_path / "qwen2"))
+    assert [planner.images_per_rank(planner.TrainSetup(gpus=4, images=n)) for n in (0, 1, 3, 8, 9)] == [0, 1, 1, 2, 3]
+    seq, vision, tower = 2048, 256, 3 << 20
+    setup = planner.TrainSetup(gpus=4, zero_stage=3, reserve_gib=0, kernel="none")
+    vlm = replace(setup, images=6, vision_tokens=vision, tower_bytes_per_image=tower)
+    row = 64 * 2  # bf16 hidden of one token
+    terms = planner.vision_terms(dims, vlm, seq)
+    assert terms["resident"][0] == vision * row + 2 * tower  # 6 images over 4 ranks: 2 a rank
+    assert terms["forward"][0] == seq * row + vision * row  # the whole merged sample, in the forward only
+    assert terms["merge"][0] == 2 * seq * row + 2 * vision * row + 2 * tower
+    method = planner.AttentionScheme.upipe(4)
+    text_only = replace(dims, vision_model_type="", vision_params=0)
+    plain, p = planner.predict(text_only, setup, method, seq), planner.predict(dims, vlm, method, seq)
+    assert p.phases_gib["vision merge"] * GiB == pytest.approx(terms["merge"][0])
+    for phase, gib in plain.phases_gib.items():  # every phase of the text model holds the resident terms
+        forward = terms["forward"][0] if phase == "forward" else 0
+        assert (p.phases_gib[phase] - gib) * GiB == pytest.approx(terms["resident"][0] + forward), phase
+    note = planner.describe(dims, vlm)
+    assert "Vision tokens are sequence tokens" in note and "each length counts the 256 vision tokens" in note
+    assert "6 images a sample are shared out over 4 ranks, at most 2 a rank: 2 x 3.0 MiB" in note
+    with pytest.raises(ValueError, match="a text model: they plan a vision-language model's config.json"):
+        planner.predict(SMALL, replace(setup, images=2), method, seq)
+    # the CLI's flags reach the setup (``cli._plan_setup``: no fake run), with and without --config
+    from ds_upipe.tools.cli import _plan_setup, build_parser
+
+    flags = ["plan", "--model", str(tmp_path / "qwen2"), "--images", "6", "--vision-tokens", "1K"]
+    for extra in ([], ["--config", "ds_configs/upipe_zero3.json"]):
+        _, got, _ = _plan_setup(build_parser().parse_args([*flags, "--tower-mib-per-image", "3", *extra]))
+        assert (got.images, got.vision_tokens, got.tower_bytes_per_image) == (6, 1024, tower), extra
+
+
+def test_readme_headline_is_the_committed_plan(tmp_path):
+    """The README's headline table is what ``benchmarks/plot_max_context.py`` makes of the committed plan
+    results (``plan_groups_*.json``: default margins, checkpoint groups); a setup planned twice with two
+    answers, or a row whose setups must agree (the 1 TB and 2 TB node) but differ, is refused.  Mutations:
+    one number changed in the README, or either check removed from the script, fail."""
+    from benchmarks import plot_max_context as headline
+
+    root = Path(__file__).resolve().parents[1]
+    paths = sorted((root / "benchmarks" / "results").glob("plan_groups_*.json"))
+    found = headline.load(paths)
+    assert headline.markdown(headline.rows(found)) in (root / "README.md").read_text()
+    rerun = json.loads(paths[0].read_text())
+    rerun[0]["max_context"] += 1024
+    (tmp_path / "rerun.json").write_text(json.dumps(rerun))
+    with pytest.raises(ValueError, match="planned twice"):
+        headline.load([*paths, tmp_path / "rerun.json"])
+    key = ("llama3-8b 8 x 80 GB, 1 TB", "UPipe")
+    found[key] = {**found[key], "max_context": found[key]["max_context"] - 1024}
+    with pytest.raises(ValueError, match="UPipe differs between"):
+        headline.rows(found)

@@ -56,6 +56,7 @@ ON = {
     "fused_projections": True,
     "accumulate_dtype": "input",
     "recompute_attention_output": True,
+    "share_exchanged_kv": False,
     "offload_checkpoints": True,
     "checkpoint_pairs": 1,
     "tiled_loss": {"tile_tokens": 6},
@@ -69,7 +70,8 @@ SETTINGS = {
     "section": {**BASE, "upipe": OFF, "activation_checkpointing": {}},
 }
 ROUTES = ("engine", "accelerate", "alst_path")
-#: what each setting must give: (U, kernel, overlap, fused, input-dtype sums, recompute, tiles, checkpointed, pairs)
+#: what each setting must give: (U, kernel, overlap, fused, input-dtype sums, recompute, shared K/V held, tiles,
+#: checkpointed, pairs)
 WANT = {
     "on": dict(
         U=2,
@@ -78,6 +80,7 @@ WANT = {
         fused=True,
         accumulate_input=True,
         recompute=True,
+        share_kv=False,
         tiles=[6, 4, 2],
         checkpointing=True,
         pairs=1,
@@ -89,6 +92,7 @@ WANT = {
         fused=False,
         accumulate_input=False,
         recompute=False,
+        share_kv=True,
         tiles=None,
         checkpointing=False,
         pairs=0,
@@ -100,6 +104,7 @@ WANT = {
         fused=False,
         accumulate_input=False,
         recompute=False,
+        share_kv=True,
         tiles=None,
         checkpointing=True,
         pairs=0,
@@ -138,6 +143,7 @@ def _record(model: torch.nn.Module) -> dict[str, Any]:
         "fused": state.fused_projections if state else None,
         "accumulate_input": state.accumulate_in_input_dtype if state else None,
         "recompute": state.recompute_attention_output if state else None,
+        "share_kv": state.options.share_exchanged_kv if state else None,
         "tiles": [stack.loss_tile_tokens, stack.norm_tile_tokens, stack.mlp_tile_tokens] if stack else None,
         "checkpointing": bool(hf.is_gradient_checkpointing),
         "pairs": len(getattr(hf, "upipe_checkpoint_groups", None) or []),

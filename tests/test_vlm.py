@@ -50,6 +50,20 @@ def test_registration_by_name_refuses_vision_language_models():
     hf_integration.refuse_vision_language(vlm_cases.build_llava(), no_sp, registered=False)
 
 
+def test_long_context_stack_refuses_a_vlm_whose_moe_aux_loss_it_would_drop():
+    """Qwen3-VL-MoE adds its router aux loss in its own forward (from its text config): the tiled loss, which replaces
+    that forward, refuses it by name; the tiled norms and MLPs are checked as for any text model."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    text = {**vlm_cases.TEXT, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "out_hidden_size": 64}
+    with torch.device("meta"):
+        model = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(text_config=text, vision_config=vision))
+    with pytest.raises(ValueError, match="Qwen3VLMoeForConditionalGeneration's router aux loss: a vision-language"):
+        hf_patches.check_long_context_stack(model, tiled_loss=True)
+    hf_patches.check_long_context_stack(model, tiled_norm=True)
+
+
 def _ranks(four_deepspeed_ranks):
     return four_deepspeed_ranks["test_vlm.py"]
 
@@ -58,8 +72,8 @@ def test_vlm_parity_c4_and_c2(four_deepspeed_ranks):
     results = _ranks(four_deepspeed_ranks)
     for rank, result in enumerate(results):
         packed, checkpointed = len(vlm_cases.PACKED), len(vlm_cases.CHECKPOINTED)
-        # + the deepcopy case and Gemma 3 unfused
-        assert len(result["parity"]) == 2 * len(vlm_cases.MODELS) + packed + checkpointed + 2
+        # + the stacked cases, the deepcopy case and Gemma 3 unfused
+        assert len(result["parity"]) == 2 * len(vlm_cases.MODELS) + packed + checkpointed + len(vlm_cases.STACKED) + 2
         for case, errors in result["parity"].items():
             assert max(errors.values()) <= F64, f"rank {rank} {case}: {errors}"
 
@@ -108,6 +122,8 @@ def test_vlm_tower_memory_shared_out(four_deepspeed_ranks):
     for rank, result in enumerate(_ranks(four_deepspeed_ranks)):
         memory = result["memory"]["C=4"]
         assert memory["shared"] * 4 == pytest.approx(memory["all"], rel=0.05), f"rank {rank}: {memory}"
+        # the whole merged sample is not kept for the backward (the planner counts it in the forward only)
+        assert result["memory"]["merged"]["merged_alive_after_forward"] == 0.0, f"rank {rank}"
 
 
 def test_vision_language_batches_are_padded_along_the_sequence_only():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 import hf_patches
 from ds_upipe.tools.parity import GRADIENT_FLOOR, compare, float64_internals, relative_error
+from hf_patches.vlm import whole_sample_shift_labels
 
 IMAGE, VIDEO, VISION_START = 120, 121, 122
 TEXT = dict(
@@ -383,12 +385,27 @@ CHECKPOINTED = ("qwen2_5_vl", "qwen3_5", "gemma3")
 FLOAT64_INTEGERS = ("gemma4",)
 
 
+#: the models run with the long-context stack (C = 2)
+STACKED = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+#: the long-context stack's keys of a ds_config's "upipe" block (tiles of 5 and 7 tokens: several per shard of
+#: 2 rows x 12 positions)
+STACK = {"tiled_loss": {"tile_tokens": 5}, "tiled_norm": {"tile_tokens": 5}, "tiled_mlp": {"tile_tokens": 7}}
+
+
 def parity_case(
-    name: str, group: dist.ProcessGroup, seed: int = 0, checkpointing: bool = False, **settings: Any
+    name: str,
+    group: dist.ProcessGroup,
+    seed: int = 0,
+    checkpointing: bool = False,
+    stack: bool = False,
+    **settings: Any,
 ) -> dict[str, float]:
     """The patched VLM given the whole sample on every rank == the unpatched VLM (float64).  The patched
     loss's gradients are for a group that averages them (``sequence_parallel_loss``'s "mean"): the sum over
-    the group divided by its size is compared.  ``settings``: ``apply_upipe``'s."""
+    the group divided by its size is compared.  ``settings``: ``apply_upipe``'s.  ``stack``: prepared as the
+    engine route prepares it from a ds_config with the long-context stack's keys (``STACK``: UPipe, then the
+    tiled norms, MLPs and loss of the text model); no logits, so loss and gradients are compared, and the loss
+    of this rank's shard of the shifted labels (a loader's ``shift_labels``) is the same."""
     build, make = MODELS[name]
     model = build(seed)
     if checkpointing:  # transformers' gradient checkpointing of the text layers and the vision blocks
@@ -401,7 +418,10 @@ def parity_case(
     ref.loss.backward()
     ref_grads = {n: p.grad.detach().clone() for n, p in ref_model.named_parameters() if p.grad is not None}
 
-    hf_patches.apply_upipe(model, group, **settings)
+    if stack:
+        _prepare_with_stack(model, group)
+    else:
+        hf_patches.apply_upipe(model, group, **settings)
     out = model(**sample)
     out.loss.backward()
     size = dist.get_world_size(group)
@@ -411,16 +431,71 @@ def parity_case(
             g = p.grad.detach().clone()
             dist.all_reduce(g, group=group)
             grads[n] = g / size
-    logits = hf_patches.gather_sequence(out.logits.detach(), group)
-    # the real tokens' logits: a right-padded position's are unspecified under UPipe (docs/vlm.md)
-    real = sample.get("attention_mask", torch.ones_like(sample["input_ids"])).bool()
-    errors = compare(
-        (ref.logits.detach()[real], ref.loss.detach(), ref_grads), (logits[real], out.loss.detach(), grads), 10**6
-    )
+    if stack:  # no logits to compare
+        errors = compare((ref.logits, ref.loss.detach(), ref_grads), (ref.logits, out.loss.detach(), grads), 10**6)
+        errors.pop("logits")
+        errors.update(_stack_checks(model, sample, out, ref.logits.detach()))
+    else:
+        logits = hf_patches.gather_sequence(out.logits.detach(), group)
+        # the real tokens' logits: a right-padded position's are unspecified under UPipe (docs/vlm.md)
+        real = sample.get("attention_mask", torch.ones_like(sample["input_ids"])).bool()
+        errors = compare(
+            (ref.logits.detach()[real], ref.loss.detach(), ref_grads), (logits[real], out.loss.detach(), grads), 10**6
+        )
     tower = [n for n in ref_grads if "visual" in n or "vision_tower" in n or "projector" in n]
     errors["tower_grads_present"] = float(not tower or any(n not in grads for n in tower))
     errors["tower_attention"] = float(model.config.vision_config._attn_implementation != "sdpa")
     return errors
+
+
+def _prepare_with_stack(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    """What ``ds_upipe.initialize`` does to the model with ``STACK`` in its ds_config (the loss over ``group``)."""
+    from ds_upipe.integration.hf_integration import upipe_settings
+    from ds_upipe.integration.sp_setup import prepare_for_run
+
+    settings = upipe_settings(
+        {"upipe": {"enabled": True, **STACK}, "zero_optimization": {"stage": 1}}, dist.get_world_size(group)
+    )
+    prepare_for_run(
+        model, settings, sequence_group=group, head_chunk_size=None, forward_loss="sequence_parallel", loss_group=group
+    )
+
+
+def _stack_checks(
+    model: torch.nn.Module, sample: dict[str, torch.Tensor], out: Any, ref_logits: torch.Tensor
+) -> dict[str, float]:
+    """The stack's text modules only (2 layers' norms and MLPs, the final norm, the forward; no vision module's
+    forward replaced), no logits; from this rank's shard of the shifted labels (a loader's ``shift_labels``) the
+    same loss (``forward_loss`` "sequence_parallel", the engine's) and, with "local" (the Trainer route's), the
+    shard's own mean token loss of the unpatched model's logits; ranks given different labels refused by the
+    same-sample check, as the patched forward refuses them."""
+    stack = hf_patches.long_context_stack(model)
+    tower = model.model.visual if hasattr(model.model, "visual") else model.model.vision_tower
+    local = whole_sample_shift_labels(model, sample["labels"], sample.get("attention_mask"))
+    n = local.shape[1]
+    first = dist.get_rank(model._upipe_state.group) * n
+    shard = ref_logits[:, first : first + n]
+    own = torch.nn.functional.cross_entropy(shard.reshape(-1, shard.shape[-1]), local.reshape(-1), ignore_index=-100)
+    without_labels = {k: v for k, v in sample.items() if k != "labels"}
+    with torch.no_grad():
+        group_loss = model(**without_labels, shift_labels=local).loss
+        stack.forward_loss = "local"
+        shard_loss = model(**without_labels, shift_labels=local).loss
+        stack.forward_loss = "sequence_parallel"
+    other = {**sample, "labels": sample["labels"].roll(dist.get_rank(), dims=1)}  # rank 0's differs from rank 1's
+    try:
+        model(**other)
+        refused = "no error"
+    except ValueError as err:
+        refused = str(err)
+    return {
+        "same_sample_checked": float("sample differs from rank 0's" not in refused),
+        "stack_patched": float(len(stack.patched) != 2 * 3 + 2 or "forward" not in stack.patched),
+        "tower_untouched": float(any("forward" in vars(m) for m in tower.modules())),
+        "logits_none": float(out.logits is not None),
+        "shift_labels_loss": relative_error(group_loss, out.loss.detach()),
+        "shift_labels_local_loss": relative_error(shard_loss, own),
+    }
 
 
 def packed_case(name: str, group: dist.ProcessGroup, seed: int = 0) -> dict[str, float]:
@@ -560,6 +635,8 @@ def vlm_suite(rank: int, world: int) -> dict[str, Any]:
                 results[f"{name} C=2"] = parity_case(name, pair)
         for name in CHECKPOINTED:
             results[f"{name} C=2 checkpointing"] = parity_case(name, pair, checkpointing=True)
+        for name in STACKED:  # the long-context stack from the ds_config's keys
+            results[f"{name} C=2 long-context stack"] = parity_case(name, pair, stack=True)
         results["gemma3 C=4 unfused"] = parity_case("gemma3", dist.group.WORLD, fused_projections=False)
         for name in PACKED:
             results[f"{name} C=4 packed"] = packed_case(name, dist.group.WORLD)
@@ -664,6 +741,26 @@ def tower_memory(group: dist.ProcessGroup, images: int = 8) -> dict[str, int]:
     }
 
 
+def merged_embeddings_freed(group: dist.ProcessGroup) -> dict[str, float]:
+    """After the forward (its output held, the backward to come) the whole sample's merged embeddings are gone:
+    each rank's text model keeps a copy of its shard, not a view of them (``hf_patches.vlm._shard_merged``).
+    With transformers' gradient checkpointing, whose checkpoint of the first layer is its input."""
+    model = build_qwen2_5_vl()
+    model.gradient_checkpointing_enable()
+    model.train()
+    hf_patches.apply_upipe(model, group)
+    merged: list[weakref.ref] = []
+
+    def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:  # before the cut to the shard
+        merged.append(weakref.ref(kwargs["inputs_embeds"]))
+
+    model.model.language_model.register_forward_pre_hook(record, with_kwargs=True, prepend=True)
+    out = model(**qwen_sample(0))
+    alive = merged[0]() is not None
+    out.loss.backward()
+    return {"merged_alive_after_forward": float(alive)}
+
+
 def _saved_bytes(model: torch.nn.Module, encode: Any) -> int:
     """Bytes of the distinct activations (tensors other than the model's parameters) autograd saves while
     ``encode`` runs."""
@@ -715,7 +812,7 @@ def spawn_body(rank: int, world: int) -> dict[str, Any]:
     """The part of the shared spawn of 4 DeepSpeed ranks (tests/four_ranks.py): parity, refusals, ZeRO-3 and the
     tower's memory."""
     result = vlm_suite(rank, world)
-    result["memory"] = {"C=4": tower_memory(dist.group.WORLD)}
+    result["memory"] = {"C=4": tower_memory(dist.group.WORLD), "merged": merged_embeddings_freed(dist.group.WORLD)}
     result["zero3"] = zero3_case(rank, world)
     result["mismatch"] = mismatched_sample_case(rank)  # last: without the check it leaves its groups timed out
     return result

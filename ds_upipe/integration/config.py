@@ -55,6 +55,7 @@ ALLOWED: dict[str, str] = {
     "ring_size": "an int >= 1 that divides sequence_parallel_size (1: no ring)",
     "accumulate_dtype": '"fp32" or "input" (the dtype bf16/fp16 gradients are summed in over the stages)',
     "recompute_attention_output": "true or false (fused projections only)",
+    "share_exchanged_kv": "true or false (KV-shared layers: Gemma 3n, Gemma 4)",
     "checkpoint_pairs": "an int >= 0, at most half the model's decoder layers (needs activation checkpointing)",
     "checkpoint_groups": (
         "an int >= 0, at most the model's decoder layers / checkpoint_group_size (needs activation checkpointing)"
@@ -105,6 +106,8 @@ class UPipeConfig(BaseModel):
     accumulate_dtype: Literal["fp32", "input"] = "fp32"
     #: fused mode: backward recomputes each stage's attention instead of keeping the layer's attention output
     recompute_attention_output: StrictBool = False
+    #: KV-shared layers attend with their producing layer's exchanged K/V, held from its forward to its backward
+    share_exchanged_kv: StrictBool = True
     #: the lowest N x k decoder layers checkpointed in groups of k on one saved input
     #: (integration.checkpoint_groups); ``checkpoint_pairs: N`` is N groups of 2 (``checkpoint_grouping``)
     checkpoint_groups: StrictInt = 0
@@ -129,6 +132,7 @@ class UPipeConfig(BaseModel):
             overlap_comm=self.overlap_comm,
             accumulate_in_input_dtype=self.accumulate_dtype == "input",
             recompute_attention_output=self.recompute_attention_output,
+            share_exchanged_kv=self.share_exchanged_kv,
         )
 
     @property

@@ -539,9 +539,13 @@ def layer_config(spec: BenchSpec, layers: int = 1) -> Any:
     )
 
 
-def build_layer(method: Method, spec: BenchSpec, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
+def build_layer(
+    method: Method, spec: BenchSpec, device: torch.device, long_context: bool = False
+) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(decoder layer, rotary embedding) of a one-layer model (``spec.arch``) patched for ``method``
-    (same weights for every method: same seed)."""
+    (same weights for every method: same seed).  ``long_context``: its norms and MLP tiled as training's
+    long-context stack tiles them (``hf_patches.apply_long_context_stack``, the default tiles) instead of
+    ``spec.tiled_mlp``'s bench TiledMLP."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(spec.seed)
@@ -561,7 +565,11 @@ def build_layer(method: Method, spec: BenchSpec, device: torch.device) -> tuple[
     else:
         raise ValueError(f"method {method.name!r} has no decoder-layer implementation")
     layer = model.model.layers[0]
-    if spec.tiled_mlp:
+    if long_context:
+        from hf_patches import apply_long_context_stack
+
+        apply_long_context_stack(model, tiled_norm=True, tiled_mlp=True)
+    elif spec.tiled_mlp:
         import types
 
         layer.mlp.forward = types.MethodType(_tiled_mlp_forward, layer.mlp)

@@ -58,8 +58,26 @@ def build_parser() -> argparse.ArgumentParser:
         help=(
             "a preset (planner.PRESETS: llama3-8b, qwen3-32b, ..., the hybrids qwen3.5-9b, qwen3.5-27b, ...) or the "
             "path of a config.json (or its folder): a Llama-family, MoE or hybrid (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, "
-            "Nemotron-H) model"
+            "Nemotron-H) model, or a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, LLaVA, "
+            "Mistral 3): its text model is planned, its vision tower's parameters counted"
         ),
+    )
+    plan.add_argument(
+        "--images", type=int, default=0, help="a vision-language model's images per sample (shared out over the ranks)"
+    )
+    plan.add_argument(
+        "--vision-tokens",
+        type=parse_tokens,
+        default=0,
+        help="a vision-language model's vision tokens per sample (its images' placeholder tokens after the merger): "
+        "sequence tokens, counted in each planned length",
+    )
+    plan.add_argument(
+        "--tower-mib-per-image",
+        type=float,
+        default=0.0,
+        help="a vision-language model's tower + projector activations saved for backward per image, MiB, as "
+        "measured (docs/vlm.md); default 0: not planned",
     )
     plan.add_argument("--gpus", type=int, default=None, help="sequence-parallel GPUs (default: the preset's, or 8)")
     plan.add_argument(
@@ -289,6 +307,9 @@ def _plan_setup(args: argparse.Namespace) -> tuple:
         gpu_memory_gib=args.gpu_memory,
         host_memory_gib=args.host_memory,
         gpus_per_node=args.gpus_per_node,
+        images=args.images,
+        vision_tokens=args.vision_tokens,
+        tower_bytes_per_image=round(args.tower_mib_per_image * 2**20),
     )
     settings = None
     if args.config is not None:

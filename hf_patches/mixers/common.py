@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from ds_upipe.packing import DocumentBoundaries
 
@@ -49,6 +50,22 @@ def check_head_chunk_size(
         f"mixer_head_chunk_size={head_chunk_size} (U={u}): U must be a multiple of the group size {group_size} "
         f"dividing {heads}={num_heads}. {rule}",
     )
+
+
+@torch.compiler.disable
+def checkpointed_stage(stage: Callable[..., Tensor], *args: object) -> Tensor:
+    """``stage(*args)`` under a non-reentrant checkpoint (between forward and backward a mixer stage keeps its
+    input, shared, and its local output only), run eagerly under ``torch.compile``: a graph break before and after
+    the stage, which autograd links like any other node (as the attention stage loop's ``apply_eagerly``).
+
+    Why eager: dynamo traces a checkpoint whole (a higher-order op) or not at all (torch's ``checkpoint`` is
+    dynamo-disabled, so any graph break inside runs the whole stage eagerly), and on GPU a stage calls FLA's
+    ``chunk_gated_delta_rule``, which is ``torch.compiler.disable``d: made explicit here, CPU and GPU runs compile
+    the same pieces.  Traced whole on transformers' torch fallbacks, the tiny Qwen3.5 of tests/test_compile.py
+    (4 gated delta stages, aot_eager) took 95-175 s to compile against 10-35 s for its unpatched model on the whole
+    sequence, once a stage.  Eager, the stage's exchanges (collectives inside autograd Functions, the pattern that
+    lost gradients in DeepSpeed #8491) never enter a graph either."""
+    return checkpoint(stage, *args, use_reentrant=False)
 
 
 def model_function(module: nn.Module, *names: str) -> Callable[..., Tensor]:

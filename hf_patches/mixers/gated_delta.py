@@ -21,11 +21,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from ds_upipe.packing import DocumentBoundaries
 
-from .common import causal_conv, check_head_chunk_size, model_function, per_document, refusal
+from .common import (
+    causal_conv,
+    check_head_chunk_size,
+    checkpointed_stage,
+    model_function,
+    per_document,
+    refusal,
+)
 from .exchange import heads_to_sequence, sequence_to_heads
 
 #: the module-level recurrence each family's modeling file defines (dispatching to FLA when installed)
@@ -282,10 +288,7 @@ def sharded_forward(
     outs = []
     for stage in range(module.num_v_heads // u):
         heads = _stage_heads(module, stage, u // c, c)
-        # checkpointed: between forward and backward a stage keeps its input and output only
-        outs.append(
-            checkpoint(_stage, module, layout, heads, rank, group, documents, hidden_states, use_reentrant=False)
-        )
+        outs.append(checkpointed_stage(_stage, module, layout, heads, rank, group, documents, hidden_states))
     core = torch.cat(outs, dim=2)  # [B, s, H_v, dv]
     if _z_is_whole(layout, module):
         z = layout.parts["z"].proj(hidden_states)

@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from ds_upipe.packing import DocumentBoundaries
 
 from .common import (
     causal_conv,
     check_head_chunk_size,
+    checkpointed_stage,
     kernel_runs,
     model_function,
     per_document,
@@ -261,8 +261,7 @@ def sharded_forward(
         # not cached under a fake-tensor mode (the planner's fake runs): its index tensors would be fake ones
         plan_of = _plan.__wrapped__ if torch._guards.detect_fake_mode() is not None else _plan
         plan = plan_of(*sizes, u, size, rank, stage)
-        # checkpointed: between forward and backward a stage keeps only its input (shared) and its local output
-        outputs.append(checkpoint(_stage, module, plan, hidden_states, group, size, documents, use_reentrant=False))
+        outputs.append(checkpointed_stage(_stage, module, plan, hidden_states, group, size, documents))
     scan_output = torch.cat(outputs, dim=-1)  # [B, s, d_inner], heads in order
     proj = module.in_proj
     d_inner = module.intermediate_size

@@ -43,6 +43,7 @@ from .memory import (
     group_recompute_fraction,
     hidden_state_bytes,
     host_terms,
+    images_per_rank,
     kept_checkpoints,
     layer_peak,
     model_state_bytes,
@@ -52,12 +53,14 @@ from .memory import (
     ranks_per_node,
     step_peak,
     step_spec,
+    vision_terms,
     zero_buffer_bytes,
 )
 from .models import (
     MODEL_TYPES,
     PRESET_GPUS,
     PRESETS,
+    VISION_LANGUAGE_TEXT_TYPES,
     ModelDims,
     model_dims,
 )
@@ -78,6 +81,7 @@ from .reports import (
     paper_step,
     plan_table,
     to_json,
+    vision_note,
     which_head_chunk_report,
 )
 from .setup import (
@@ -124,6 +128,7 @@ __all__ = [
     "from_ds_config",
     "hidden_state_bytes",
     "host_terms",
+    "images_per_rank",
     "kept_checkpoints",
     "layer_peak",
     "max_context",
@@ -144,6 +149,9 @@ __all__ = [
     "step_peak",
     "step_spec",
     "to_json",
+    "vision_note",
+    "vision_terms",
+    "VISION_LANGUAGE_TEXT_TYPES",
     "which_head_chunk_report",
     "zero_buffer_bytes",
 ]

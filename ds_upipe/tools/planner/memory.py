@@ -255,6 +255,53 @@ class Prediction:
     gpu_fits: bool = True
     #: what stops a longer context: "GPU", "host", "both" or "" (fits)
     binding: str = ""
+    #: a vision-language model's terms (``vision_terms``): "resident" (in every phase above), "merge" (its phase)
+    vision_gib: dict[str, float] = field(default_factory=dict)
+
+
+def images_per_rank(setup: TrainSetup) -> int:
+    """The most images a rank's tower encodes in a micro-batch (``hf_patches.vlm.image_share``: whole images in
+    contiguous shares differing by one; a rank with an empty share encodes one image as a stand-in)."""
+    images = setup.images * setup.batch
+    return max(1, -(-images // setup.gpus)) if images else 0
+
+
+def vision_terms(dims: ModelDims, setup: TrainSetup, seq_len: int) -> dict[str, tuple[int, str]]:
+    """What a vision-language model (``hf_patches.vlm``) adds on each rank to the text model's step, by term:
+    (bytes, basis).  "resident": held through every phase of the text model; "forward": held by the model's
+    forward while the text model's forward runs; "merge": the peak of the merge before it (a phase of its own).
+    Empty for a text model."""
+    if not dims.vision_model_type:
+        if setup.images or setup.vision_tokens or setup.tower_bytes_per_image:
+            raise ValueError(
+                f"images / vision tokens / tower memory given for {dims.name}, a text model: they plan a "
+                "vision-language model's config.json (its vision_config)"
+            )
+        return {}
+    if setup.ring_size > 1:
+        raise ValueError(f"{dims.name}: a vision-language model with ring_size={setup.ring_size} is not supported")
+    row = setup.batch * dims.hidden_size * setup.act_bytes  # one token of a [B, S, hidden] tensor
+    vision = min(setup.vision_tokens, seq_len)
+    images = images_per_rank(setup)
+    tower = images * setup.tower_bytes_per_image
+    given = f"{setup.tower_bytes_per_image / 2**20:.1f} MiB each, given" if tower else "not given: 0"
+    return {
+        "resident": (
+            vision * row + tower,
+            f"{vision} gathered vision tokens' features (the output's image features) and {images} images' tower "
+            f"activations ({given})",
+        ),
+        "forward": (
+            seq_len * row + vision * row,
+            "the whole sample's merged embeddings and the features' concatenation, held by the model's forward "
+            "(each rank's text model runs on a copy of its shard)",
+        ),
+        "merge": (
+            2 * seq_len * row + 2 * vision * row + tower,
+            "the merge: the token embeddings and the merged copy of the whole sample, the gathered features and "
+            "their concatenation, the tower's activations",
+        ),
+    }
 
 
 def other_layers(dims: ModelDims, setup: TrainSetup, seq_len: int, saved_per_layer: int) -> dict[str, tuple[int, str]]:
@@ -286,6 +333,13 @@ def other_layers(dims: ModelDims, setup: TrainSetup, seq_len: int, saved_per_lay
     else:
         grads = extra * dims.params_per_layer * setup.act_bytes
         above = (grads, f"{extra} more layers' weight gradients (kept from their creation on: no optimizer)")
+    inner = kept_checkpoints(dims, setup)[2]
+    if setup.checkpointing and not setup.offload_checkpoints and inner and not setup.optimizer:
+        # the lowest group's top layer replays with its k - 2 inner inputs held while nearly every gradient is
+        # alive (no optimizer: measured, tests/test_planner.py's grouped step); with one the top-layer phase,
+        # which counts the inner inputs, is the larger
+        inner_bytes = inner * hidden_state_bytes(dims, setup, seq_len)
+        above = (above[0] + inner_bytes, f"{above[1]}; {inner} inner layer inputs of the lowest group's backward")
     return {"forward": below, "loss": below, "top layer": below, "bottom layer": above}
 
 
@@ -299,6 +353,7 @@ def predict(
     what the other layers add there (``other_layers``), and the largest sum, with the model states,
     ZeRO buffers and the reserve, is the prediction."""
     kept_checkpoints(dims, setup)  # checkpoint groups within the model's layers
+    vision = vision_terms(dims, setup, seq_len)  # refused before any fake run
     saved = 0
     if not setup.checkpointing:  # what one layer keeps from its forward to its backward, its input among them
         x = hidden_state_bytes(dims, setup, seq_len)
@@ -312,8 +367,13 @@ def predict(
     steps = {kind: step_peak(dims, setup, method, seq_len, live, kind) for kind in dims.layer_counts}
     by_kind = {kind: {k: others[k][0] + v - s.weights for k, v in s.phases.items()} for kind, s in steps.items()}
     phases = {k: max(p[k] for p in by_kind.values()) for k in next(iter(by_kind.values()))}
+    if vision:  # a vision-language model: its merge before the text model, and what it holds through it
+        phases = {
+            k: v + vision["resident"][0] + (vision["forward"][0] if k == "forward" else 0) for k, v in phases.items()
+        }
+        phases = {"vision merge": vision["merge"][0], **phases}
     phase = max(phases, key=lambda k: phases[k])
-    kind = max(by_kind, key=lambda kd: by_kind[kd][phase])
+    kind = max(by_kind, key=lambda kd: by_kind[kd].get(phase, 0))
     step = steps[kind]
     states, zero, reserve = model_state_bytes(dims, setup), zero_buffer_bytes(dims, setup), setup.reserve_gib * GiB
     total = states + zero + reserve + phases[phase]
@@ -325,6 +385,7 @@ def predict(
         "" if gpu_fits and host_fits else "both" if not (gpu_fits or host_fits) else "GPU" if host_fits else "host"
     )
     at_peak = phase == max(step.phases, key=lambda k: step.phases[k])
+    measured = step.phases.get(phase, step.weights)  # the vision merge runs no decoder layer
     return Prediction(
         method=method.label,
         seq_len=seq_len,
@@ -339,12 +400,15 @@ def predict(
         zero_buffers_gib=zero / GiB,
         reserve_gib=setup.reserve_gib,
         peak_phase=phase,
-        other_layers_gib=others[phase][0] / GiB,
-        other_layers_basis=others[phase][1],
-        phase_gib=(step.phases[phase] - step.weights) / GiB,
+        other_layers_gib=others.get(phase, (0, ""))[0] / GiB,
+        other_layers_basis=others.get(phase, (0, "none: before the decoder layers"))[1],
+        phase_gib=(measured - step.weights) / GiB,
+        vision_gib={k: b / GiB for k, (b, _) in vision.items()},
         workspace_gib=step.workspace / GiB if at_peak else 0.0,
         peak_at=(f"{kind} layers: " if kind else "")
-        + (step.at if at_peak else f"the {phase} phase's peak (the step's own peak is in another phase)"),
+        + (step.at if at_peak else f"the {phase} phase's peak (the step's own peak is in another phase)")
+        + (f"; with the vision-language model's {vision['resident'][1]}" if vision else "")
+        + (f" and {vision['forward'][1]}" if vision and phase == "forward" else ""),
         phases_gib={k: v / GiB for k, v in phases.items()},
         live_at_peak=[(label, b / GiB) for label, b in step.live] if at_peak else [],
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import json
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 #: family registry's view (hf_patches.families)
 MODEL_TYPES = PLANNER_LAYERS
 
+
+#: the text decoders of vision-language models (their config.json's ``text_config``) -> the planned model type whose
+#: layer they are: Qwen2-VL's and Qwen2.5-VL's text layer is Qwen2's (q/k/v biases; mrope changes the positions,
+#: not the tensors), Qwen3-VL's is Qwen3's (q/k norms); LLaVA's and Mistral 3's text configs are Llama / Mistral /
+#: Qwen2 ones already
+VISION_LANGUAGE_TEXT_TYPES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
+#: (Qwen3.5's text model is a hybrid the planner runs as itself: ``HYBRID_TYPES``)
 
 #: a hybrid's layer kinds, by transformers' ``layer_types`` names: softmax attention, a sequence mixer (transformers 5
 #: names gated delta nets and Mamba-2 layers both "linear_attention"), an MLP-only block (Nemotron-H)
@@ -125,6 +132,11 @@ class ModelDims:
     layer_types: tuple[str, ...] = ()
     mixer: MixerDims | None = None
     shared_expert_intermediate: int = 0
+    #: a vision-language model (its config.json's ``model_type``, e.g. "qwen2_5_vl"; "" for a text model): the
+    #: planned layers are its text model's; ``vision_params``: its vision tower's and projector's parameters
+    #: (counted on transformers' own modules, ``_vision_language_dims``), in the model states
+    vision_model_type: str = ""
+    vision_params: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_kv_heads", "head_dim", "hidden_size", "intermediate_size", "num_layers"):
@@ -264,7 +276,7 @@ class ModelDims:
     @property
     def total_params(self) -> int:
         lm_head = 0 if self.tie_word_embeddings else self.embedding_params
-        return self.embedding_params + lm_head + self.layers_params + self.hidden_size
+        return self.embedding_params + lm_head + self.layers_params + self.hidden_size + self.vision_params
 
     def shape(self, kind: str = "") -> Any:
         """The fake run's ModelShape (transformers builds the layer from it); a hybrid's: an ``HFModelConfig``
@@ -291,6 +303,8 @@ class ModelDims:
     def from_config(config: dict, name: str = "config") -> ModelDims:
         """From a transformers config dict (config.json of a Llama/Mistral/Qwen2/Qwen3 model, of the
         sparse MoE Qwen3-MoE / Mixtral / GPT-OSS, or of a hybrid of ``HYBRID_TYPES``: ``_hybrid_dims``)."""
+        if "vision_config" in config:
+            return _vision_language_dims(config, name)
         cfg = config.get("text_config", config)
         if cfg.get("model_type") in HYBRID_TYPES:
             return _hybrid_dims(config, name)
@@ -333,6 +347,34 @@ class ModelDims:
     @staticmethod
     def from_file(path: str | Path) -> ModelDims:
         return ModelDims.from_config(json.loads(Path(path).read_text()), name=str(path))
+
+
+def _vision_language_dims(config: dict, name: str) -> ModelDims:
+    """A vision-language model's text model as the planner plans any decoder (``VISION_LANGUAGE_TEXT_TYPES``), with
+    its vision tower's and projector's parameters: its config.json read by transformers' own config class (which
+    moves a Qwen2.5-VL config's top-level text keys into ``text_config``), the inner model built on the meta device
+    and counted without its ``language_model``."""
+    import torch
+    from transformers import AutoConfig, AutoModel
+
+    values = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version")}
+    vlm_type = values.pop("model_type", None)
+    if vlm_type is None:
+        raise ValueError(f"{name}: a config with a vision_config but no model_type")
+    vlm = AutoConfig.for_model(vlm_type, **values)
+    text = vlm.get_text_config().to_dict()
+    text["model_type"] = VISION_LANGUAGE_TEXT_TYPES.get(text.get("model_type"), text.get("model_type"))
+    text["tie_word_embeddings"] = bool(getattr(vlm, "tie_word_embeddings", False))
+    if not text.get("use_sliding_window", True):
+        text["sliding_window"] = None  # Qwen-VL text configs carry a window they do not use
+    dims = ModelDims.from_config(text, name)
+    if dims.num_experts:  # its own forward adds the router aux loss, which the tiled loss refuses
+        raise ValueError(f"{name}: a vision-language model with a mixture-of-experts text model is not planned yet")
+    with torch.device("meta"):
+        inner = AutoModel.from_config(vlm)
+    text_params = {id(p) for p in inner.get_decoder().parameters()}
+    vision = sum(p.numel() for p in inner.parameters() if id(p) not in text_params)
+    return replace(dims, vision_model_type=vlm_type, vision_params=vision)
 
 
 def _hybrid_dims(config: dict, name: str) -> ModelDims:

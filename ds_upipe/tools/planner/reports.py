@@ -12,6 +12,7 @@ from .memory import (
     RESERVE_BASIS,
     group_recompute_fraction,
     host_terms,
+    images_per_rank,
     kept_checkpoints,
     model_state_bytes,
     predict,
@@ -194,6 +195,25 @@ def moe_basis(dims: ModelDims) -> str:
     return "; ".join(notes)
 
 
+def vision_note(dims: ModelDims, setup: TrainSetup) -> str:
+    """How a vision-language model is planned: its text model, the vision tokens as sequence tokens, and what the
+    tower adds per rank with the images shared out (``memory.vision_terms``; docs/vlm.md)."""
+    per_rank = images_per_rank(setup)
+    tower = (
+        f"{per_rank} x {setup.tower_bytes_per_image / 2**20:.1f} MiB of tower activations a rank (given per image)"
+        if setup.tower_bytes_per_image
+        else "the tower's activations are not planned (give --tower-mib-per-image, measured: docs/vlm.md)"
+    )
+    return (
+        f"vision-language model ({dims.vision_model_type}): its text model is planned, the vision tower and projector "
+        f"({dims.vision_params / 1e9:.3f}B params) are in the model states.  Vision tokens are sequence tokens (merged "
+        f"into the sequence): each length counts the {setup.vision_tokens} vision tokens of a sample.  Every rank "
+        f"merges the whole sample (held while the text model's forward runs; its gathered vision features through the "
+        f"step); the "
+        f"{setup.images} images a sample are shared out over {setup.gpus} ranks, at most {per_rank} a rank: {tower}"
+    )
+
+
 def describe(dims: ModelDims, setup: TrainSetup) -> str:
     moe = (
         f", {dims.num_experts} experts top-{dims.experts_per_token}"
@@ -207,6 +227,7 @@ def describe(dims: ModelDims, setup: TrainSetup) -> str:
         f"intermediate={dims.intermediate_size} layers={dims.num_layers} vocab={dims.vocab_size} "
         f"({dims.total_params / 1e9:.2f}B params{moe})\n"
         + (f"{basis}\n" if basis else "")
+        + (f"{vision_note(dims, setup)}\n" if dims.vision_model_type else "")
         + f"{setup.gpus} GPUs x {setup.gpu_memory_gib:g} GiB"
         + (f" (Ulysses {setup.ulysses_size} x ring {setup.ring_size})" if setup.ring_size > 1 else "")
         + f", ZeRO-{setup.zero_stage}, {setup.dtype}, "
@@ -274,6 +295,11 @@ def breakdown_report(dims: ModelDims, setup: TrainSetup, method: AttentionScheme
         + (f"  (of which kernel workspace {p.workspace_gib:.2f}, analytic)" if p.workspace_gib else ""),
         f"  the other {max(0, dims.num_layers - 2)} layers in that phase (analytic)   {p.other_layers_gib:8.2f} GiB"
         f"  ({p.other_layers_basis})",
+        *(
+            [f"  vision-language model (analytic): {k} {v:.2f} GiB" for k, v in p.vision_gib.items()]
+            if p.vision_gib
+            else []
+        ),
         "  phases (two-layer run + other layers): " + ", ".join(f"{k} {v:.2f} GiB" for k, v in p.phases_gib.items()),
         f"  peak set by: {p.peak_at}",
         "  alive at the peak (by the operation that allocated it):",

@@ -107,8 +107,18 @@ class TrainSetup:
     #: (``--host-reserve``), ``host_per_rank_gib`` per rank
     host_os_gib: float = 64.0
     host_per_rank_gib: float = 8.0
+    #: a vision-language model (``ModelDims.vision_model_type``): images and vision tokens (after the tower's
+    #: merger: the placeholder tokens of its images) per sample, and the activations its vision tower and
+    #: projector save for backward per image (bytes, measured by the user: ``vlm_cases.tower_memory`` shows how;
+    #: 0: not planned).  The vision tokens are sequence tokens: a planned length includes them
+    images: int = 0
+    vision_tokens: int = 0
+    tower_bytes_per_image: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("images", "vision_tokens", "tower_bytes_per_image"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.checkpoint_pinning not in ("pow2", "exact"):
             raise ValueError(f"checkpoint_pinning={self.checkpoint_pinning!r}: choose 'pow2' or 'exact'")
         if self.host_memory_gib <= 0:
