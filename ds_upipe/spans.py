@@ -23,7 +23,7 @@ sliding layers as above: spans made ``sliding_only`` apply to windowed calls alo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor

@@ -382,10 +382,11 @@ def _shard_merged(text: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     for key in ("inputs_embeds", "input_ids", "attention_mask", "per_layer_inputs"):  # Gemma 4's [B, S, layers, D]
         if torch.is_tensor(call.get(key)):
             call[key] = call[key][:, local]
-    if torch.is_tensor(call.get("inputs_embeds")):
-        # a copy of the shard: a view would keep the whole sample's merged [B, S, hidden] embeddings alive through
-        # the backward (as the first layer's saved input); the copy lets them go when the model's forward returns
-        call["inputs_embeds"] = call["inputs_embeds"].clone()
+    for key in ("inputs_embeds", "per_layer_inputs"):
+        if torch.is_tensor(call.get(key)):
+            # a copy of the shard: a view would keep the whole sample's merged [B, S, hidden] embeddings alive
+            # through the backward (as the first layer's saved input); the copy lets them go when the forward returns
+            call[key] = call[key].clone()
     visual = call.get("visual_pos_masks")
     if visual is not None:  # Qwen3-VL's deepstack: the rows of this shard's visual tokens
         mine = torch.zeros_like(visual)

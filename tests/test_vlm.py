@@ -19,7 +19,10 @@ REFUSALS = {
     "paligemma": ("PaliGemmaForConditionalGeneration", "bidirectionally", "paligemma"),
     "gemma3 packed": ("bidirectional spans", "packed documents"),
     "gemma3 left padding": ("attention_mask has padding before real tokens",),
-    "gemma4 audio": ("Gemma4ForConditionalGeneration under UPipe", "audio inputs (input_features, input_features_mask)"),
+    "gemma4 audio": (
+        "Gemma4ForConditionalGeneration under UPipe",
+        "audio inputs (input_features, input_features_mask)",
+    ),
     "ring": ("ring_group", "vision-language"),
     "length": ("47 tokens", "multiple of the sequence-parallel size 2"),
 }

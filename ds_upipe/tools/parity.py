@@ -93,11 +93,12 @@ def compare(ref, got, seq: int) -> dict[str, float]:
 def float64_internals(integers: bool = False) -> Iterator[None]:
     """``Tensor.float()`` and ``Tensor.to(torch.float32)`` keep float64 tensors float64 while the cases run
     (reference and patched alike); ``integers``: ``.float()`` of an integer or bool tensor gives float64 too
-    (Gemma 4's vision pooler multiplies one-hot ``.float()`` weights into its float64 features).  transformers' torch SSD scan casts x, B, C and dt to float32 (as the CUDA
-    kernels compute) and Nemotron-H's RMSNorm and logits are float32; their float32 sums split over ranks (a group's
-    B/C gradient summed over its heads, a norm weight's over the tokens) differ from the whole sum by ~1e-7, so
-    float64 parity at 1e-10 needs them kept in float64.  DeepSeek's routers cast with ``Tensor.type(torch.float32)``
-    (kept too).  No hook sets these internal dtypes."""
+    (Gemma 4's vision pooler multiplies one-hot ``.float()`` weights into its float64 features).  transformers'
+    torch SSD scan casts x, B, C and dt to float32 (as the CUDA kernels compute) and Nemotron-H's RMSNorm and
+    logits are float32; their float32 sums split over ranks (a group's B/C gradient summed over its heads, a norm
+    weight's over the tokens) differ from the whole sum by ~1e-7, so float64 parity at 1e-10 needs them kept in
+    float64.  DeepSeek's routers cast with ``Tensor.type(torch.float32)`` (kept too).  No hook sets these
+    internal dtypes."""
     original_float, original_to, original_type = torch.Tensor.float, torch.Tensor.to, torch.Tensor.type
 
     def keep_float(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
