@@ -75,8 +75,9 @@ def test_vlm_parity_c4_and_c2(four_deepspeed_ranks):
     results = _ranks(four_deepspeed_ranks)
     for rank, result in enumerate(results):
         packed, checkpointed = len(vlm_cases.PACKED), len(vlm_cases.CHECKPOINTED)
-        # + the stacked cases, the deepcopy case and Gemma 3 unfused
-        assert len(result["parity"]) == 2 * len(vlm_cases.MODELS) + packed + checkpointed + len(vlm_cases.STACKED) + 2
+        stacked, variants = len(vlm_cases.STACKED), len(vlm_cases.VARIANTS)
+        # + the deepcopy case and Gemma 3 unfused
+        assert len(result["parity"]) == 2 * len(vlm_cases.MODELS) + packed + checkpointed + stacked + variants + 2
         for case, errors in result["parity"].items():
             assert max(errors.values()) <= F64, f"rank {rank} {case}: {errors}"
 

@@ -213,12 +213,13 @@ def build_gemma3(seed: int = 0) -> torch.nn.Module:
     return Gemma3ForConditionalGeneration(config).double()
 
 
-def build_gemma4(seed: int = 0) -> torch.nn.Module:
+def build_gemma4(seed: int = 0, overlay: bool = True) -> torch.nn.Module:
     """Gemma 4: a 1-layer tower on images (frames) of 8x8 patches, pooled 2x2 to 16 tokens (its pooler's one-hot
     weights kept float64: ``float64_internals(integers=True)``); text layers sliding
     (window 4, shorter than an image) / full, twice, the last two KV-shared (they reuse layers 0 and 1's keys and
     values), per-layer inputs, the overlay of ``mm_token_type_ids`` on the sliding layers only
-    (``use_bidirectional_attention="vision"``); no audio tower."""
+    (``use_bidirectional_attention="vision"``; ``overlay=False``: None, the smaller checkpoints' causal mask); no
+    audio tower."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     text = {
@@ -232,7 +233,7 @@ def build_gemma4(seed: int = 0) -> torch.nn.Module:
         "vocab_size_per_layer_input": 101,
         "hidden_size_per_layer_input": 8,
         "final_logit_softcapping": None,
-        "use_bidirectional_attention": "vision",
+        "use_bidirectional_attention": "vision" if overlay else None,
     }
     vision = dict(
         hidden_size=32,
@@ -381,8 +382,10 @@ MODELS = {
 #: the Qwen models of MODELS also run packed (``packed_case``), they and Gemma 3 with gradient checkpointing (C = 2)
 PACKED = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
 CHECKPOINTED = ("qwen2_5_vl", "qwen3_5", "gemma3")
+#: models run at C = 4 only: Gemma 4 with its overlay off (its mask causal although ``mm_token_type_ids`` are given)
+VARIANTS = {"gemma4 causal": (functools.partial(build_gemma4, overlay=False), gemma4_sample)}
 #: models run with ``float64_internals(integers=True)`` (Gemma 4's pooler: one-hot ``.float()`` weights)
-FLOAT64_INTEGERS = ("gemma4",)
+FLOAT64_INTEGERS = ("gemma4", "gemma4 causal")
 
 
 #: the models run with the long-context stack (C = 2)
@@ -406,7 +409,7 @@ def parity_case(
     engine route prepares it from a ds_config with the long-context stack's keys (``STACK``: UPipe, then the
     tiled norms, MLPs and loss of the text model); no logits, so loss and gradients are compared, and the loss
     of this rank's shard of the shifted labels (a loader's ``shift_labels``) is the same."""
-    build, make = MODELS[name]
+    build, make = MODELS[name] if name in MODELS else VARIANTS[name]
     model = build(seed)
     if checkpointing:  # transformers' gradient checkpointing of the text layers and the vision blocks
         model.gradient_checkpointing_enable()
@@ -633,6 +636,9 @@ def vlm_suite(rank: int, world: int) -> dict[str, Any]:
             with float64_internals(integers=name in FLOAT64_INTEGERS):
                 results[f"{name} C=4"] = parity_case(name, dist.group.WORLD)
                 results[f"{name} C=2"] = parity_case(name, pair)
+        for name in VARIANTS:
+            with float64_internals(integers=name in FLOAT64_INTEGERS):
+                results[f"{name} C=4"] = parity_case(name, dist.group.WORLD)
         for name in CHECKPOINTED:
             results[f"{name} C=2 checkpointing"] = parity_case(name, pair, checkpointing=True)
         for name in STACKED:  # the long-context stack from the ds_config's keys
