@@ -31,7 +31,11 @@ whole sample's ``token_type_ids`` into the image spans with the model's own ``ge
 transformers threads to every attention call (``ds_upipe.spans.SpanKernel``: exact).  The model's own per-layer
 masks are None under UPipe's attention implementation (transformers has no mask function for it), so the whole
 sample's 2-D ``attention_mask`` travels beside them (``_PADDING_KWARG``) to the shard hook, where UPipe's input
-check reads it as for any VLM.
+check reads it as for any VLM.  Gemma 4 (``ImageSpanRule``): the same, from ``mm_token_type_ids`` (images and
+videos), on sliding-window layers only (``BidirectionalSpans.sliding_only``: its full layers are causal) and only
+where ``use_bidirectional_attention == "vision"``; its per-layer inputs (``per_layer_inputs``, computed by the model
+on the whole sample) are cut with the embeddings, its patch positions split with the pixels, its videos shared out
+by whole video (``num_frames_per_video``); audio inputs refused by name.
 
 Gradients: the text loss's gradient on a rank covers its tokens scaled by C (``loss.py``); the gathered
 features' gradient summed over the group is the whole sample's gradient of the features, scaled by C, and each
