@@ -110,6 +110,9 @@ _FRAMES = "num_frames_per_video"
 _PER_IMAGE = (*_GRIDS, "image_sizes", _FRAMES)
 #: arguments with one entry per pixel row, split with the pixels (Gemma 4's patch positions: per image, per frame)
 _PER_PIXEL_ROW = ("image_position_ids", "video_position_ids")
+#: per-sample image counts (LLaVA-OneVision's): an image is tiled (anyres) only where its sample has one image, so a
+#: share gets counts of its own (``_share_sample_counts``)
+_SAMPLE_IMAGES = "batch_num_images"
 
 #: the forward's whole-sample arguments, the same on every rank of the group (``check_same_sample``): the tower's
 #: collectives are sized by the images, the text model's by the length
@@ -124,6 +127,7 @@ SAMPLE_ARGUMENTS = (
     "pixel_values",
     "image_grid_thw",
     "image_sizes",
+    _SAMPLE_IMAGES,
     "pixel_values_videos",
     "video_grid_thw",
     _FRAMES,
@@ -264,14 +268,18 @@ def _shared_encoder(function: Any) -> Any:
         pixel_name = list(signature.parameters)[1]
         state: UPipeState = self.language_model._upipe_state
         rows = _pixel_rows(call)
+        _check_image_rows(type(self).__name__, call, pixel_name, rows)
         count = int(rows.shape[0]) if rows is not None else int(call[pixel_name].shape[0])
         rank = dist.get_rank(state.group)
         first, end = image_share(count, rank, state.group_size)
         empty = first == end
         encoded = range(first, end) if not empty else range(0, 1)  # an empty share runs the tower on image 0
-        out = function(self, **_slice_images(call, pixel_name, rows, encoded))
+        share, order = _share_sample_counts(_slice_images(call, pixel_name, rows, encoded), pixel_name, call, encoded)
+        out = function(self, **share)
+        encoded_features = list(out.pooler_output)
+        features = [encoded_features[i] for i in order]  # in sample order, a stand-in dropped
         keep = 0 if empty else len(encoded)
-        gathered = _gather_images(list(out.pooler_output), keep, first, count, state)
+        gathered = _gather_images(features, keep, first, count, state)
         # as the encoder returns them: a [images, tokens, hidden] tensor (Gemma 3) or one tensor per image
         out.pooler_output = torch.stack(gathered) if torch.is_tensor(out.pooler_output) else gathered
         if getattr(out, "deepstack_features", None) is not None:  # Qwen3-VL: per layer, per image
@@ -315,6 +323,40 @@ def _slice_images(call: dict[str, Any], pixel_name: str, rows: Tensor | None, im
         if call.get(key) is not None:
             out[key] = call[key][images.start : images.stop]
     return out
+
+
+def _check_image_rows(name: str, call: dict[str, Any], pixel_name: str, rows: Tensor | None) -> None:
+    """With ``image_sizes``, the pixels must hold one entry per image (LLaVA-NeXT / OneVision: ``[images, tiles,
+    C, H, W]``, as their processors give them), so that a share holds whole images, all their tiles."""
+    sizes, pixels = call.get("image_sizes"), call.get(pixel_name)
+    if rows is None and torch.is_tensor(sizes) and torch.is_tensor(pixels) and sizes.shape[0] != pixels.shape[0]:
+        raise ValueError(
+            f"{name} under UPipe: {pixel_name} of {pixels.shape[0]} rows for {sizes.shape[0]} image_sizes: the images "
+            "are shared out over the sequence-parallel group whole, all tiles of an image on one rank, so pass the "
+            f"pixels per image ([images, tiles, channels, height, width], as the processor gives them)"
+        )
+
+
+def _share_sample_counts(
+    share: dict[str, Any], pixel_name: str, call: dict[str, Any], images: range
+) -> tuple[dict[str, Any], list[int]]:
+    """The share's encoder arguments with per-sample image counts (``_SAMPLE_IMAGES``) of its own, and the order
+    of its features by image.  The model tiles an image only where its sample has one image
+    (``get_image_features``: ``n == 1`` per sample), so the share's counts must give each of its images its flag:
+    its tiled images first (a count of 1 each), then its untiled ones as one sample (a count >= 2).  A lone
+    untiled image (one of a multi-image sample, the rest on other ranks) gets a stand-in copy of itself: no count
+    says "untiled" of one image; the copy's features are dropped (its tower gradients zeros)."""
+    if call.get(_SAMPLE_IMAGES) is None:
+        return share, list(range(len(images)))
+    counts = torch.as_tensor(call[_SAMPLE_IMAGES])
+    tiled = [int(n) == 1 for n in counts.tolist() for _ in range(int(n))][images.start : images.stop]
+    order = sorted(range(len(tiled)), key=lambda i: not tiled[i])  # stable: tiled images first
+    untiled = len(tiled) - sum(tiled)
+    index = torch.tensor(order + order[-1:] * (untiled == 1))
+    out = dict(share)
+    out[pixel_name], out["image_sizes"] = share[pixel_name][index], share["image_sizes"][index]
+    out[_SAMPLE_IMAGES] = counts.new_tensor([1] * sum(tiled) + [max(untiled, 2)] * (untiled > 0))
+    return out, [order.index(i) for i in range(len(order))]
 
 
 def _gather_images(encoded: list[Tensor], keep: int, first: int, count: int, state: UPipeState) -> tuple[Tensor, ...]:

@@ -197,6 +197,34 @@ def build_mistral3(seed: int = 0) -> torch.nn.Module:
     return Mistral3ForConditionalGeneration(config).double()
 
 
+def build_llava_onevision(seed: int = 0) -> torch.nn.Module:
+    """LLaVA-OneVision: a 2-layer SigLIP tower on 4x4 tiles, patch 2 (4 tokens a tile); anyres tiling over the
+    pinpoints 4x4, 4x8, 8x4, 8x8 (an 8x8 image: a base tile and 4 others, 24 tokens with its image_newlines; a 4x8
+    one: 3 tiles, 14 tokens; an image of a multi-image sample: 1 tile, 5 tokens); a video frame pooled to 1 token."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=4,
+        patch_size=2,
+        vision_use_head=False,
+    )
+    config = LlavaOnevisionConfig(
+        text_config={"model_type": "qwen2", **TEXT},
+        vision_config=vision,
+        image_token_index=IMAGE,
+        video_token_index=VIDEO,
+        vision_feature_layer=-1,
+        image_grid_pinpoints=[[4, 4], [4, 8], [8, 4], [8, 8]],
+    )
+    torch.manual_seed(seed)
+    return LlavaOnevisionForConditionalGeneration(config).double()
+
+
 def build_gemma3(seed: int = 0) -> torch.nn.Module:
     """Gemma 3: a 1-layer SigLIP tower on 8x8 images, patch 2, pooled to 16 tokens an image; a sliding layer of
     window 4 (shorter than an image) on either side of a full one, all with the image overlay of ``token_type_ids``
@@ -324,6 +352,30 @@ def mistral3_sample(seed: int) -> dict[str, torch.Tensor]:
     return sample
 
 
+def llava_onevision_sample(seed: int) -> dict[str, torch.Tensor]:
+    """Three rows of 32 tokens as LLaVA-OneVision's processor lays them out (``batch_num_images`` [3, 1, 1]): row 0
+    three images of one tile each (5 tokens: [5, 10) across the C = 4 boundary 8, [13, 18) across 16, [18, 23)) and
+    a video of 2 frames (3 tokens, [23, 26) across 24); row 1 an 8x8 image (5 tiles, 24 tokens, [4, 28) across 8,
+    16 and 24); row 2 a 4x8 one (3 tiles, 14 tokens, [12, 26) across 16 and 24).  The pixels per image, padded to
+    5 tiles: ``[5, 5, 3, 4, 4]`` with ``image_sizes``.  Shares: C = 4 one untiled image alone on each of ranks 0-2
+    (a stand-in copy each), C = 2 rank 1 an untiled image beside the two tiled ones."""
+    sample = _tokens(3, 32, [(0, 5, 5), (0, 13, 10), (1, 4, 24), (2, 12, 14)], seed)
+    sample["input_ids"][0, 23:26] = VIDEO
+    sample["labels"][0, 23:26] = -100
+    gen = torch.Generator().manual_seed(seed + 1)
+    tiles = (1, 1, 1, 5, 3)
+    pixels = torch.randn(5, 5, 3, 4, 4, generator=gen, dtype=torch.float64)
+    for image, count in enumerate(tiles):
+        pixels[image, count:] = 0
+    sample.update(
+        pixel_values=pixels,
+        image_sizes=torch.tensor([[4, 4], [8, 4], [4, 8], [8, 8], [4, 8]]),
+        batch_num_images=torch.tensor([3, 1, 1]),
+        pixel_values_videos=torch.randn(1, 2, 3, 4, 4, generator=gen, dtype=torch.float64),
+    )
+    return sample
+
+
 def gemma3_sample(seed: int) -> dict[str, torch.Tensor]:
     """Two rows of 48 tokens, four images of 16 tokens: row 0 two images a text token apart, [2, 18) and [19, 35)
     (across the C = 4 boundary 12 and the C = 2 one 24); row 1 two images back to back, [5, 21) and [21, 37),
@@ -374,6 +426,7 @@ MODELS = {
     "qwen3_vl": (build_qwen3_vl, qwen_sample),
     "llava": (build_llava, llava_sample),
     "mistral3": (build_mistral3, mistral3_sample),
+    "llava_onevision": (build_llava_onevision, llava_onevision_sample),
     "qwen3_5": (build_qwen3_5_vl, qwen3_5_sample),
     "qwen3_5_moe": (functools.partial(build_qwen3_5_vl, moe=True), qwen3_5_sample),
     "gemma3": (build_gemma3, gemma3_sample),
