@@ -23,6 +23,10 @@ REFUSALS = {
         "Gemma4ForConditionalGeneration under UPipe",
         "audio inputs (input_features, input_features_mask)",
     ),
+    "llava_onevision stacked tiles": (
+        "LlavaOnevisionModel under UPipe: pixel_values of 11 rows for 5 image_sizes",
+        "all tiles of an image on one rank",
+    ),
     "ring": ("ring_group", "vision-language"),
     "length": ("47 tokens", "multiple of the sequence-parallel size 2"),
 }

@@ -638,6 +638,7 @@ def refusals(group: dist.ProcessGroup) -> dict[str, str]:
         "gemma3 packed": lambda: _gemma3_packed(group),
         "gemma3 left padding": lambda: _gemma3_left_padded(group),
         "gemma4 audio": lambda: _gemma4_audio(group),
+        "llava_onevision stacked tiles": lambda: _llava_onevision_stacked_tiles(group),
         "ring": lambda: hf_patches.apply_upipe(build_llava(), group, ring_group=group),
         "length": lambda: _odd_length(group),
     }.items():
@@ -670,6 +671,15 @@ def _gemma4_audio(group: dist.ProcessGroup) -> None:
     model = hf_patches.apply_upipe(build_gemma4(), group)
     sample = gemma4_sample(0)
     model(**sample, input_features=torch.zeros(1, 8, 16, dtype=torch.float64), input_features_mask=torch.ones(1, 8))
+
+
+def _llava_onevision_stacked_tiles(group: dist.ProcessGroup) -> None:
+    """LLaVA-OneVision's pixels as all images' tiles stacked ([tiles, C, H, W], which the model takes too): refused
+    by name (a share by row would split an image's tiles over ranks)."""
+    model = hf_patches.apply_upipe(build_llava_onevision(), group)
+    sample = llava_onevision_sample(0)
+    tiles = [pixels[:count] for pixels, count in zip(sample["pixel_values"], (1, 1, 1, 5, 3), strict=True)]
+    model(**{**sample, "pixel_values": torch.cat(tiles)})
 
 
 def _odd_length(group: dist.ProcessGroup) -> None:
