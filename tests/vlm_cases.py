@@ -376,6 +376,18 @@ def llava_onevision_sample(seed: int) -> dict[str, torch.Tensor]:
     return sample
 
 
+def llava_onevision_tiled_sample(seed: int) -> dict[str, torch.Tensor]:
+    """One row of 64 tokens, no ``batch_num_images`` (the model then tiles every image): a 4x8 image (3 tiles, 14
+    tokens, [4, 18) across the C = 4 boundary 16), an 8x4 one (3 tiles, 16 tokens, [24, 40) across 32) and an 8x8
+    one (5 tiles, 24 tokens, [40, 64) across 48); 3 images over 4 ranks: one share empty."""
+    sample = _tokens(1, 64, [(0, 4, 14), (0, 24, 40)], seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    pixels = torch.randn(3, 5, 3, 4, 4, generator=gen, dtype=torch.float64)
+    pixels[:2, 3:] = 0
+    sample.update(pixel_values=pixels, image_sizes=torch.tensor([[4, 8], [8, 4], [8, 8]]))
+    return sample
+
+
 def gemma3_sample(seed: int) -> dict[str, torch.Tensor]:
     """Two rows of 48 tokens, four images of 16 tokens: row 0 two images a text token apart, [2, 18) and [19, 35)
     (across the C = 4 boundary 12 and the C = 2 one 24); row 1 two images back to back, [5, 21) and [21, 37),
@@ -435,8 +447,12 @@ MODELS = {
 #: the Qwen models of MODELS also run packed (``packed_case``), they and Gemma 3 with gradient checkpointing (C = 2)
 PACKED = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
 CHECKPOINTED = ("qwen2_5_vl", "qwen3_5", "gemma3")
-#: models run at C = 4 only: Gemma 4 with its overlay off (its mask causal although ``mm_token_type_ids`` are given)
-VARIANTS = {"gemma4 causal": (functools.partial(build_gemma4, overlay=False), gemma4_sample)}
+#: models run at C = 4 only: Gemma 4 with its overlay off (its mask causal although ``mm_token_type_ids`` are given),
+#: LLaVA-OneVision without ``batch_num_images`` (every image tiled)
+VARIANTS = {
+    "gemma4 causal": (functools.partial(build_gemma4, overlay=False), gemma4_sample),
+    "llava_onevision all tiled": (build_llava_onevision, llava_onevision_tiled_sample),
+}
 #: models run with ``float64_internals(integers=True)`` (Gemma 4's pooler: one-hot ``.float()`` weights)
 FLOAT64_INTEGERS = ("gemma4", "gemma4 causal")
 
