@@ -124,9 +124,9 @@ def test_gemma3_through_the_trainer_route_keeps_token_type_ids_whole(four_deepsp
     one step of the round through ``trainer_sp.sequence_parallel_loss`` == the unpatched model (float64)."""
     for rank, result in enumerate(_ranks(four_deepspeed_ranks)):
         r = result["route"]
-        assert "error" not in r, f"rank {rank}: {r}"
         assert r["token_type_ids_whole"] == 1.0, f"rank {rank}: {r}"
         assert r["micro_batches"] == 2 and r["shift_labels_widths"] == [24, 23], f"rank {rank}: {r}"
+        assert "error" not in r, f"rank {rank}: {r}"
         assert max(r["loss"], r["grads"]) <= F64, f"rank {rank}: {r}"
         assert r["grad_names"] == 0 and r["tower_grads_present"] == 1.0, f"rank {rank}: {r}"
 

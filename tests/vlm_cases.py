@@ -610,11 +610,16 @@ def route_case() -> dict[str, Any]:
 
     hf_patches.apply_upipe(model, group)
     loader = hf_patches.sequence_parallel_dataloader([samples[rank]], group, vision_language=True)
+    batches = list(loader)
+    # each sample padded at the end to a multiple of the group's size (pad_batch), not to the longest
+    whole = [torch.nn.functional.pad(s["token_type_ids"], (0, -s["input_ids"].shape[1] % size)) for s in samples]
+    result: dict[str, Any] = {
+        "token_type_ids_whole": float(all(torch.equal(b["token_type_ids"], w) for b, w in zip(batches, whole))),
+        "micro_batches": len(batches),
+        "shift_labels_widths": [b["shift_labels"].shape[1] for b in batches],
+    }
     before, groups.mpu = groups.mpu, mpu  # the registration's mpu, where trainer_sp finds the group
     try:
-        batches = list(loader)
-        # each sample padded at the end to a multiple of the group's size (pad_batch), not to the longest
-        whole = [torch.nn.functional.pad(s["token_type_ids"], (0, -s["input_ids"].shape[1] % size)) for s in samples]
         window = sum(trainer_sp._labelled_tokens(b) for b in batches)
         dist.all_reduce(window, group=group)  # window_token_count over the group
         loss = 0.0
@@ -623,7 +628,7 @@ def route_case() -> dict[str, Any]:
             step_loss.backward()
             loss += step_loss.detach()
     except (ValueError, RuntimeError) as err:
-        return {"error": f"{type(err).__name__}: {err}"}
+        return {**result, "error": f"{type(err).__name__}: {err}"}
     finally:
         groups.mpu = before
     grads = {}
@@ -634,12 +639,10 @@ def route_case() -> dict[str, Any]:
             grads[n] = g / size
     floor = GRADIENT_FLOOR * max(g.abs().max().item() for g in ref_grads.values())
     return {
+        **result,
         "loss": relative_error(loss, ref_loss.detach()),
         "grads": max(relative_error(grads[n], ref_grads[n], floor) for n in ref_grads),
         "grad_names": float(set(grads) != set(ref_grads)),
-        "token_type_ids_whole": float(all(torch.equal(b["token_type_ids"], w) for b, w in zip(batches, whole))),
-        "micro_batches": len(batches),
-        "shift_labels_widths": [b["shift_labels"].shape[1] for b in batches],
         "tower_grads_present": float(all(n in grads for n in ref_grads if _is_tower(n))),
     }
 
