@@ -1,7 +1,8 @@
 """Vision-language models under UPipe (hf_patches/vlm.py), in the shared spawn of 4 DeepSpeed ranks
 (tests/four_ranks.py, tests/vlm_cases.py): float64 parity with the unpatched model at C = 4 and C = 2, the
-refusals, ZeRO-3 training through ds_upipe.initialize (SP 2 x DP 2) against one process, the tower's saved
-activations shared out vs every rank encoding all; and the share of images each rank encodes."""
+refusals, ZeRO-3 training through ds_upipe.initialize (SP 2 x DP 2; Qwen2.5-VL and Gemma 3) against one process,
+Gemma 3 through the Trainer / accelerate / TRL routes' loader and loss, the tower's saved activations shared out vs
+every rank encoding all; and the share of images each rank encodes."""
 
 from __future__ import annotations
 

@@ -821,8 +821,8 @@ def mismatched_sample_case(rank: int) -> dict[str, Any]:
 
 
 def spawn_body(rank: int, world: int) -> dict[str, Any]:
-    """The part of the shared spawn of 4 DeepSpeed ranks (tests/four_ranks.py): parity, refusals, ZeRO-3 and the
-    tower's memory."""
+    """The part of the shared spawn of 4 DeepSpeed ranks (tests/four_ranks.py): parity, refusals, the Trainer
+    route's loader and loss (Gemma 3), ZeRO-3 and the tower's memory."""
     result = vlm_suite(rank, world)
     result["memory"] = {"C=4": tower_memory(dist.group.WORLD), "merged": merged_embeddings_freed(dist.group.WORLD)}
     with float64_internals():
