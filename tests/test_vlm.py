@@ -1,7 +1,8 @@
 """Vision-language models under UPipe (hf_patches/vlm.py), in the shared spawn of 4 DeepSpeed ranks
 (tests/four_ranks.py, tests/vlm_cases.py): float64 parity with the unpatched model at C = 4 and C = 2, the
-refusals, ZeRO-3 training through ds_upipe.initialize (SP 2 x DP 2) against one process, the tower's saved
-activations shared out vs every rank encoding all; and the share of images each rank encodes."""
+refusals, ZeRO-3 training through ds_upipe.initialize (SP 2 x DP 2; Qwen2.5-VL and Gemma 3) against one process,
+Gemma 3 through the Trainer / accelerate / TRL routes' loader and loss, the tower's saved activations shared out vs
+every rank encoding all; and the share of images each rank encodes."""
 
 from __future__ import annotations
 
@@ -117,12 +118,27 @@ def test_vlm_ranks_given_different_samples_raise_instead_of_hanging(four_deepspe
         assert r["same_sample_loss"] == pytest.approx(results[0]["mismatch"]["same_sample_loss"], rel=1e-12), r
 
 
-def test_vlm_zero3_training_equals_one_process(four_deepspeed_ranks):
+@pytest.mark.parametrize("name", vlm_cases.ZERO3)
+def test_vlm_zero3_training_equals_one_process(four_deepspeed_ranks, name):
     for rank, result in enumerate(_ranks(four_deepspeed_ranks)):
-        r = result["zero3"]
+        r = result["zero3"][name]
         assert max(r["losses"], r["grads"], r["tower_grads"]) <= F32, f"rank {rank}: {r}"
         assert r["grad_names"] == 0, f"rank {rank}: {r}"
         assert r["tower_moved"] > 1e-4, f"rank {rank}: the steps must move the tower: {r}"
+
+
+def test_gemma3_through_the_trainer_route_keeps_token_type_ids_whole(four_deepspeed_ranks):
+    """Gemma 3's batches through the Trainer / accelerate / TRL routes' loader (``WholeSamples``): every rank's
+    micro-batch holds the whole sample's ``token_type_ids`` (its image spans) and its shard of the shifted labels
+    (rank 1's sample of 45 tokens padded to 46: 23 a rank);
+    one step of the round through ``trainer_sp.sequence_parallel_loss`` == the unpatched model (float64)."""
+    for rank, result in enumerate(_ranks(four_deepspeed_ranks)):
+        r = result["route"]
+        assert r["token_type_ids_whole"] == 1.0, f"rank {rank}: {r}"
+        assert r["micro_batches"] == 2 and r["shift_labels_widths"] == [24, 23], f"rank {rank}: {r}"
+        assert "error" not in r, f"rank {rank}: {r}"
+        assert max(r["loss"], r["grads"]) <= F64, f"rank {rank}: {r}"
+        assert r["grad_names"] == 0 and r["tower_grads_present"] == 1.0, f"rank {rank}: {r}"
 
 
 def test_vlm_tower_memory_shared_out(four_deepspeed_ranks):

@@ -514,10 +514,15 @@ def parity_case(
         errors = compare(
             (ref.logits.detach()[real], ref.loss.detach(), ref_grads), (logits[real], out.loss.detach(), grads), 10**6
         )
-    tower = [n for n in ref_grads if "visual" in n or "vision_tower" in n or "projector" in n]
+    tower = [n for n in ref_grads if _is_tower(n)]
     errors["tower_grads_present"] = float(not tower or any(n not in grads for n in tower))
     errors["tower_attention"] = float(model.config.vision_config._attn_implementation != "sdpa")
     return errors
+
+
+def _is_tower(name: str) -> bool:
+    """Whether the parameter ``name`` is the vision tower's or the projector's."""
+    return "visual" in name or "vision_tower" in name or "projector" in name
 
 
 def _prepare_with_stack(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
@@ -729,6 +734,86 @@ def vlm_suite(rank: int, world: int) -> dict[str, Any]:
     return {"parity": results, "refusals": refusals(pair)}
 
 
+#: rank 1's Gemma 3 sample in the route case: cut to this many tokens (its loader's batch shorter than rank 0's)
+ROUTE_SHORT = 45
+
+
+def _route_sample(rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s batch as its loader gives it: ``gemma3_sample(rank)``, rank 1's cut to ``ROUTE_SHORT``
+    tokens (dynamic padding: the route pads it to the group's longest)."""
+    sample = gemma3_sample(rank)
+    if rank % 2:
+        sample = {k: v if k == "pixel_values" else v[:, :ROUTE_SHORT] for k, v in sample.items()}
+    return sample
+
+
+def route_case() -> dict[str, Any]:
+    """Gemma 3 through the Trainer / accelerate / TRL routes' loader and loss, SP 2 (DeepSpeed's sequence-parallel
+    groups {0, 1} and {2, 3}, as the routes register them), float64: each rank's loader gives its own batch (rank
+    1's shorter), ``WholeSamples`` (the routes' eval loaders; the training adapter's ``refill`` runs the same
+    ``whole_sample_round``) gives every rank each batch in turn, whole: its ``token_type_ids`` (the image spans)
+    whole on every rank (each padded to a multiple of 2 only), ``labels`` replaced by the rank's shard of the
+    shifted labels.  One step over the round's
+    two micro-batches, each micro-step's loss from ``trainer_sp.sequence_parallel_loss`` (the Trainer's
+    ``compute_loss``: the group's token sum over the window's labelled tokens), the gradients averaged over the
+    group (the engine's) == the unpatched model on both samples, their losses weighted by labelled tokens.  A
+    ValueError or RuntimeError of the route is returned (the same on every rank), not raised."""
+    from deepspeed.utils import groups
+
+    from ds_upipe.integration import trainer_sp
+    from ds_upipe.integration.sp_setup import sequence_parallel_mpu
+
+    mpu = sequence_parallel_mpu(SP)
+    group = mpu.get_sequence_parallel_group()
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    model = build_gemma3()
+    ref_model = copy.deepcopy(model)
+    samples = [_route_sample(r) for r in range(size)]
+    ref_model.zero_grad(set_to_none=True)
+    counts = [int((hf_patches.shift_labels(s["labels"]) != -100).sum()) for s in samples]
+    ref_loss = sum(ref_model(**s).loss * n for s, n in zip(samples, counts)) / sum(counts)
+    ref_loss.backward()
+    ref_grads = {n: p.grad.detach().clone() for n, p in ref_model.named_parameters() if p.grad is not None}
+
+    hf_patches.apply_upipe(model, group)
+    loader = hf_patches.sequence_parallel_dataloader([samples[rank]], group, vision_language=True)
+    batches = list(loader)
+    # each sample padded at the end to a multiple of the group's size (pad_batch), not to the longest
+    whole = [torch.nn.functional.pad(s["token_type_ids"], (0, -s["input_ids"].shape[1] % size)) for s in samples]
+    result: dict[str, Any] = {
+        "token_type_ids_whole": float(all(torch.equal(b["token_type_ids"], w) for b, w in zip(batches, whole))),
+        "micro_batches": len(batches),
+        "shift_labels_widths": [b["shift_labels"].shape[1] for b in batches],
+    }
+    before, groups.mpu = groups.mpu, mpu  # the registration's mpu, where trainer_sp finds the group
+    try:
+        window = sum(trainer_sp._labelled_tokens(b) for b in batches)
+        dist.all_reduce(window, group=group)  # window_token_count over the group
+        loss = 0.0
+        for batch in batches:
+            step_loss, _ = trainer_sp.sequence_parallel_loss(model, batch, window, over_all_ranks=False)
+            step_loss.backward()
+            loss += step_loss.detach()
+    except (ValueError, RuntimeError) as err:
+        return {**result, "error": f"{type(err).__name__}: {err}"}
+    finally:
+        groups.mpu = before
+    grads = {}
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad.detach().clone()
+            dist.all_reduce(g, group=group)
+            grads[n] = g / size
+    floor = GRADIENT_FLOOR * max(g.abs().max().item() for g in ref_grads.values())
+    return {
+        **result,
+        "loss": relative_error(loss, ref_loss.detach()),
+        "grads": max(relative_error(grads[n], ref_grads[n], floor) for n in ref_grads),
+        "grad_names": float(set(grads) != set(ref_grads)),
+        "tower_grads_present": float(all(n in grads for n in ref_grads if _is_tower(n))),
+    }
+
+
 # ZeRO-3 through ds_upipe.initialize: SP 2 x DP 2, each replica's whole sample on both of its ranks, a few AdamW
 # steps == one process without SP (the tower's gradients averaged by ZeRO-3 over the group, as the text model's)
 SP, STEPS = 2, 3
@@ -746,9 +831,14 @@ def _zero3_config() -> dict[str, Any]:
     }
 
 
-def _replica_sample(step: int, replica: int) -> dict[str, torch.Tensor]:
-    """One row of the Qwen sample per replica and step (equal label counts: the mean of the replicas' losses
-    is the mean token loss)."""
+def _replica_sample(name: str, step: int, replica: int) -> dict[str, torch.Tensor]:
+    """One row of the model's sample per replica and step (equal label counts: the mean of the replicas' losses
+    is the mean token loss): Qwen2.5-VL's row 0 (two images), Gemma 3's row 0 (two images a text token apart,
+    with its ``token_type_ids``)."""
+    if name == "gemma3":
+        sample = gemma3_sample(10 * step + replica)
+        row = {k: sample[k][:1] for k in ("input_ids", "labels", "token_type_ids", "attention_mask")}
+        return {**row, "pixel_values": sample["pixel_values"][:2].float()}
     sample = qwen_sample(10 * step + replica)
     grids = sample["image_grid_thw"]
     first_row = int(grids[:2].prod(-1).sum())  # row 0 holds the first two images
@@ -761,7 +851,11 @@ def _replica_sample(step: int, replica: int) -> dict[str, torch.Tensor]:
     }
 
 
-def zero3_case(rank: int, world: int) -> dict[str, Any]:
+#: the models of the ZeRO-3 case
+ZERO3 = ("qwen2_5_vl", "gemma3")
+
+
+def zero3_case(rank: int, world: int, name: str) -> dict[str, Any]:
     """ZeRO-3 SP 2 x DP 2 vs one process (float32): every step's loss, the first step's gradients (ZeRO-3's,
     averaged over the 4 ranks, before clipping) and the tower's parameters after the steps."""
     import deepspeed.comm as ds_dist
@@ -770,14 +864,14 @@ def zero3_case(rank: int, world: int) -> dict[str, Any]:
     import ds_upipe
 
     dp, replica = world // SP, rank // SP
-    model = build_qwen2_5_vl().float()
+    model = MODELS[name][0]().float()
     initial = copy.deepcopy(model.state_dict())
     ref = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(ref.parameters(), **ADAMW)
     ref_losses, ref_grads = [], {}
     for step in range(STEPS):
         optimizer.zero_grad(set_to_none=True)
-        losses = [ref(**_replica_sample(step, d)).loss for d in range(dp)]
+        losses = [ref(**_replica_sample(name, step, d)).loss for d in range(dp)]
         torch.stack(losses).mean().backward()
         if step == 0:
             ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
@@ -787,7 +881,7 @@ def zero3_case(rank: int, world: int) -> dict[str, Any]:
     engine, *_ = ds_upipe.initialize(model=model, model_parameters=model.parameters(), config=_zero3_config())
     got, grads = [], {}
     for step in range(STEPS):
-        loss = engine(**_replica_sample(step, replica)).loss
+        loss = engine(**_replica_sample(name, step, replica)).loss
         engine.backward(loss)
         if step == 0:
             grads = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
@@ -798,7 +892,7 @@ def zero3_case(rank: int, world: int) -> dict[str, Any]:
     engine.destroy()
     ds_dist.barrier()
     want = dict(ref.named_parameters())
-    tower = [n for n in want if n.startswith("model.visual.")]
+    tower = [n for n in want if _is_tower(n)]
     floor = GRADIENT_FLOOR * max(g.abs().max().item() for g in ref_grads.values())
     return {
         "losses": max(abs(a - b) / abs(b) for a, b in zip(got, ref_losses)),
@@ -894,10 +988,12 @@ def mismatched_sample_case(rank: int) -> dict[str, Any]:
 
 
 def spawn_body(rank: int, world: int) -> dict[str, Any]:
-    """The part of the shared spawn of 4 DeepSpeed ranks (tests/four_ranks.py): parity, refusals, ZeRO-3 and the
-    tower's memory."""
+    """The part of the shared spawn of 4 DeepSpeed ranks (tests/four_ranks.py): parity, refusals, the Trainer
+    route's loader and loss (Gemma 3), ZeRO-3 and the tower's memory."""
     result = vlm_suite(rank, world)
     result["memory"] = {"C=4": tower_memory(dist.group.WORLD), "merged": merged_embeddings_freed(dist.group.WORLD)}
-    result["zero3"] = zero3_case(rank, world)
+    with float64_internals():
+        result["route"] = route_case()
+    result["zero3"] = {name: zero3_case(rank, world, name) for name in ZERO3}
     result["mismatch"] = mismatched_sample_case(rank)  # last: without the check it leaves its groups timed out
     return result

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from hf_patches.data import IGNORE_INDEX, DatasetSamples, SourceBatch, sequence_parallel_dataloader
+from hf_patches.logprobs import group_sum
 
 
 def runs_deepspeed_sp(pc: Any) -> bool:
@@ -71,18 +72,18 @@ def _shard_sums(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the sum over the group's ranks of each rank's token sum of the loss, the group's labelled
     tokens): a rank's token sum is its token mean x its labelled tokens; a shard without labelled
-    tokens adds 0, also where its mean is NaN."""
+    tokens adds 0, also where its mean is NaN.  Summed by all_reduce (``group_sum``: differentiable,
+    its backward the ranks' gradients summed): torch.distributed.nn's all_gather backward on gloo
+    scatters from the group's ranks taken as global ranks, so it fails in any group without global rank 0
+    (the sequence-parallel groups of DP > 1)."""
+    mine = torch.where(tokens > 0, loss * tokens.to(loss.dtype), torch.zeros_like(loss))
+    counts = tokens.clone()
+    dist.all_reduce(counts, group=group)
     if differentiable:
-        losses = torch.stack(torch.distributed.nn.functional.all_gather(loss, group=group))
-    else:
-        losses = [torch.empty_like(loss) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(losses, loss.contiguous(), group=group)
-        losses = torch.stack(losses)
-    counts = [torch.empty_like(tokens) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(counts, tokens.contiguous(), group=group)
-    counts = torch.stack(counts)
-    weights = counts.to(losses.dtype)
-    return torch.where(counts > 0, losses * weights, torch.zeros_like(losses)).sum(), counts.sum()
+        return group_sum(mine, group), counts
+    total = mine.detach().clone()
+    dist.all_reduce(total, group=group)
+    return total, counts
 
 
 # ---------------------------------------------------------------------------------------------------
