@@ -35,7 +35,9 @@ check reads it as for any VLM.  Gemma 4 (``ImageSpanRule``): the same, from ``mm
 videos), on sliding-window layers only (``BidirectionalSpans.sliding_only``: its full layers are causal) and only
 where ``use_bidirectional_attention == "vision"``; its per-layer inputs (``per_layer_inputs``, computed by the model
 on the whole sample) are cut with the embeddings, its patch positions split with the pixels, its videos shared out
-by whole video (``num_frames_per_video``); audio inputs refused by name.
+by whole video (``num_frames_per_video``); audio inputs refused by name.  LLaVA-OneVision: its pixels per image
+(all of an image's anyres tiles on one rank, ``image_sizes`` with them), its per-sample image counts
+(``batch_num_images``: which images are tiled) rewritten per share (``_share_sample_counts``).
 
 Gradients: the text loss's gradient on a rank covers its tokens scaled by C (``loss.py``); the gathered
 features' gradient summed over the group is the whole sample's gradient of the features, scaled by C, and each
