@@ -827,9 +827,12 @@ def test_fa3_adapter_matches_v2_8_signature(install_fa3, d, dv, window):
     parameters, every one by name, as its own ``FlashAttnFunc`` does: q, k, v as [b, S, h, d] views of the kernel's
     tensors, the value at its own head dim (MLA: 24/16, DeepSeek's 192/128; no padding), the forward's
     [b, h, S] float32 lse handed back unchanged, no aux; a window as FA3's ``window_size=(W - 1, 0)``.  out, dq,
-    dk, dv equal the float64 reference (explicit mask with a window), also through ``DocumentKernel``."""
+    dk, dv equal the float64 reference (explicit mask with a window), also through ``DocumentKernel``.  The windowed
+    case takes the default scale: 1/sqrt of the q/k head dim, not the value's."""
     rec = install_fa3()
-    kernel = kernel_choice.make_kernel("fa3", softmax_scale=SCALE, window=window)
+    scale = None if window else SCALE
+    kernel = kernel_choice.make_kernel("fa3", softmax_scale=scale, window=window)
+    scale = 1 / math.sqrt(d) if scale is None else scale
     assert isinstance(kernel, FA3Kernel) and kernel.window == window  # FA3's own window, not banded tiles
     q, k, v, dout = _latent_inputs(torch.bfloat16, d=d, dv=dv)
     out, lse, aux = kernel.forward(q, k, v)
@@ -839,7 +842,7 @@ def test_fa3_adapter_matches_v2_8_signature(install_fa3, d, dv, window):
                for n, t in (("q", q), ("k", k), ("v", v)))  # fmt: skip
     window_size = (-1, -1) if window is None else (window - 1, 0)
     assert {n: fwd[n] for n in fwd if n not in ("q", "k", "v")} == {
-        **dict.fromkeys(_FA3_NONE), "softmax_scale": SCALE, "causal": True, "window_size": window_size,
+        **dict.fromkeys(_FA3_NONE), "softmax_scale": scale, "causal": True, "window_size": window_size,
         "attention_chunk": 0, "softcap": 0.0, "rotary_interleaved": True, "num_splits": 1, "sm_margin": 0,
     }  # fmt: skip
     assert aux == () and lse is fwd_res[1] and lse.shape == (2, 4, 40) and lse.dtype == torch.float32
@@ -847,7 +850,7 @@ def test_fa3_adapter_matches_v2_8_signature(install_fa3, d, dv, window):
     tensors = ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv")
     assert {n: bwd[n] for n in bwd if n not in tensors} == {
         **dict.fromkeys(("cu_seqlens_q", "cu_seqlens_k", "sequed_q", "sequed_k", "max_seqlen_q", "max_seqlen_k")),
-        "softmax_scale": SCALE, "causal": True, "window_size": window_size, "softcap": 0.0, "deterministic": False,
+        "softmax_scale": scale, "causal": True, "window_size": window_size, "softcap": 0.0, "deterministic": False,
         "sm_margin": 0,
     }  # fmt: skip
     assert out.shape == (2, 4, 40, dv) and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
@@ -856,8 +859,8 @@ def test_fa3_adapter_matches_v2_8_signature(install_fa3, d, dv, window):
         _assert_matches_reference((q, k, v, dout), (out, *grads), SCALE, tol=tol)
         _check_documents(kernel, q, k, v, dout, tol)  # packed rows: one FA3 call per document
         return
-    wanted = _windowed_reference(q * (SCALE * math.sqrt(d)), k, v, dout, window)  # the reference's own scale
-    for got, want in zip((out, grads[1], grads[2]), (wanted[0], wanted[2], wanted[3])):
+    wanted = _windowed_reference(q, k, v, dout, window)  # scale 1/sqrt(d)
+    for got, want in zip((out, *grads), wanted):
         torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
     qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))  # DistributedAttention's contract keeps the window
     torch.testing.assert_close(kernel(qb, kb, vb).transpose(1, 2).double(), wanted[0], rtol=2e-2, atol=2e-2)
