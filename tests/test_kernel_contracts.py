@@ -799,7 +799,6 @@ def _fake_fa3(rec: Recorder, fwd_sig=None) -> types.ModuleType:
     # the adapter reads the signatures the way inspect does: give the stand-ins the release's own
     forward.__signature__ = fwd_sig or inspect.signature(_fa3_forward_283)
     backward.__signature__ = inspect.signature(_fa3_backward_283)
-    forward.__name__, backward.__name__ = "_flash_attn_forward", "_flash_attn_backward"
     return iface
 
 

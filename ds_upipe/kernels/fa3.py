@@ -7,7 +7,6 @@ attention runs it natively, unpadded, unlike flash-attn 2 (``FlashAttnKernel`` p
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -56,13 +55,14 @@ def fa3_available() -> bool:
     return True
 
 
-def _check_signature(fn: Callable[..., object], expected: tuple[str, ...]) -> None:
-    found = tuple(inspect.signature(fn).parameters)
+def _check_signature(module: ModuleType, name: str, expected: tuple[str, ...]) -> None:
+    # by the name asked for: later builds wrap these functions in torch.library custom ops (no __name__)
+    found = tuple(inspect.signature(getattr(module, name)).parameters)
     if found != expected:
         missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
         differ = f"missing {missing}, unexpected {extra}" if missing or extra else "the same names in another order"
         raise ValueError(
-            f"kernel 'fa3' calls flash_attn_interface.{fn.__name__} with the parameters of {FA3_RELEASE}; "
+            f"kernel 'fa3' calls flash_attn_interface.{name} with the parameters of {FA3_RELEASE}; "
             f"this build's differ ({differ}): build FA3 from flash-attention v2.8.3's hopper/ or use kernel "
             "'flash_attn' or 'sdpa'"
         )
@@ -77,8 +77,8 @@ def _load_fa3() -> ModuleType:
         )
     import flash_attn_interface
 
-    _check_signature(flash_attn_interface._flash_attn_forward, FA3_FORWARD_PARAMETERS)
-    _check_signature(flash_attn_interface._flash_attn_backward, FA3_BACKWARD_PARAMETERS)
+    _check_signature(flash_attn_interface, "_flash_attn_forward", FA3_FORWARD_PARAMETERS)
+    _check_signature(flash_attn_interface, "_flash_attn_backward", FA3_BACKWARD_PARAMETERS)
     return flash_attn_interface
 
 
