@@ -865,6 +865,29 @@ def test_fa3_adapter_matches_v2_8_signature(install_fa3, d, dv, window):
     torch.testing.assert_close(kernel(qb, kb, vb).transpose(1, 2).double(), wanted[0], rtol=2e-2, atol=2e-2)
 
 
+def test_fa3_in_the_stage_loop_keeps_the_value_head_dim(install_fa3):
+    """Latent attention (q/k 24, v 16, 8 heads each) through the UPipe stage loop with FA3: 4 stages, each FA3
+    call gets the stage's value at 16 (no padding anywhere in the loop) and its own forward's lse back; out and
+    the gradients equal the float64 reference."""
+    rec = install_fa3()
+    plan = build_plan(8, 8, 1, 2)  # one rank, 2 query heads per stage: 4 stages
+    pctx = PipelineContext(plan=plan, indices=PlanIndices.build(plan, torch.device("cpu")), group=None,
+                           attention=FA3Kernel(causal=True, softmax_scale=SCALE))  # fmt: skip
+    q, k, v, dout = _inputs(8, 8, torch.bfloat16, seq=32, d=24)
+    v, dout = v[..., :16], dout[..., :16]
+    q, k, v, dout = (t.transpose(1, 2).contiguous() for t in (q, k, v, dout))  # [b, s, h, d]
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = UPipeAttentionFunction.apply(q, k, v, pctx)
+    out.backward(dout)
+    fwd, bwd = rec.of("fa3_forward"), rec.of("fa3_backward")
+    assert len(fwd) == len(bwd) == plan.num_stages == 4
+    assert all(a["v"].shape[-1] == 16 for _, a, _ in fwd) and all(a["dv"].shape[-1] == 16 for _, a, _ in bwd)
+    assert all(b["softmax_lse"] is res[1] for (_, _, res), (_, b, _) in zip(fwd, bwd))  # stage order both ways
+    inputs = tuple(t.detach().transpose(1, 2) for t in (q, k, v, dout))
+    got = tuple(t.transpose(1, 2) for t in (out, q.grad, k.grad, v.grad))
+    _assert_matches_reference(inputs, got, SCALE, tol=2e-2)
+
+
 def test_fa3_refusals(install_fa3, monkeypatch):
     """Inputs FA3 cannot run are refused by name (float32; head dims; a value head dim outside mha_fwd's rule),
     and so is a build whose private signature is not v2.8.x's (v2.7.3's hopper/, the same "3.0.0b1")."""
