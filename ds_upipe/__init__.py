@@ -14,6 +14,7 @@ _LAZY = {
     "initialize": "integration.engine",  # deepspeed.initialize with sequence parallelism from the ds_config
     "AttentionKernel": "kernels",
     "CallableKernel": "kernels",
+    "FA3Kernel": "kernels",
     "FlashAttnKernel": "kernels",
     "MathKernel": "kernels",
     "TorchSDPAKernel": "kernels",
@@ -35,6 +36,7 @@ __all__ = [
     "AttentionKernel",
     "CallableKernel",
     "DocumentKernel",
+    "FA3Kernel",
     "FlashAttnKernel",
     "MathKernel",
     "SinkKernel",
@@ -57,7 +59,7 @@ if TYPE_CHECKING:
     from .integration.engine import initialize
     from .integration.process_exit import exit_process
     from .kernel_choice import make_kernel
-    from .kernels import AttentionKernel, CallableKernel, FlashAttnKernel, MathKernel, TorchSDPAKernel
+    from .kernels import AttentionKernel, CallableKernel, FA3Kernel, FlashAttnKernel, MathKernel, TorchSDPAKernel
     from .layer import UPipeDistributedAttention
     from .packing import DocumentKernel, documents_from_positions
     from .runtime import UPipeRuntime

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 #: the local attention kernels by config name (``kernel_choice.KERNELS`` builds them)
-KERNEL_NAMES = ("sdpa", "math", "flash_attn")
+KERNEL_NAMES = ("sdpa", "math", "flash_attn", "fa3")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,7 +25,7 @@ class UPipeOptions:
     #: U of the model's other sequence mixers (gated delta net, Mamba-2: ``hf_patches.mixers``), in their
     #: heads (None: C)
     mixer_head_chunk_size: int | None = None
-    #: the local attention kernel ('sdpa', 'math', 'flash_attn')
+    #: the local attention kernel ('sdpa', 'math', 'flash_attn', 'fa3')
     kernel: str = "sdpa"
     #: project q/k/v per stage from the layer input (HF models whose attention the family registry
     #: knows; others fall back to the model's own projections, with one warning)

@@ -11,7 +11,8 @@ How each kernel runs it:
 
 - ``FlashAttnKernel(window=W)`` (CUDA, flash-attn installed): flash-attn's own window, in the
   release's argument names; ``DocumentKernel`` keeps its single varlen call (the window applies per
-  document, as flash-attn's varlen mask is per sequence).
+  document, as flash-attn's varlen mask is per sequence).  ``FA3Kernel(window=W)`` (flash-attn 3):
+  its own ``window_size=(W - 1, 0)`` likewise (``DocumentKernel`` calls it per document).
 - every other kernel (torch's CPU flash and CUDA ops, the math reference): ``SlidingWindowKernel``,
   banded query tiles.  torch's fused ops take only ``is_causal`` (no band, no offset), so each tile of
   ``tile`` queries is computed against its key band of at most ``tile + W - 1`` keys with an explicit
@@ -35,7 +36,7 @@ from torch import Tensor
 from .kernels import (
     AttentionKernel,
     CallableKernel,
-    FlashAttnKernel,
+    FlashWindowKernel,
     KernelAux,
     TorchSDPAKernel,
     kernel_autograd,
@@ -383,11 +384,12 @@ class SlidingWindowKernel(AttentionKernel):
 
 def windowed(kernel: AttentionKernel, window: int | None, tile: int = DEFAULT_TILE) -> AttentionKernel:
     """``kernel`` restricted to a sliding window of ``window`` tokens (None: ``kernel`` itself):
-    flash-attn's own window for ``FlashAttnKernel``, banded tiles (``SlidingWindowKernel``) otherwise."""
+    flash-attn's own window for ``FlashAttnKernel`` and ``FA3Kernel`` (``FlashWindowKernel``), banded tiles
+    (``SlidingWindowKernel``) otherwise."""
     window = check_window(window)
     if window is None:
         return kernel
-    if isinstance(kernel, FlashAttnKernel):
+    if isinstance(kernel, FlashWindowKernel):
         if not kernel.causal:
             raise ValueError(f"a sliding window is causal: it needs a causal kernel, got {kernel!r}")
         if kernel.window == window:

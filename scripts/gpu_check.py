@@ -1,14 +1,15 @@
 """GPU acceptance on one GPU: kernel parity, multi-rank parity over gloo, and one Llama3-8B layer.
 
 1. Kernel parity against float64.  ``sdpa`` (torch's CUDA flash op in bf16/fp16, its
-   memory-efficient op in fp32; ``flash_attn`` too when installed) forward + backward over
+   memory-efficient op in fp32; ``flash_attn`` and ``fa3`` too when installed) forward + backward over
    MHA / GQA / MQA x S not a multiple of 32 or 128 x head_dim 64 / 128 (and 20, padded to 24 for the
    flash op) x causal / full, packed documents (two rows, several documents each, 8 query heads),
    Gemma 3's bidirectional image spans (``SpanKernel``, causal and a window shorter than a span, against
    torch SDPA with the overlay's explicit mask),
    and through the UPipe stage loop (4 stages on one rank), there also with multi-head latent
-   attention's shapes (q/k head dim 192, values of 128: the flash ops get v zero-padded to 192 and
-   out, dv sliced back): out, dq, dk, dv against float64 may be off
+   attention's shapes (q/k head dim 192, values of 128: torch's flash ops and flash-attn 2 get v
+   zero-padded to 192 and out, dv sliced back; ``fa3``, flash-attn 3 when installed, takes the 128
+   natively): out, dq, dk, dv against float64 may be off
    by at most twice what torch's own ``F.scaled_dot_product_attention`` in the same dtype is off,
    plus a small floor.  With ``kernels`` too: FLA's ``chunk_gated_delta_rule`` forward + backward (when
    flash-linear-attention is installed), ``max_memory_allocated`` within 10% of the planner's stand-in
@@ -196,7 +197,7 @@ def fla_memory_check(device: str, smoke: bool) -> dict:
 
 def kernel_cases(device: str) -> list[tuple[str, Callable[[], object] | str, str]]:
     """(kernel name, factory or the reason it cannot run here, dtype name) for every parity case."""
-    from ds_upipe.kernels import FlashAttnKernel, TorchSDPAKernel, flash_attn_available
+    from ds_upipe.kernels import FA3Kernel, FlashAttnKernel, TorchSDPAKernel, fa3_available, flash_attn_available
 
     if device == "cpu":
         no_cuda = "needs a CUDA device"
@@ -205,10 +206,13 @@ def kernel_cases(device: str) -> list[tuple[str, Callable[[], object] | str, str
             ("sdpa", TorchSDPAKernel, "bfloat16"),
             ("sdpa cuda", no_cuda, "bfloat16/float16/float32"),
             ("flash_attn", no_cuda, "bfloat16/float16"),
+            ("fa3", no_cuda, "bfloat16/float16"),
         ]
     flash = FlashAttnKernel if flash_attn_available() else "flash-attn is not installed"
+    # FA3 (Hopper): its latent row runs the value head dim natively, the others' pad it
+    fa3 = FA3Kernel if fa3_available() else "flash-attn 3 (flash_attn_interface, built from hopper/) is not installed"
     return [("sdpa", TorchSDPAKernel, dt) for dt in ("bfloat16", "float16", "float32")] + [
-        ("flash_attn", flash, dt) for dt in ("bfloat16", "float16")
+        (name, factory, dt) for name, factory in (("flash_attn", flash), ("fa3", fa3)) for dt in ("bfloat16", "float16")
     ]
 
 

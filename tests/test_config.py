@@ -87,6 +87,16 @@ def test_bad_value_names_key_value_and_allowed(key, value):
     assert f"upipe.{key}: got {value!r}; allowed: {ALLOWED[key]}" in msg, msg
 
 
+def test_every_kernel_name_is_a_config_value_and_a_kernel():
+    """``kernel`` takes exactly the names ``make_kernel`` builds ("fa3" included), and reaches the options."""
+    from ds_upipe.kernel_choice import KERNELS
+    from ds_upipe.options import KERNEL_NAMES
+
+    assert sorted(KERNEL_NAMES) == sorted(KERNELS)
+    for name in KERNEL_NAMES:
+        assert parse_upipe_block({"kernel": name}).options(None).kernel == name
+
+
 def test_several_bad_keys_all_reported():
     with pytest.raises(ValueError) as err:
         parse_upipe_block({"enabled": "no", "kernel": "x", "foo": 1})

@@ -1,4 +1,4 @@
-"""CUDA kernel paths (torch flash / memory-efficient SDPA, flash-attn) against the float64 math reference,
+"""CUDA kernel paths (torch flash / memory-efficient SDPA, flash-attn 2 and 3) against the float64 math reference,
 and the GPU acceptance script's parity checks.
 
 The CUDA tests skip on machines without CUDA (CI is CPU-only); on a GPU machine run
@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_upipe.kernels import FlashAttnKernel, MathKernel, TorchSDPAKernel, flash_attn_available
+from ds_upipe.kernels import (
+    FA3Kernel,
+    FlashAttnKernel,
+    MathKernel,
+    TorchSDPAKernel,
+    fa3_available,
+    flash_attn_available,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -49,13 +56,24 @@ def test_flash_attn(hkv):
 
 
 @cuda
+@pytest.mark.skipif(not fa3_available(), reason="flash-attn 3 (flash_attn_interface) not installed")
+@pytest.mark.parametrize("hkv", [2, 8])
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 5e-3)])
+def test_fa3(dtype, tol, hkv):
+    _check(FA3Kernel(causal=True), dtype, tol, hkv)
+
+
+@cuda
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
 def test_latent_attention_value_cuda(dtype, tol):
     """Multi-head latent attention's shapes (q/k 192, v 128: DeepSeek-V3): torch's flash / efficient ops and
-    flash-attn 2 (where installed) with the value padded to 192, out and dV sliced back."""
+    flash-attn 2 (where installed) with the value padded to 192, out and dV sliced back; flash-attn 3 (where
+    installed, Hopper) with the value as it is."""
     _check(TorchSDPAKernel(causal=True), dtype, tol, 8, d=192, dv=128)
     if flash_attn_available() and dtype == torch.bfloat16:
         _check(FlashAttnKernel(causal=True), dtype, tol, 8, d=192, dv=128)
+    if fa3_available() and dtype == torch.bfloat16:
+        _check(FA3Kernel(causal=True), dtype, tol, 8, d=192, dv=128)
 
 
 @cuda
@@ -69,6 +87,8 @@ def test_sliding_window_cuda(window, dtype, tol):
     base = FlashAttnKernel(causal=True) if flash_attn_available() and dtype == torch.bfloat16 else TorchSDPAKernel()
     ref = SlidingWindowKernel(MathKernel(causal=True), window, fused=False)
     _check(windowed(base, window), dtype, tol, 2, ref)
+    if fa3_available() and dtype == torch.bfloat16:  # FA3's own window_size=(W - 1, 0)
+        _check(windowed(FA3Kernel(causal=True), window), dtype, tol, 2, ref)
 
 
 @cuda
@@ -106,6 +126,13 @@ def test_flash_attn_refused_without_cuda_or_package():
         pytest.skip("flash-attn is available here")
     with pytest.raises(ValueError, match="kernel 'flash_attn' needs a CUDA device and the flash-attn package"):
         FlashAttnKernel()
+
+
+def test_fa3_refused_without_cuda_or_package():
+    if fa3_available():
+        pytest.skip("flash-attn 3 is available here")
+    with pytest.raises(ValueError, match="kernel 'fa3' needs a CUDA device and flash-attn 3"):
+        FA3Kernel()
 
 
 # -- scripts/gpu_check.py's parity part, on CPU ------------------------------------------------------
@@ -148,6 +175,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         "PASS ranks hybrid nemotron_h C=2 float32 (mixer U=C) vs the single-process model (Mamba-2: mamba_ssm "
         "mamba_chunk_scan_combined, causal_conv1d_fn)",
         "SKIP kernel sdpa cuda bfloat16/float16/float32: needs a CUDA device",
+        "SKIP kernel fa3 bfloat16/float16: needs a CUDA device",
         "SKIP layer [expandable_segments:True]: needs a CUDA device",
         "SKIP fla memory chunk_gated_delta_rule T=200 H=2 HV=4 K=16 V=8 bf16: needs a CUDA device (the stand-in "
         "plans 0.4 MiB)",
@@ -158,12 +186,12 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert "PASS memory upipe+input-acc+recompute U=8 128/rank [default allocator]" in lines, lines
     assert "SKIP memory [expandable_segments:True]: needs a CUDA device" in lines
     summary = next(line for line in lines if line.endswith("skipped"))
-    assert summary == "40 passed, 0 failed, 3 skipped", summary
+    assert summary == "40 passed, 0 failed, 4 skipped", summary
     assert lines[-1].startswith("upipe-recompute-8")  # the table comes last
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     (memory,) = result["memory"]
     assert memory["tokens_per_rank"] == 128 and abs(memory["allocated_gib"] / memory["planner_gib"] - 1) < 0.05
-    assert len(result["checks"]) == 43 and [r["method"] for r in result["layer"]] == [
+    assert len(result["checks"]) == 44 and [r["method"] for r in result["layer"]] == [
         "alst", "upipe-fused-8", "upipe-recompute-8",
     ]  # fmt: skip
 

@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds_upipe import kernel_choice
-from ds_upipe.kernels import FlashAttnKernel, MathKernel, TorchSDPAKernel, sdpa_path, torch_sdpa
+from ds_upipe.kernels import FA3Kernel, FlashAttnKernel, MathKernel, TorchSDPAKernel, sdpa_path, torch_sdpa
 from ds_upipe.pipeline import PipelineContext, PlanIndices, UPipeAttentionFunction
 from ds_upipe.schedule import build_plan
 
@@ -721,6 +721,193 @@ def test_flash_attn_refuses_inputs_it_cannot_run(install_flash_attn):
     q, k, v, _ = _inputs(4, 2, torch.bfloat16, d=12)
     with pytest.raises(ValueError, match="head_dim a multiple of 8 and at most 256, got 12"):
         kernel.forward(q, k, v)
+
+
+# -- flash-attn 3: a fake flash_attn_interface with v2.8.3 hopper/'s exact private signatures ---------
+
+
+# the parameter lists (and defaults) of hopper/flash_attn_interface.py's _flash_attn_forward /
+# _flash_attn_backward, copied from flash-attention v2.8.3 (v2.8.0-v2.8.2: the same)
+def _fa3_forward_283(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q,
+                     seqused_k, max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos,
+                     rotary_sin, seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale, causal,
+                     window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+                     scheduler_metadata=None, num_splits=1, pack_gqa=None, sm_margin=0): ...  # fmt: skip
+def _fa3_backward_283(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k, max_seqlen_q,
+                      max_seqlen_k, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
+                      deterministic=False, sm_margin=0): ...  # fmt: skip
+# v2.7.3-v2.7.4's (also "3.0.0b1"): no qv / seqlens_rotary / attention_chunk / scheduler_metadata, a sink_token_length
+def _fa3_forward_273(q, k, v, k_new, v_new, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k,
+                     max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin,
+                     q_descale, k_descale, v_descale, softmax_scale, causal, window_size=(-1, -1),
+                     sink_token_length=0, softcap=0.0, rotary_interleaved=True, num_splits=1, pack_gqa=None,
+                     sm_margin=0): ...  # fmt: skip
+
+
+def _fa3_check_common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """What hopper/flash_api.cpp's mha_fwd and mha_bwd check of q, k, v (16-bit inputs; fp8 is forward-only)."""
+    assert q.dtype in (torch.float16, torch.bfloat16), "FlashAttention only supports fp16 and bf16 data type"
+    assert k.dtype == q.dtype and v.dtype == q.dtype, "query and key / value must have the same dtype"
+    _check_last_dim_contiguous(q, k, v)
+    d, dv = q.shape[-1], v.shape[-1]
+    assert d % 8 == 0 and dv % 8 == 0, "head_size / head_size_v should be a multiple of 8"
+    assert q.shape[2] % k.shape[2] == 0, "Number of heads in key/value must divide number of heads in query"
+    assert k.shape[:3] == v.shape[:3] and k.shape[-1] == d, "CHECK_SHAPE(k / v, batch_size, seqlen_k, num_heads_k, ...)"
+
+
+def _fake_fa3(rec: Recorder, fwd_sig=None) -> types.ModuleType:
+    """flash_attn_interface whose private functions bind their arguments with v2.8.3's signature (or
+    ``fwd_sig``'s), record them, check what FA3 checks, and compute exact attention on [b, S, h, d]."""
+
+    def forward(*args, **kwargs):
+        a = inspect.signature(_fa3_forward_283).bind(*args, **kwargs)
+        a.apply_defaults()
+        a = a.arguments
+        q, k, v = a["q"], a["k"], a["v"]
+        _fa3_check_common(q, k, v)
+        d, dv = q.shape[-1], v.shape[-1]
+        assert d <= 256, "FlashAttention forward only supports head dimension at most 256"
+        if d != dv:  # mha_fwd; Hopper only
+            assert (128 < d <= 192 and 96 < dv <= 128) or (d <= 64 and dv <= 512), "If V headdim is different ..."
+        out, lse, _ = _fa_reference(a).forward(*(t.transpose(1, 2) for t in (q, k, v)))
+        # out: torch::empty({b, S, h, dv}); softmax_lse: {b, h, S} float32; no accumulators with num_splits=1
+        res = (out.transpose(1, 2).contiguous().to(q.dtype), lse.float().contiguous(), None, None)
+        rec.calls.append(("fa3_forward", (), a, res))
+        return res
+
+    def backward(*args, **kwargs):
+        a = inspect.signature(_fa3_backward_283).bind(*args, **kwargs)
+        a.apply_defaults()
+        a = a.arguments
+        rec.calls.append(("fa3_backward", (), a, None))
+        q, k, v, out, dout = (a[n] for n in ("q", "k", "v", "out", "dout"))
+        _fa3_check_common(q, k, v)
+        assert max(q.shape[-1], v.shape[-1]) <= 256
+        for name, t, like in (("out", out, q), ("dout", dout, q), ("dq", a["dq"], q), ("dk", a["dk"], k),
+                              ("dv", a["dv"], v)):  # fmt: skip
+            assert t.dtype == q.dtype and t.stride(-1) == 1, f"{name}: q's dtype, contiguous last dimension"
+            want = (*like.shape[:-1], v.shape[-1] if name in ("out", "dout", "dv") else like.shape[-1])
+            assert tuple(t.shape) == want, f"CHECK_SHAPE({name}, {want}), got {tuple(t.shape)}"
+        _check_raw_lse(a["softmax_lse"], (q.shape[0], q.shape[2], q.shape[1]))
+        grads = _fa_reference(a).backward(*(t.transpose(1, 2) for t in (dout, q, k, v, out)), a["softmax_lse"], ())
+        for buf, g in zip((a["dq"], a["dk"], a["dv"]), grads):
+            buf.copy_(g.transpose(1, 2))  # mha_bwd fills the buffers it is given
+        return a["dq"], a["dk"], a["dv"], torch.empty(0)
+
+    iface = types.ModuleType("flash_attn_interface")
+    iface._flash_attn_forward, iface._flash_attn_backward = forward, backward
+    # the adapter reads the signatures the way inspect does: give the stand-ins the release's own
+    forward.__signature__ = fwd_sig or inspect.signature(_fa3_forward_283)
+    backward.__signature__ = inspect.signature(_fa3_backward_283)
+    return iface
+
+
+@pytest.fixture
+def install_fa3(monkeypatch):
+    def install(fwd_sig=None) -> Recorder:
+        rec = Recorder()
+        monkeypatch.setitem(sys.modules, "flash_attn_interface", _fake_fa3(rec, fwd_sig))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        return rec
+
+    return install
+
+
+_FA3_NONE = (
+    "k_new", "v_new", "qv", "out", "cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_k_new", "seqused_q", "seqused_k",
+    "max_seqlen_q", "max_seqlen_k", "page_table", "kv_batch_idx", "leftpad_k", "rotary_cos", "rotary_sin",
+    "seqlens_rotary", "q_descale", "k_descale", "v_descale", "scheduler_metadata", "pack_gqa",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("d, dv, window", [(16, 16, None), (24, 16, None), (192, 128, None), (24, 16, 5)])
+def test_fa3_adapter_matches_v2_8_signature(install_fa3, d, dv, window):
+    """``make_kernel("fa3")`` calls FA3's ``_flash_attn_forward`` / ``_flash_attn_backward`` with v2.8.3's
+    parameters, every one by name, as its own ``FlashAttnFunc`` does: q, k, v as [b, S, h, d] views of the kernel's
+    tensors, the value at its own head dim (MLA: 24/16, DeepSeek's 192/128; no padding), the forward's
+    [b, h, S] float32 lse handed back unchanged, no aux; a window as FA3's ``window_size=(W - 1, 0)``.  out, dq,
+    dk, dv equal the float64 reference (explicit mask with a window), also through ``DocumentKernel``.  The windowed
+    case takes the default scale: 1/sqrt of the q/k head dim, not the value's."""
+    rec = install_fa3()
+    scale = None if window else SCALE
+    kernel = kernel_choice.make_kernel("fa3", softmax_scale=scale, window=window)
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    assert isinstance(kernel, FA3Kernel) and kernel.window == window  # FA3's own window, not banded tiles
+    q, k, v, dout = _latent_inputs(torch.bfloat16, d=d, dv=dv)
+    out, lse, aux = kernel.forward(q, k, v)
+    grads = kernel.backward(dout, q, k, v, out, lse, aux)
+    (_, fwd, fwd_res), (_, bwd, _) = rec.of("fa3_forward")[0], rec.of("fa3_backward")[0]
+    assert all(fwd[n].data_ptr() == t.data_ptr() and fwd[n].shape == t.transpose(1, 2).shape
+               for n, t in (("q", q), ("k", k), ("v", v)))  # fmt: skip
+    window_size = (-1, -1) if window is None else (window - 1, 0)
+    assert {n: fwd[n] for n in fwd if n not in ("q", "k", "v")} == {
+        **dict.fromkeys(_FA3_NONE), "softmax_scale": scale, "causal": True, "window_size": window_size,
+        "attention_chunk": 0, "softcap": 0.0, "rotary_interleaved": True, "num_splits": 1, "sm_margin": 0,
+    }  # fmt: skip
+    assert aux == () and lse is fwd_res[1] and lse.shape == (2, 4, 40) and lse.dtype == torch.float32
+    assert bwd["softmax_lse"] is lse and bwd["v"].shape[-1] == bwd["dout"].shape[-1] == bwd["dv"].shape[-1] == dv
+    tensors = ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv")
+    assert {n: bwd[n] for n in bwd if n not in tensors} == {
+        **dict.fromkeys(("cu_seqlens_q", "cu_seqlens_k", "sequed_q", "sequed_k", "max_seqlen_q", "max_seqlen_k")),
+        "softmax_scale": scale, "causal": True, "window_size": window_size, "softcap": 0.0, "deterministic": False,
+        "sm_margin": 0,
+    }  # fmt: skip
+    assert out.shape == (2, 4, 40, dv) and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    if window is None:
+        tol = 2e-2 if d <= 64 else 6e-2  # bf16 rounding of out and dout grows with the head dim
+        _assert_matches_reference((q, k, v, dout), (out, *grads), SCALE, tol=tol)
+        _check_documents(kernel, q, k, v, dout, tol)  # packed rows: one FA3 call per document
+        return
+    wanted = _windowed_reference(q, k, v, dout, window)  # scale 1/sqrt(d)
+    for got, want in zip((out, *grads), wanted):
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+    qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))  # DistributedAttention's contract keeps the window
+    torch.testing.assert_close(kernel(qb, kb, vb).transpose(1, 2).double(), wanted[0], rtol=2e-2, atol=2e-2)
+
+
+def test_fa3_in_the_stage_loop_keeps_the_value_head_dim(install_fa3):
+    """Latent attention (q/k 24, v 16, 8 heads each) through the UPipe stage loop with FA3: 4 stages, each FA3
+    call gets the stage's value at 16 (no padding anywhere in the loop) and its own forward's lse back; out and
+    the gradients equal the float64 reference."""
+    rec = install_fa3()
+    plan = build_plan(8, 8, 1, 2)  # one rank, 2 query heads per stage: 4 stages
+    pctx = PipelineContext(plan=plan, indices=PlanIndices.build(plan, torch.device("cpu")), group=None,
+                           attention=FA3Kernel(causal=True, softmax_scale=SCALE))  # fmt: skip
+    q, k, v, dout = _inputs(8, 8, torch.bfloat16, seq=32, d=24)
+    v, dout = v[..., :16], dout[..., :16]
+    q, k, v, dout = (t.transpose(1, 2).contiguous() for t in (q, k, v, dout))  # [b, s, h, d]
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = UPipeAttentionFunction.apply(q, k, v, pctx)
+    out.backward(dout)
+    fwd, bwd = rec.of("fa3_forward"), rec.of("fa3_backward")
+    assert len(fwd) == len(bwd) == plan.num_stages == 4
+    assert all(a["v"].shape[-1] == 16 for _, a, _ in fwd) and all(a["dv"].shape[-1] == 16 for _, a, _ in bwd)
+    assert all(b["softmax_lse"] is res[1] for (_, _, res), (_, b, _) in zip(fwd, bwd))  # stage order both ways
+    inputs = tuple(t.detach().transpose(1, 2) for t in (q, k, v, dout))
+    got = tuple(t.transpose(1, 2) for t in (out, q.grad, k.grad, v.grad))
+    _assert_matches_reference(inputs, got, SCALE, tol=2e-2)
+
+
+def test_fa3_refusals(install_fa3, monkeypatch):
+    """Inputs FA3 cannot run are refused by name (float32; head dims; a value head dim outside mha_fwd's rule),
+    and so is a build whose private signature is not v2.8.x's (v2.7.3's hopper/, the same "3.0.0b1")."""
+    install_fa3()
+    kernel = FA3Kernel(causal=True)
+    q, k, v, _ = _inputs(4, 2, torch.float32, d=16)
+    with pytest.raises(ValueError, match="kernel 'fa3' runs float16 or bfloat16, got torch.float32"):
+        kernel.forward(q, k, v)
+    for d, dv, why in ((12, 12, "multiples of 8"), (264, 264, "at most 256"), (128, 64, r"q/k in \(128, 192\]")):
+        q, k, v, _ = _latent_inputs(torch.bfloat16, d=d, dv=min(dv, d))
+        v = torch.zeros(*v.shape[:-1], dv, dtype=v.dtype)
+        with pytest.raises(ValueError, match=rf"q/k head dim {d} with value head dim {dv}: .*{why}"):
+            kernel.forward(q, k, v)
+    install_fa3(inspect.signature(_fa3_forward_273))
+    refused = r"_flash_attn_forward with the parameters of flash-attention v2\.8\.0-v2\.8\.3.*"
+    with pytest.raises(ValueError, match=refused + r"missing \['attention_chunk', 'qv', .*\['sink_token_length'\]"):
+        kernel_choice.make_kernel("fa3")
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # not installed: import fails
+    with pytest.raises(ValueError, match="kernel 'fa3' needs a CUDA device and flash-attn 3"):
+        FA3Kernel()
 
 
 # -- CallableKernel: a DistributedAttention-contract function as a kernel ----------------------------

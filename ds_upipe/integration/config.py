@@ -47,7 +47,7 @@ ALLOWED: dict[str, str] = {
         "divides the heads of the model's linear-attention / state-space mixers"
     ),
     "fused_projections": "true or false",
-    "kernel": '"sdpa", "math" or "flash_attn"',
+    "kernel": '"sdpa", "math", "flash_attn" or "fa3"',
     "memory_budget_gib": "null or a number > 0 (GiB per rank for the intermediate peak of one layer's attention)",
     "seq_length": "null or an int > 0 (the global sequence length, in tokens)",
     "offload_checkpoints": "true or false",

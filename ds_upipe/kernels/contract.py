@@ -233,7 +233,7 @@ def with_softmax_scale(kernel: AttentionKernel, scale: float | None, head_dim: i
             return kernel
         raise ValueError(
             f"softmax scale {scale} (the attention module's) differs from 1/sqrt(head_dim) and {kernel!r} takes no "
-            "scale: use an AttentionKernel ('sdpa', 'math', 'flash_attn')"
+            "scale: use an AttentionKernel ('sdpa', 'math', 'flash_attn', 'fa3')"
         )
     scaled = copy.copy(kernel)
     scaled.softmax_scale = float(scale)

@@ -73,7 +73,37 @@ def _token_major(t: Tensor) -> Tensor:
     return t.transpose(1, 2).flatten(0, 1)
 
 
-class FlashAttnKernel(AttentionKernel):
+class FlashWindowKernel(AttentionKernel):
+    """A flash-attention kernel with the library's own causal sliding window (flash-attn 2's
+    ``FlashAttnKernel``, flash-attn 3's ``FA3Kernel``): ``ds_upipe.windows.windowed`` sets ``window`` on a
+    copy instead of wrapping the kernel in banded tiles."""
+
+    def __init__(self, causal: bool = True, softmax_scale: float | None = None, window: int | None = None) -> None:
+        super().__init__(causal, softmax_scale)
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be a positive int or None, got {window!r}")
+        if window is not None and not causal:
+            raise ValueError(f"a sliding window is causal: {type(self).__name__}(window=...) needs causal=True")
+        #: sliding window (``ds_upipe.windows``: key j visible to query i iff i - W < j <= i), None = none
+        self.window = window
+
+    def window_size(self) -> tuple[int, int]:
+        """flash-attn's (left, right) window: (W - 1, 0) is query i seeing keys i - W + 1 ... i (transformers'
+        sliding_window W); (-1, -1) is none."""
+        return (-1, -1) if self.window is None else (self.window - 1, 0)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs) -> Tensor:
+        """DistributedAttention's contract; with a window through this kernel (SDPA has no window)."""
+        if self.window is None:
+            return super().__call__(q, k, v, *args, **kwargs)
+        return kernel_autograd(self, q, k, v)
+
+    def __repr__(self) -> str:
+        extra = "" if self.window is None else f", window={self.window}"
+        return f"{type(self).__name__}(causal={self.causal}, softmax_scale={self.softmax_scale}{extra})"
+
+
+class FlashAttnKernel(FlashWindowKernel):
     """flash-attn 2 (``flash_attn.flash_attn_interface``, releases 2.6-2.8) on CUDA, fp16/bf16,
     native GQA, head_dim a multiple of 8 up to 256.
 
@@ -89,34 +119,17 @@ class FlashAttnKernel(AttentionKernel):
     name = "flash_attn"
 
     def __init__(self, causal: bool = True, softmax_scale: float | None = None, window: int | None = None) -> None:
-        super().__init__(causal, softmax_scale)
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"window must be a positive int or None, got {window!r}")
-        if window is not None and not causal:
-            raise ValueError("a sliding window is causal: FlashAttnKernel(window=...) needs causal=True")
-        #: sliding window (``ds_upipe.windows``: key j visible to query i iff i - W < j <= i), None = none
-        self.window = window
+        super().__init__(causal, softmax_scale, window)
         self._fa, self.release = _load_flash_attn()
 
     def _window(self) -> dict[str, object]:
-        """The sliding window in the release's own argument names: flash-attn's (W - 1, 0) is query i
-        seeing keys i - W + 1 ... i (transformers' sliding_window W); (-1, -1) is none."""
-        left, right = (-1, -1) if self.window is None else (self.window - 1, 0)
+        """The sliding window in the release's own argument names (``window_size``: 2.6's pair, 2.7+'s two)."""
+        left, right = self.window_size()
         return (
             {"window_size": (left, right)}
             if self.release < (2, 7)
             else {"window_size_left": left, "window_size_right": right}
         )
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs) -> Tensor:
-        """DistributedAttention's contract; with a window through this kernel (SDPA has no window)."""
-        if self.window is None:
-            return super().__call__(q, k, v, *args, **kwargs)
-        return kernel_autograd(self, q, k, v)
-
-    def __repr__(self) -> str:
-        extra = "" if self.window is None else f", window={self.window}"
-        return f"FlashAttnKernel(causal={self.causal}, softmax_scale={self.softmax_scale}{extra})"
 
     @staticmethod
     def _check_inputs(q: Tensor, v: Tensor) -> int:
