@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .contract import KernelAux
-from .flash import FlashWindowKernel
+from .flash import FlashWindowKernel, cuda_module_available
 
 #: the parameters of hopper/flash_attn_interface.py's ``_flash_attn_forward`` / ``_flash_attn_backward`` as
 #: flash-attention v2.8.0-v2.8.3 ship them (FA3 "3.0.0b1"), which this adapter passes, all by name.  The
@@ -45,14 +45,8 @@ _BACKWARD_NONE = ("cu_seqlens_q", "cu_seqlens_k", "sequed_q", "sequed_k", "max_s
 
 
 def fa3_available() -> bool:
-    """FA3 needs CUDA and its ``flash_attn_interface`` module; on CPU machines this is False and its tests skip."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import flash_attn_interface  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """FA3 needs CUDA and its ``flash_attn_interface`` module."""
+    return cuda_module_available("flash_attn_interface")
 
 
 def _check_signature(module: ModuleType, name: str, expected: tuple[str, ...]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import re
 from types import ModuleType
 
@@ -39,15 +41,21 @@ def flash_attn_release(version: str) -> tuple[int, int]:
     return release
 
 
-def flash_attn_available() -> bool:
-    """flash-attn needs CUDA and the package; on CPU machines this is False and its tests skip."""
+def cuda_module_available(module: str) -> bool:
+    """A CUDA kernel package can run here: CUDA is there and ``module`` imports (False on CPU machines, where
+    the package's tests skip)."""
     if not torch.cuda.is_available():
         return False
     try:
-        import flash_attn  # noqa: F401
+        importlib.import_module(module)
     except ImportError:
         return False
     return True
+
+
+def flash_attn_available() -> bool:
+    """flash-attn needs CUDA and the package."""
+    return cuda_module_available("flash_attn")
 
 
 def _load_flash_attn() -> tuple[ModuleType, tuple[int, int]]:
