@@ -351,11 +351,11 @@ def offloaded_below_top(dims: ModelDims, setup: TrainSetup, seq_len: int) -> dic
     (bytes, subtracted; basis).  The fake run keeps the bottom layer's input (in a real model layer
     L - 2's, a DeepSpeed checkpoint) on the device throughout.  ds_upipe's offload engine keeps no forward
     stash (``integration.checkpointing.FORWARD_STASH``), so with checkpoints offloaded into its exact pool
-    that input is on the host from the top layer's forward on (its copy out starts there: counted in the
-    forward, conservatively) until the bottom layer's backward brings it back: not in the loss phase nor
-    in the top layer's backward, where the step peaks.  DeepSpeed's own engine (``pow2`` pinning) keeps
-    it on the device (``max_fwd_stash_count=2``).  Only where both measured layers stand for DeepSpeed's
-    checkpointed layers (checkpoint groups below them)."""
+    that input's device copy goes once its copy out (started after the top layer's forward) is done, and
+    the bottom layer's backward brings it back: it is not on the device in the top layer's backward, where
+    the step peaks (counted in the forward and the loss phase, conservatively: the copy may still run).
+    DeepSpeed's own engine (``pow2`` pinning) keeps it on the device (``max_fwd_stash_count=2``).  Only
+    where both measured layers stand for DeepSpeed's checkpointed layers (checkpoint groups below them)."""
     from ...integration.checkpointing import FORWARD_STASH
 
     engine_layers = dims.num_layers - setup.checkpoint_groups * setup.checkpoint_group_size
@@ -369,7 +369,7 @@ def offloaded_below_top(dims: ModelDims, setup: TrainSetup, seq_len: int) -> dic
         return {}
     x = hidden_state_bytes(dims, setup, seq_len)
     basis = "the bottom layer's input: on the host (ds_upipe's offload engine keeps no forward stash)"
-    return {"loss": (x, basis), "top layer": (x, basis)}
+    return {"top layer": (x, basis)}
 
 
 def predict(
