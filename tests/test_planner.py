@@ -532,6 +532,31 @@ def test_exact_pinned_pool_pins_what_the_planner_counts():
     assert engine.pinned_bytes == 0 and not engine.registered
 
 
+def test_the_input_below_the_top_layer_is_planned_on_the_host():
+    """ds_upipe's offload engine keeps no forward stash (DeepSpeed's own, max_fwd_stash_count=2, keeps the
+    device copy of the newest offloaded layer input, so the top two layers' inputs are on the GPU through the
+    top layer's backward, where a long-context step peaks): with its exact pool the planner has the two-layer
+    step's bottom-layer input on the host in the top layer's backward, one hidden state below the same step
+    with DeepSpeed's engine (pow2), the other phases unchanged; not where the groups reach the top two
+    layers.  Mutations: the engine's default stash kept, or the planner not
+    subtracting it, fail."""
+    from ds_upipe.integration.checkpointing import exact_pinned_offload_engine
+
+    assert exact_pinned_offload_engine(use_streams=False).max_fwd_stash_count == 0
+    dims = planner.ModelDims("stash", 8, 2, 8, 64, 128, 5, 101)
+    setup = planner.TrainSetup(gpus=2, gpus_per_node=1, checkpoint_pinning="exact", dtype="fp32")
+    seq = 256
+    x = planner.hidden_state_bytes(dims, setup, seq) / GiB
+    method = planner.AttentionScheme.upipe(2, fused_projections=True)
+    exact = planner.predict(dims, setup, method, seq).phases_gib
+    pow2 = planner.predict(dims, replace(setup, checkpoint_pinning="pow2"), method, seq).phases_gib
+    assert {k: pow2[k] - v for k, v in exact.items()} == pytest.approx(
+        {"forward": 0, "loss": 0, "top layer": x, "bottom layer": 0}, abs=1e-12
+    )
+    assert not planner.offloaded_below_top(dims, replace(setup, checkpoint_groups=2, checkpoint_group_size=2), seq)
+    assert planner.offloaded_below_top(dims, replace(setup, checkpoint_groups=1, checkpoint_group_size=3), seq)
+
+
 @pytest.mark.parametrize("groups,size", [(2, 2), (1, 4)])
 def test_checkpoint_groups_are_planned_from_what_the_stores_keep(groups, size):
     """upipe.checkpoint_groups N of k (pairs: k = 2): the host term is the bytes the groups' pools really hold

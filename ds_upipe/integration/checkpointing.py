@@ -12,7 +12,12 @@ the layer returns, unless its own graph saved it (then it stays, and the result 
 The first forward (without grad: the outputs are the next layer's input) is untouched.
 
 ``ExactPinnedOffloadEngine`` (``install_exact_pinned_pool``): DeepSpeed's checkpoint offload with
-host buffers pinned at exactly their size instead of torch's power-of-two pinned blocks.
+host buffers pinned at exactly their size instead of torch's power-of-two pinned blocks, and without
+DeepSpeed's forward stash (``max_fwd_stash_count=0``): DeepSpeed keeps the device copy of the newest
+offloaded input (besides the newest input, which is not offloaded) until the next offload, so at the end
+of the forward the top two layers' inputs are on the device through the top layer's backward, where a
+long-context step peaks: one hidden state (8 GiB at 1M tokens per rank for Llama3-8B) that the next
+layer's backward can bring back from the host instead (docs/benchmarks.md, issue 41).
 """
 
 from __future__ import annotations
@@ -135,11 +140,18 @@ def _exact_engine_class() -> type:
     return ExactPinnedOffloadEngine
 
 
+#: the offloaded inputs whose device copies ds_upipe's engine keeps (DeepSpeed's default: 2; the planner reads it)
+FORWARD_STASH = 0
+
+
 def exact_pinned_offload_engine(**kwargs: Any) -> Any:
     """An ``ExactPinnedOffloadEngine`` (DeepSpeed's engine arguments; DeepSpeed's own defaults for
-    checkpoints: ``keep_last_count=1, min_offload_bytes=0``)."""
+    checkpoints: ``keep_last_count=1, min_offload_bytes=0``; no forward stash: the module docstring)."""
     kwargs.setdefault("keep_last_count", 1)
     kwargs.setdefault("min_offload_bytes", 0)
+    # no device copy of an offloaded input kept (DeepSpeed's default 2 keeps the newest offloaded one): its
+    # backward copies it back from the host, the same bytes (planner.offloaded_below_top)
+    kwargs.setdefault("max_fwd_stash_count", FORWARD_STASH)
     return _exact_engine_class()(**kwargs)
 
 

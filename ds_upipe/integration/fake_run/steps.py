@@ -302,7 +302,8 @@ def model_step(spec: StepSpec, keep_gradients: bool = False, live: bool = False,
     ``spec.checkpointed``: the layers run under DeepSpeed's reentrant checkpoint with the recomputed
     outputs released (``checkpointing.releasing``), as ``sp_setup.configure_activation_checkpointing``
     installs it; on this fake CPU device every checkpoint stays where it is (what a GPU run keeps without
-    offload; with offload, the newest stays and the next one comes back during a layer's backward).
+    offload; with offload, the newest stays, and DeepSpeed's engine also keeps the one below it on the device,
+    ds_upipe's engine does not: ``planner.offloaded_below_top``).
     ``keep_gradients``: each parameter's gradient lives from its creation to the end (one forward +
     backward from gradients set to None, what the CPU whole-step benchmark measures); otherwise it is
     dropped once accumulated, as ZeRO moves it into its reduce bucket (counted by the planner)."""

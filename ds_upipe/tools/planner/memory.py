@@ -257,6 +257,9 @@ class Prediction:
     binding: str = ""
     #: a vision-language model's terms (``vision_terms``): "resident" (in every phase above), "merge" (its phase)
     vision_gib: dict[str, float] = field(default_factory=dict)
+    #: what of that peak a real run has on the host (``offloaded_below_top``), subtracted
+    offloaded_gib: float = 0.0
+    offloaded_basis: str = ""
 
 
 def images_per_rank(setup: TrainSetup) -> int:
@@ -343,6 +346,32 @@ def other_layers(dims: ModelDims, setup: TrainSetup, seq_len: int, saved_per_lay
     return {"forward": below, "loss": below, "top layer": below, "bottom layer": above}
 
 
+def offloaded_below_top(dims: ModelDims, setup: TrainSetup, seq_len: int) -> dict[str, tuple[int, str]]:
+    """Per phase of the two-layer step, what its measured peak holds that a real run has in host memory
+    (bytes, subtracted; basis).  The fake run keeps the bottom layer's input (in a real model layer
+    L - 2's, a DeepSpeed checkpoint) on the device throughout.  ds_upipe's offload engine keeps no forward
+    stash (``integration.checkpointing.FORWARD_STASH``), so with checkpoints offloaded into its exact pool
+    that input's device copy goes once its copy out (started after the top layer's forward) is done, and
+    the bottom layer's backward brings it back: it is not on the device in the top layer's backward, where
+    the step peaks (counted in the forward and the loss phase, conservatively: the copy may still run).
+    DeepSpeed's own engine (``pow2`` pinning) keeps it on the device (``max_fwd_stash_count=2``).  Only
+    where both measured layers stand for DeepSpeed's checkpointed layers (checkpoint groups below them)."""
+    from ...integration.checkpointing import FORWARD_STASH
+
+    engine_layers = dims.num_layers - setup.checkpoint_groups * setup.checkpoint_group_size
+    if not (
+        setup.checkpointing
+        and setup.offload_checkpoints
+        and setup.checkpoint_pinning == "exact"
+        and FORWARD_STASH == 0
+        and engine_layers >= 2
+    ):
+        return {}
+    x = hidden_state_bytes(dims, setup, seq_len)
+    basis = "the bottom layer's input: on the host (ds_upipe's offload engine keeps no forward stash)"
+    return {"top layer": (x, basis)}
+
+
 def predict(
     dims: ModelDims, setup: TrainSetup, method: AttentionScheme, seq_len: int, live: bool = False
 ) -> Prediction:
@@ -363,9 +392,13 @@ def predict(
             kept = layer.after_forward - layer.weights - x - rope - 8 * setup.batch * (seq_len // setup.gpus)
             saved = max(saved, kept)
     others = other_layers(dims, setup, seq_len, saved)
+    offloaded = offloaded_below_top(dims, setup, seq_len)
     # a hybrid: a two-layer step of each kind of layer; each phase's peak is the largest kind's there
     steps = {kind: step_peak(dims, setup, method, seq_len, live, kind) for kind in dims.layer_counts}
-    by_kind = {kind: {k: others[k][0] + v - s.weights for k, v in s.phases.items()} for kind, s in steps.items()}
+    by_kind = {
+        kind: {k: others[k][0] - offloaded.get(k, (0, ""))[0] + v - s.weights for k, v in s.phases.items()}
+        for kind, s in steps.items()
+    }
     phases = {k: max(p[k] for p in by_kind.values()) for k in next(iter(by_kind.values()))}
     if vision:  # a vision-language model: its merge before the text model, and what it holds through it
         phases = {
@@ -402,6 +435,8 @@ def predict(
         peak_phase=phase,
         other_layers_gib=others.get(phase, (0, ""))[0] / GiB,
         other_layers_basis=others.get(phase, (0, "none: before the decoder layers"))[1],
+        offloaded_gib=offloaded.get(phase, (0, ""))[0] / GiB,
+        offloaded_basis=offloaded.get(phase, (0, ""))[1],
         phase_gib=(measured - step.weights) / GiB,
         vision_gib={k: b / GiB for k, (b, _) in vision.items()},
         workspace_gib=step.workspace / GiB if at_peak else 0.0,

@@ -296,6 +296,11 @@ def breakdown_report(dims: ModelDims, setup: TrainSetup, method: AttentionScheme
         f"  the other {max(0, dims.num_layers - 2)} layers in that phase (analytic)   {p.other_layers_gib:8.2f} GiB"
         f"  ({p.other_layers_basis})",
         *(
+            [f"  offloaded in that phase (analytic)      {-p.offloaded_gib:8.2f} GiB  ({p.offloaded_basis})"]
+            if p.offloaded_gib
+            else []
+        ),
+        *(
             [f"  vision-language model (analytic): {k} {v:.2f} GiB" for k, v in p.vision_gib.items()]
             if p.vision_gib
             else []
