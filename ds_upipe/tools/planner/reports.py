@@ -15,6 +15,7 @@ from .memory import (
     images_per_rank,
     kept_checkpoints,
     model_state_bytes,
+    offloaded_below_top,
     predict,
     ranks_per_node,
     zero_buffer_bytes,
@@ -347,23 +348,29 @@ def group_size_rows(
     layer compute as a fraction).  Host memory falls as groups are added (``kept_checkpoints``), so the
     fewest groups are found by bisection.  ``limit``: the longest length searched (``max_context``'s)."""
     sizes = list(sizes) if sizes is not None else list(range(1, 2 * math.isqrt(dims.num_layers) + 1))
-    # offloaded checkpoints: the groups change only the host terms, so the GPU's limit is searched once
-    gpu = (
-        max_context(dims, replace(setup, host_memory_gib=math.inf), method, granularity, limit)
-        if setup.offload_checkpoints
-        else None
-    )
+    # offloaded checkpoints: the groups change the host terms and, on the GPU, only whether the input below
+    # the top layer is on the host (``offloaded_below_top``: not once groups reach the top two layers), so
+    # the GPU's limit is searched once per answer to that
+    gpu_limits: dict[bool, int] = {}
+
+    def gpu_limit(s: TrainSetup) -> int:
+        key = bool(offloaded_below_top(dims, s, 0))
+        if key not in gpu_limits:
+            gpu_limits[key] = max_context(dims, replace(s, host_memory_gib=math.inf), method, granularity, limit)
+        return gpu_limits[key]
 
     def reach(s: TrainSetup) -> int:
-        return (
-            max_context(dims, s, method, granularity, limit)
-            if gpu is None
-            else min(gpu, host_max_context(dims, s, granularity, limit))
-        )
+        if not setup.offload_checkpoints:
+            return max_context(dims, s, method, granularity, limit)
+        return min(gpu_limit(s), host_max_context(dims, s, granularity, limit))
 
     rows = []
     for k in sizes:
-        s = grouped(dims, setup, k)
+        # the most groups, and the most that leave the top two layers out (below which reach grows with groups)
+        s = max(
+            {grouped(dims, setup, k), grouped(dims, setup, k, (dims.num_layers - 2) // k)},
+            key=lambda c: (reach(c), -c.checkpoint_groups),
+        )
         mc = reach(s)
         lo, hi = -1, s.checkpoint_groups  # the reach at lo groups < mc <= at hi groups
         while hi - lo > 1:
