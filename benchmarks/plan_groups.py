@@ -53,6 +53,10 @@ def plan(name: str, model: str, gpus: int, gpu_gib: float, host_gib: float, ring
         k, best, mc, binds, extra = max(table, key=lambda r: (r[2], -r[4]))
         plain = next(r for r in table if r[0] == 1)
         p = planner.predict(dims, best, method, mc) if mc else None
+        if p is not None and not p.fits:  # the search's answer must fit when planned on its own
+            raise RuntimeError(
+                f"{name}, {method.label}: {mc} tokens chosen but {p.total_gib:.2f} GiB / {p.host_gib:.1f} GiB"
+            )
         rows.append(
             {
                 "setup": name,
