@@ -62,24 +62,27 @@ def build_qwen2_5_vl(seed: int = 0) -> torch.nn.Module:
     return Qwen2_5_VLForConditionalGeneration(config).double()
 
 
+#: the tiny vision tower of Qwen3-VL and Qwen3.5 (the same tower; Qwen3-VL adds deepstack indexes)
+QWEN3_VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=4,
+    patch_size=2,
+    temporal_patch_size=1,
+    spatial_merge_size=2,
+    out_hidden_size=64,
+    num_position_embeddings=16,
+)
+
+
 def build_qwen3_vl(seed: int = 0) -> torch.nn.Module:
     """Qwen3-VL: as Qwen2.5-VL's, with interleaved mrope and deepstack features of both vision blocks added to
     the first two decoder layers' visual tokens."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     rope = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0, "mrope_interleaved": True}
-    vision = dict(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=4,
-        patch_size=2,
-        temporal_patch_size=1,
-        spatial_merge_size=2,
-        out_hidden_size=64,
-        num_position_embeddings=16,
-        deepstack_visual_indexes=[0, 1],
-    )
+    vision = {**QWEN3_VISION, "deepstack_visual_indexes": [0, 1]}
     config = Qwen3VLConfig(
         text_config={**TEXT, "head_dim": 8, "rope_parameters": rope},
         vision_config=vision,
@@ -118,17 +121,7 @@ def build_qwen3_5_vl(seed: int = 0, moe: bool = False) -> torch.nn.Module:
     if moe:  # transformers' grouped_mm experts take no float64: its per-expert loop
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
     extra = {"experts_implementation": "eager"} if moe else {}
-    vision = dict(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=4,
-        patch_size=2,
-        temporal_patch_size=1,
-        spatial_merge_size=2,
-        out_hidden_size=64,
-        num_position_embeddings=16,
-    )
+    vision = dict(QWEN3_VISION)
     name = "Qwen3_5Moe" if moe else "Qwen3_5"
     config = getattr(transformers, f"{name}Config")(
         text_config=text,
